@@ -1,0 +1,282 @@
+"""``quantized_matmul``: a linear ``y = x @ W`` whose three matmuls follow a recipe.
+
+Each recipe is a ``jax.custom_vjp``: the forward quantizes x and W dynamically, the
+backward quantizes g (and re-quantizes W) for ``grad_input`` and ``grad_weight``, and every
+low-bit product goes through the one dispatch point, :func:`pallas_kernels.scaled_matmul`
+(``[M, K] x [N, K]``, both operands K-major, scales applied in the epilogue).
+
+Operand layouts per matmul (for 2-D ``x [M, K]``, ``W [K, N]``, ``g [M, N]``):
+
+=============  ==================  =====================  ======================
+matmul         left ``[rows, K']``  right ``[cols, K']``   scales
+=============  ==================  =====================  ======================
+output         x   ``[M, K]``       W^T ``[N, K]``         per token x per out channel
+grad_input     g   ``[M, N]``       W   ``[K, N]``         per token x per in channel
+grad_weight    x^T ``[K, M]``       g^T ``[N, M]``         per in feature x per out feature
+=============  ==================  =====================  ======================
+
+Only what the backward needs is saved: the quantized ``x^T`` (int8/fp8, half or a quarter
+of the bytes of x) when grad_weight is low-bit, x itself otherwise, and W, which is a
+parameter and alive anyway; W's backward quantization is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlowbit import fp8, int8, ternary
+from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
+from pallas_kernels import scaled_matmul
+
+# (low-bit payload, float32 dequantization scale per row or one in all) of a 2-D operand.
+Quantized = tuple[jax.Array, jax.Array]
+Quantizer = Callable[[jax.Array], Quantized]
+
+
+def _int8_rows(t: jax.Array) -> Quantized:
+  return int8.quantize_int8(t, axis=-1)
+
+
+def _e4m3_rows_pow2(t: jax.Array) -> Quantized:
+  q, scale = fp8.quantize_fp8(t, fp8.E4M3, axis=-1, power_of_two=True)
+  return q, 1.0 / scale
+
+
+def _fp8_tensor(dtype) -> Quantizer:
+  def quantize(t: jax.Array) -> Quantized:
+    q, scale = fp8.quantize_fp8(t, dtype, axis=None)
+    return q, 1.0 / scale
+
+  return quantize
+
+
+_e4m3_tensor = _fp8_tensor(fp8.E4M3)
+_e5m2_tensor = _fp8_tensor(fp8.E5M2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """(left, right) quantizers of each matmul; None runs that matmul in high precision."""
+
+  output: tuple[Quantizer, Quantizer] | None
+  grad_input: tuple[Quantizer, Quantizer] | None
+  grad_weight: tuple[Quantizer, Quantizer] | None
+
+
+def _plan(recipe: Int8MixedPrecision | Float8) -> _Plan:
+  if isinstance(recipe, Int8MixedPrecision):
+    pair = (_int8_rows, _int8_rows)
+    return _Plan(
+        output=pair if recipe.output else None,
+        grad_input=pair if recipe.grad_input else None,
+        grad_weight=pair if recipe.grad_weight else None,
+    )
+  if recipe.rowwise:
+    pair = (_e4m3_rows_pow2, _e4m3_rows_pow2)
+    return _Plan(pair, pair, pair if recipe.grad_weight else None)
+  # tensorwise: activations and weights e4m3, gradients e5m2 (more range, less precision).
+  return _Plan(
+      output=(_e4m3_tensor, _e4m3_tensor),
+      grad_input=(_e5m2_tensor, _e4m3_tensor),
+      grad_weight=(_e4m3_tensor, _e5m2_tensor),
+  )
+
+
+def _lowbit(left: jax.Array, right: jax.Array, quantizers: tuple[Quantizer, Quantizer], out_dtype):
+  """``left [R, K'] @ right[C, K']^T`` with each operand quantized per its quantizer."""
+  qa, sa = quantizers[0](left)
+  qb, sb = quantizers[1](right)
+  return scaled_matmul(qa, sa, qb, sb, out_dtype)
+
+
+def _hp_dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+  """High-precision ``a @ b`` with float32 accumulation, computed in ``a``'s dtype."""
+  return jnp.matmul(a, b.astype(a.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# INT8 mixed precision and FP8: one custom_vjp, the recipe picks the quantizers.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scaled_linear(x: jax.Array, w: jax.Array, recipe: Int8MixedPrecision | Float8) -> jax.Array:
+  return _scaled_linear_fwd(x, w, recipe)[0]
+
+
+def _scaled_linear_fwd(x, w, recipe):
+  plan = _plan(recipe)
+  if plan.output:
+    y = _lowbit(x, w.T, plan.output, x.dtype)
+  else:
+    y = _hp_dot(x, w, x.dtype)
+  # grad_weight reads x per input feature: keep only its quantized transpose when low-bit.
+  saved_x = plan.grad_weight[0](x.T) if plan.grad_weight else x
+  return y, (saved_x, w)
+
+
+def _scaled_linear_bwd(recipe, residuals, g):
+  saved_x, w = residuals
+  plan = _plan(recipe)
+  if plan.grad_input:
+    dx = _lowbit(g, w, plan.grad_input, g.dtype)
+  else:
+    dx = _hp_dot(g, w.T, g.dtype)
+  if plan.grad_weight:
+    qxt, sxt = saved_x
+    qgt, sgt = plan.grad_weight[1](g.T)
+    dw = scaled_matmul(qxt, sxt, qgt, sgt, w.dtype)
+  else:
+    dw = _hp_dot(saved_x.T, g, w.dtype)
+  return dx, dw
+
+
+_scaled_linear.defvjp(_scaled_linear_fwd, _scaled_linear_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# BitNet b1.58: ternary W x int8 x forward, straight-through backward.
+
+
+def _bitnet_activations(x: jax.Array) -> Quantized:
+  return int8.quantize_int8(x, axis=-1, eps=ternary.ACTIVATION_EPS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bitnet_linear(x: jax.Array, w: jax.Array, recipe: BitNet) -> jax.Array:
+  return _bitnet_linear_fwd(x, w, recipe)[0]
+
+
+def _bitnet_linear_fwd(x, w, recipe):
+  del recipe
+  xq, sx = _bitnet_activations(x)
+  wq, s = ternary.quantize_ternary(w)
+  y = scaled_matmul(xq, sx, wq.T, s, x.dtype)
+  # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
+  return y, (xq, sx, w)
+
+
+def _bitnet_linear_bwd(recipe, residuals, g):
+  xq, sx, w = residuals
+  wq, s = ternary.quantize_ternary(w)
+  if recipe.grad_input:
+    gq, sg = int8.quantize_int8(g, axis=-1)
+    dx = scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
+  else:
+    dx = (_hp_dot(g, wq.T, jnp.float32) * s).astype(g.dtype)
+  if recipe.grad_weight:
+    # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
+    qgt, sgt = int8.quantize_int8((g.astype(jnp.float32) * sx).T, axis=-1)
+    dw = scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, w.dtype)
+  else:
+    x_fake = xq.astype(jnp.float32) * sx
+    dw = _hp_dot(x_fake.T, g.astype(jnp.float32), w.dtype)
+  return dx, dw
+
+
+_bitnet_linear.defvjp(_bitnet_linear_fwd, _bitnet_linear_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def check_linear_operands(x, w, who: str) -> None:
+  """TypeError/ValueError for ``x [..., K]``, ``w [K, N]`` that a quantized linear cannot take."""
+  for name, arr in (("x", x), ("w", w)):
+    if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):
+      raise TypeError(f"{who}: {name} must be an array, got {type(arr).__name__}")
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+      raise TypeError(f"{who}: {name} must be floating point (float32/bfloat16/float16), got {arr.dtype}")
+  if w.ndim != 2:
+    raise ValueError(f"{who}: w must be 2-D [K, N], got shape {w.shape}")
+  if x.ndim < 1:
+    raise ValueError(f"{who}: x must have at least one dimension [..., K], got a scalar")
+  if x.shape[-1] != w.shape[0]:
+    raise ValueError(
+        f"{who}: x's last dimension ({x.shape[-1]}) must equal w's first (K={w.shape[0]}); "
+        f"got x {x.shape}, w {w.shape}"
+    )
+
+
+def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | None = None) -> jax.Array:
+  """Linear ``x @ w`` whose forward and backward matmuls follow ``recipe``.
+
+  Args:
+    x: ``[..., K]`` float32, bfloat16 or float16 activations.
+    w: ``[K, N]`` floating weights (usually float32 master weights).
+    recipe: :class:`Int8MixedPrecision`, :class:`Float8`, :class:`BitNet`, or None for the
+      plain high-precision matmul.
+
+  Returns:
+    ``[..., N]`` in ``x``'s dtype. Differentiable with respect to both arguments (``dx`` in
+    x's dtype, ``dw`` in w's dtype); works under jit, grad, vmap, remat, scan and shard_map.
+
+  Raises:
+    TypeError: non-floating x or w, or an unknown recipe.
+    ValueError: w not 2-D or the contraction sizes disagree.
+  """
+  check_recipe(recipe, "quantized_matmul")
+  check_linear_operands(x, w, "quantized_matmul")
+  if recipe is None:
+    return jnp.matmul(x, w.astype(x.dtype))
+  batch_shape, k = x.shape[:-1], x.shape[-1]
+  x2 = x.reshape(math.prod(batch_shape), k)
+  if isinstance(recipe, BitNet):
+    y = _bitnet_linear(x2, w, recipe)
+  else:
+    y = _scaled_linear(x2, w, recipe)
+  return y.reshape(*batch_shape, w.shape[1])
+
+
+def _normalize(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
+  return tuple(a % ndim for a in axes)
+
+
+def quantized_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: Recipe | None,
+) -> jax.Array:
+  """Drop-in for ``lax.dot_general`` where ``rhs`` is a weight: runs ``quantized_matmul``.
+
+  Contracting dimensions are flattened into K and free dimensions into M (lhs) and N
+  (rhs); batch dimensions are mapped with ``vmap``. The output layout is dot_general's:
+  ``batch + lhs free + rhs free``. Pass it as a Flax ``dot_general=`` with
+  ``functools.partial(quantized_dot_general, recipe=...)``.
+  ``precision`` applies to the high-precision path only.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, lb = _normalize(lc, lhs.ndim), _normalize(lb, lhs.ndim)
+  rc, rb = _normalize(rc, rhs.ndim), _normalize(rb, rhs.ndim)
+  if recipe is None:
+    return lax.dot_general(
+        lhs, rhs, ((lc, rc), (lb, rb)), precision=precision, preferred_element_type=preferred_element_type
+    )
+  if [lhs.shape[a] for a in lc] != [rhs.shape[a] for a in rc]:
+    raise ValueError(f"quantized_dot_general: contracting dims differ: lhs {lhs.shape}{lc} vs rhs {rhs.shape}{rc}")
+  lf = tuple(a for a in range(lhs.ndim) if a not in lc + lb)
+  rf = tuple(a for a in range(rhs.ndim) if a not in rc + rb)
+  batch_shape = tuple(lhs.shape[a] for a in lb)
+  lf_shape = tuple(lhs.shape[a] for a in lf)
+  rf_shape = tuple(rhs.shape[a] for a in rf)
+  k = math.prod(lhs.shape[a] for a in lc)
+  left = jnp.transpose(lhs, lb + lf + lc).reshape(*batch_shape, math.prod(lf_shape), k)
+  right = jnp.transpose(rhs, rb + rc + rf).reshape(*batch_shape, k, math.prod(rf_shape))
+  fn = functools.partial(quantized_matmul, recipe=recipe)
+  for _ in batch_shape:
+    fn = jax.vmap(fn)
+  out = fn(left, right)
+  if preferred_element_type is not None:
+    out = out.astype(preferred_element_type)
+  return out.reshape(*batch_shape, *lf_shape, *rf_shape)

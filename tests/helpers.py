@@ -1,0 +1,33 @@
+"""Numerics helpers for tests: SQNR, relative error, fresh random inputs."""
+
+import itertools
+
+import jax
+import numpy as np
+
+_counter = itertools.count()
+
+
+def fresh_key() -> jax.Array:
+  """A different PRNG key for every call (fresh random inputs in every test).
+
+  The seed is printed, so pytest shows it with a failing test's captured output.
+  """
+  seed = int(np.random.SeedSequence().entropy % (2**31)) + next(_counter)
+  print(f"fresh_key seed={seed}")
+  return jax.random.key(seed)
+
+
+def sqnr_db(actual, reference) -> float:
+  """Signal-to-quantization-noise ratio of ``actual`` against ``reference`` in dB (float64)."""
+  a = np.asarray(actual, np.float64)
+  r = np.asarray(reference, np.float64)
+  noise = np.sum((a - r) ** 2)
+  return float("inf") if noise == 0 else float(10 * np.log10(np.sum(r**2) / noise))
+
+
+def rel_err(actual, reference) -> float:
+  """``||actual - reference|| / ||reference||`` in float64."""
+  a = np.asarray(actual, np.float64)
+  r = np.asarray(reference, np.float64)
+  return float(np.linalg.norm(a - r) / np.linalg.norm(r))

@@ -1,0 +1,96 @@
+"""Linen and NNX layers: DenseGeneral's parameter tree and numerics, recipes, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import flax.linen as nn
+from flax import nnx
+
+import jaxlowbit
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision
+from jaxlowbit import nnx as lbnnx
+from helpers import fresh_key, sqnr_db
+
+LAYERS = [(jaxlowbit.Int8Dense, Int8MixedPrecision()), (jaxlowbit.Fp8Dense, Float8("rowwise")),
+          (jaxlowbit.BitNetDense, BitNet())]
+CONFIGS = [
+    dict(features=48),
+    dict(features=(4, 8), axis=(-2, -1)),
+    dict(features=16, batch_dims=(0,), axis=-1),
+    dict(features=16, use_bias=False, dtype=jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("layer_cls,recipe", LAYERS, ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_same_parameter_tree_and_values_as_dense_general(layer_cls, recipe, config):
+  x = jax.random.normal(fresh_key(), (3, 5, 32))
+  ref = nn.DenseGeneral(**config).init(jax.random.key(7), x)
+  params = layer_cls(**config).init(jax.random.key(7), x)
+  assert jax.tree.structure(ref) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, ref, params)
+  # recipe=None is DenseGeneral exactly; the recipe is a close approximation.
+  ref_out = nn.DenseGeneral(**config).apply(ref, x)
+  np.testing.assert_array_equal(layer_cls(**config, recipe=None).apply(ref, x), ref_out)
+  out = layer_cls(**config).apply(ref, x)
+  assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
+  assert sqnr_db(out, ref_out) > (5 if isinstance(recipe, BitNet) else 20)
+
+
+def test_layers_are_dense_general_drop_ins():
+  layer = jaxlowbit.Int8Dense(features=8, kernel_init=nn.initializers.ones, name="proj")
+  assert isinstance(layer, nn.DenseGeneral)
+  x = jnp.ones((2, 4))
+  params = layer.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(params["params"]["kernel"], np.ones((4, 8)))
+  np.testing.assert_allclose(layer.apply(params, x), np.full((2, 8), 4.0), rtol=1e-6)
+
+
+def test_gradients_reach_params_in_param_dtype():
+  layer = jaxlowbit.Int8Dense(features=32, dtype=jnp.bfloat16)
+  x = jax.random.normal(fresh_key(), (16, 64))
+  params = layer.init(jax.random.key(0), x)
+  grads = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2))(params)
+  assert grads["params"]["kernel"].dtype == jnp.float32 and grads["params"]["bias"].dtype == jnp.float32
+  assert np.all(np.isfinite(grads["params"]["kernel"])) and np.any(grads["params"]["kernel"])
+
+
+def test_wrong_recipe_and_dot_general_raise():
+  x = jnp.ones((2, 4))
+  with pytest.raises(TypeError, match="Int8Dense: recipe must be Int8MixedPrecision"):
+    jaxlowbit.Int8Dense(4, recipe=Float8()).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="dot_general"):
+    jaxlowbit.Fp8Dense(4, dot_general=jax.lax.dot_general).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match="floating point"):
+    jaxlowbit.BitNetDense(4).init(jax.random.key(0), jnp.ones((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="Float8.scaling must be one of"):
+    Float8("blockwise")
+  with pytest.raises(TypeError, match="Int8MixedPrecision.output must be a bool"):
+    Int8MixedPrecision(output="yes")
+
+
+@pytest.mark.parametrize("layer_cls", [lbnnx.Int8Dense, lbnnx.Fp8Dense, lbnnx.BitNetDense])
+def test_nnx_layers_match_nnx_linear(layer_cls):
+  x = jax.random.normal(fresh_key(), (4, 6, 32))
+  ref = nnx.Linear(32, 24, rngs=nnx.Rngs(3))
+  layer = layer_cls(32, 24, rngs=nnx.Rngs(3))
+  assert isinstance(layer, nnx.Linear)
+  ref_state, state = nnx.state(ref, nnx.Param), nnx.state(layer, nnx.Param)
+  jax.tree.map(np.testing.assert_array_equal, ref_state, state)
+  out = layer(x)
+  assert out.shape == (4, 6, 24)
+  assert sqnr_db(out, ref(x)) > (5 if layer_cls is lbnnx.BitNetDense else 20)
+  exact = layer_cls(32, 24, recipe=None, rngs=nnx.Rngs(3))
+  np.testing.assert_array_equal(exact(x), ref(x))
+
+  # trains: nnx.grad reaches the kernel
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+  assert np.any(np.asarray(grads.kernel[...]))
+
+
+def test_nnx_errors():
+  with pytest.raises(TypeError, match="recipe must be BitNet"):
+    lbnnx.BitNetDense(4, 4, recipe=Int8MixedPrecision(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dot_general"):
+    lbnnx.Int8Dense(4, 4, dot_general=jax.lax.dot_general, rngs=nnx.Rngs(0))

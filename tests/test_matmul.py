@@ -1,0 +1,240 @@
+"""quantized_matmul: SQNR of all three matmuls per recipe, recipe flags, transforms, errors."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxlowbit
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
+from helpers import fresh_key, rel_err, sqnr_db
+
+M, K, N = 256, 512, 384
+# Bounds from the issue: INT8 >= 30 dB, FP8 >= 20 dB on every matmul.
+SQNR_BOUNDS = {
+    Int8MixedPrecision(): 30.0,
+    Float8("tensorwise"): 20.0,
+    Float8("rowwise"): 20.0,
+    Float8("rowwise_gw_hp"): 20.0,
+}
+
+
+def _inputs(m=M, k=K, n=N, dtype=jnp.float32):
+  kx, kw, kg = jax.random.split(fresh_key(), 3)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  g = jax.random.normal(kg, (m, n), jnp.float32).astype(dtype)
+  return x, w, g
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fwd_bwd(recipe, x, w, g):
+  y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
+  return (y, *vjp(g))
+
+
+def _float64_reference(x, w, g):
+  x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))
+  return x @ w, g @ w.T, x.T @ g
+
+
+@pytest.mark.parametrize("recipe", list(SQNR_BOUNDS), ids=str)
+def test_sqnr_of_every_matmul(recipe, record_property):
+  x, w, g = _inputs()
+  outs = _fwd_bwd(recipe, x, w, g)
+  refs = _float64_reference(x, w, g)
+  sqnrs = {name: sqnr_db(o, r) for name, o, r in zip(("output", "grad_input", "grad_weight"), outs, refs)}
+  print(recipe, {k: round(v, 1) for k, v in sqnrs.items()})
+  record_property("sqnr_db", sqnrs)
+  for name, value in sqnrs.items():
+    assert value >= SQNR_BOUNDS[recipe], f"{recipe} {name}: SQNR {value:.1f} dB"
+
+
+def _bitnet_fake_quant(x, w):
+  """The BitNet FAQ's straight-through fake-quant linear in float32."""
+  s = jnp.maximum(jnp.mean(jnp.abs(w)), 1e-5)
+  wq = w + jax.lax.stop_gradient(jnp.clip(jnp.round(w / s), -1, 1) * s - w)
+  xs = 127.0 / jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 1e-5)
+  xq = x + jax.lax.stop_gradient(jnp.clip(jnp.round(x * xs), -128, 127) / xs - x)
+  return xq @ wq
+
+
+@pytest.mark.parametrize(
+    "recipe,grad_tol", [(BitNet(), 1e-2), (BitNet(grad_input=True), 2e-2), (BitNet(True, True), 2e-2)], ids=str
+)
+def test_bitnet_matches_straight_through_fake_quant(recipe, grad_tol):
+  x, w, g = _inputs()
+  y, dx, dw = _fwd_bwd(recipe, x, w, g)
+  ry, vjp = jax.vjp(_bitnet_fake_quant, x, w)
+  rdx, rdw = vjp(g)
+  assert rel_err(y, ry) <= 1e-3
+  assert rel_err(dx, rdx) <= grad_tol
+  assert rel_err(dw, rdw) <= grad_tol
+  print(recipe, rel_err(y, ry), rel_err(dx, rdx), rel_err(dw, rdw))
+
+
+def test_bitnet_default_backward_is_high_precision():
+  # The default straight-through backward has only float rounding against the reference.
+  x, w, g = _inputs()
+  _, dx, dw = _fwd_bwd(BitNet(), x, w, g)
+  _, vjp = jax.vjp(_bitnet_fake_quant, x, w)
+  rdx, rdw = vjp(g)
+  assert rel_err(dx, rdx) <= 1e-5 and rel_err(dw, rdw) <= 1e-5
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3)), ids=str)
+def test_int8_flags_switch_exactly_their_matmul(flags):
+  x, w, g = _inputs(64, 128, 96)
+  recipe = Int8MixedPrecision(*flags)
+  outs = _fwd_bwd(recipe, x, w, g)
+  high = _fwd_bwd(None, x, w, g)
+  for name, lowbit, o, h in zip(("output", "grad_input", "grad_weight"), flags, outs, high):
+    if lowbit:
+      assert not np.array_equal(o, h), f"{name} should be INT8"
+      assert sqnr_db(o, h) > 30
+    else:
+      np.testing.assert_allclose(o, h, rtol=1e-6, atol=1e-6, err_msg=f"{name} should be high precision")
+
+
+def test_float8_rowwise_gw_hp_keeps_grad_weight_high_precision():
+  x, w, g = _inputs(64, 128, 96)
+  _, _, dw = _fwd_bwd(Float8("rowwise_gw_hp"), x, w, g)
+  _, _, dw_high = _fwd_bwd(None, x, w, g)
+  np.testing.assert_allclose(dw, dw_high, rtol=1e-6, atol=1e-6)
+
+
+ALL_RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), Float8("rowwise_gw_hp"), BitNet()]
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=str)
+def test_zero_input_gives_zero_output_and_no_nan(recipe):
+  _, w, g = _inputs(32, 64, 48)
+  y, dx, dw = _fwd_bwd(recipe, jnp.zeros((32, 64)), w, g)
+  assert not np.any(np.asarray(y))
+  for t in (dx, dw):
+    assert np.all(np.isfinite(t))
+  _, _, dw0 = _fwd_bwd(recipe, jnp.zeros((32, 64)), w, jnp.zeros_like(g))
+  assert not np.any(np.asarray(dw0))
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=str)
+def test_nan_input_propagates(recipe):
+  # A NaN must not be quantized into a silent zero: its row's output is NaN.
+  x, w, _ = _inputs(32, 64, 48)
+  y = quantized_matmul(x.at[3, 5].set(jnp.nan), w, recipe)
+  assert np.all(np.isnan(y[3]))
+  if isinstance(recipe, Float8) and not recipe.rowwise:
+    assert np.all(np.isnan(y))  # one scale for the tensor
+  else:
+    assert np.all(np.isfinite(np.delete(np.asarray(y), 3, axis=0)))
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=str)
+def test_dtypes_and_batch_dims(recipe):
+  x, w, g = _inputs(48, 64, 32, dtype=jnp.bfloat16)
+  x3 = x.reshape(4, 12, 64)
+  y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x3, w)
+  dx, dw = vjp(g.reshape(4, 12, 32))
+  assert y.shape == (4, 12, 32) and y.dtype == jnp.bfloat16
+  assert dx.shape == x3.shape and dx.dtype == jnp.bfloat16
+  assert dw.shape == w.shape and dw.dtype == jnp.float32
+  y2 = quantized_matmul(x, w, recipe)
+  np.testing.assert_array_equal(np.asarray(y, np.float32).reshape(48, 32), np.asarray(y2, np.float32))
+
+
+def test_bad_inputs_raise_clear_errors():
+  x, w, _ = _inputs(8, 16, 4)
+  with pytest.raises(ValueError, match=r"last dimension \(16\) must equal w's first \(K=12\)"):
+    quantized_matmul(x, w[:12], Int8MixedPrecision())
+  with pytest.raises(ValueError, match="2-D"):
+    quantized_matmul(x, w[None], Int8MixedPrecision())
+  with pytest.raises(TypeError, match="floating point"):
+    quantized_matmul(x.astype(jnp.int32), w, Int8MixedPrecision())
+  with pytest.raises(TypeError, match="floating point"):
+    quantized_matmul(x, w.astype(jnp.int8), Float8())
+  with pytest.raises(TypeError, match="recipe"):
+    quantized_matmul(x, w, "int8")
+  with pytest.raises(ValueError, match="scalar"):
+    quantized_matmul(jnp.float32(1.0), w, BitNet())
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=str)
+def test_transforms_agree(recipe):
+  x, w, g = _inputs(64, 64, 32)
+  f = lambda x, w: jnp.sum(quantized_matmul(x, w, recipe) * g)  # noqa: E731
+  eager_val, eager_grads = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+
+  jit_val, jit_grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+  remat_val, remat_grads = jax.jit(jax.value_and_grad(jax.checkpoint(f), argnums=(0, 1)))(x, w)
+  for v, gr in ((jit_val, jit_grads), (remat_val, remat_grads)):
+    np.testing.assert_allclose(v, eager_val, rtol=1e-5)
+    for a, b in zip(gr, eager_grads):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+  # vmap over a leading batch of independent problems equals a Python loop.
+  xs = jnp.stack([x, 2 * x])
+  ys = jax.vmap(lambda xi: quantized_matmul(xi, w, recipe))(xs)
+  for i in range(2):
+    np.testing.assert_allclose(ys[i], quantized_matmul(xs[i], w, recipe), rtol=1e-6)
+  vgrads = jax.vmap(jax.grad(f, argnums=1), in_axes=(0, None))(xs, w)
+  np.testing.assert_allclose(vgrads[0], eager_grads[1], rtol=1e-5, atol=1e-6)
+
+  # scan over layers: each step applies the same weight; equal to unrolled application.
+  def step(c, wi):
+    return jnp.tanh(quantized_matmul(c, wi, recipe)), None
+
+  wsq = jnp.stack([w[:, :32].repeat(2, axis=1)] * 3)  # [3, 64, 64]
+  scanned = jax.grad(lambda ws: jnp.sum(jax.lax.scan(step, x, ws)[0]))(wsq)
+  unrolled = jax.grad(lambda ws: jnp.sum(step(step(step(x, ws[0])[0], ws[1])[0], ws[2])[0]))(wsq)
+  # Different fusions round differently in float32, which can flip an isolated quantization
+  # tie in the next layer: compare by norm, not elementwise.
+  assert rel_err(scanned, unrolled) <= 1e-4
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=str)
+def test_shard_map_over_tokens(recipe):
+  # Data parallel: tokens split over 4 devices, w replicated. Per-row scales are local, so
+  # the forward equals the unsharded one exactly for the row-wise recipes.
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  x, w, g = _inputs(64, 64, 32)
+
+  def local_loss(x, w, g):
+    return jax.lax.psum(jnp.sum(quantized_matmul(x, w, recipe) * g), "data")
+
+  sharded = jax.jit(
+      jax.shard_map(
+          jax.value_and_grad(local_loss, argnums=(0, 1)),
+          mesh=mesh,
+          in_specs=(P("data"), P(), P("data")),
+          out_specs=(P(), (P("data"), P())),
+          check_vma=False,
+      )
+  )
+  val, (dx, dw_local_sum) = sharded(x, w, g)
+  ref_val = jnp.sum(quantized_matmul(x, w, recipe) * g)
+  tol = 2e-2 if isinstance(recipe, Float8) and not recipe.rowwise else 1e-5
+  np.testing.assert_allclose(val, ref_val, rtol=tol)
+  assert dx.shape == x.shape and np.all(np.isfinite(dx)) and np.all(np.isfinite(dw_local_sum))
+
+
+def test_recipe_none_is_plain_matmul():
+  x, w, _ = _inputs(16, 32, 8)
+  np.testing.assert_array_equal(quantized_matmul(x, w, None), x @ w)
+
+
+def test_quantized_dot_general_matches_matmul_layout():
+  k1, k2 = jax.random.split(fresh_key())
+  lhs = jax.random.normal(k1, (3, 5, 4, 8))  # batch 3, free 5, contract (4, 8)
+  rhs = jax.random.normal(k2, (3, 4, 8, 6))  # batch 3, contract (4, 8), free 6
+  dims = (((2, 3), (1, 2)), ((0,), (0,)))
+  out = jaxlowbit.quantized_dot_general(lhs, rhs, dims, recipe=Int8MixedPrecision())
+  ref = jax.lax.dot_general(lhs, rhs, dims)
+  assert out.shape == ref.shape == (3, 5, 6)
+  assert sqnr_db(out, ref) > 30
+  for b in range(3):
+    per_batch = quantized_matmul(lhs[b].reshape(5, 32), rhs[b].reshape(32, 6), Int8MixedPrecision())
+    np.testing.assert_allclose(out[b], per_batch, rtol=1e-6)
