@@ -205,6 +205,33 @@ def check_linear_operands(x, w, who: str) -> None:
     )
 
 
+def _vma(a: jax.Array) -> frozenset:
+  """Mesh axes ``a`` varies over inside shard_map (empty outside; the field moved in jax 0.10)."""
+  aval = jax.typeof(a)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _match_varying_axes(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Inside ``shard_map``, mark both operands varying over the union of their mesh axes.
+
+  A custom_vjp must return cotangents of its inputs' exact type. When x varies over
+  ``data`` and w is replicated, dW computed from x varies too; casting w to varying
+  *outside* the custom_vjp lets autodiff of that cast insert the psum that makes dW
+  replicated again, as it would for a plain matmul.
+  """
+  x_axes, w_axes = _vma(x), _vma(w)
+  if x_axes == w_axes:
+    return x, w
+  if w_axes - x_axes:
+    x = jax.lax.pcast(x, tuple(sorted(w_axes - x_axes)), to="varying")
+  if x_axes - w_axes:
+    w = jax.lax.pcast(w, tuple(sorted(x_axes - w_axes)), to="varying")
+  return x, w
+
+
 def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | None = None) -> jax.Array:
   """Linear ``x @ w`` whose forward and backward matmuls follow ``recipe``.
 
@@ -226,6 +253,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | None = None) -
   check_linear_operands(x, w, "quantized_matmul")
   if recipe is None:
     return jnp.matmul(x, w.astype(x.dtype))
+  x, w = _match_varying_axes(x, w)
   batch_shape, k = x.shape[:-1], x.shape[-1]
   x2 = x.reshape(math.prod(batch_shape), k)
   if isinstance(recipe, BitNet):
