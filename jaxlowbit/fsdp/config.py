@@ -1,0 +1,55 @@
+"""``FsdpConfig``: the FSDP options (a frozen dataclass, usable as a static argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxlowbit.fsdp.scaling import INT8_WEIGHT_SCALINGS
+
+REMAT_MODES = ("save_gathered", "regather")
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpConfig:
+  """Options of jaxlowbit's FSDP.
+
+  Attributes:
+    fsdp_axis: mesh axis the parameters are sharded over (and the batch, too).
+    data_axis: mesh axis the parameters are replicated over and the batch sharded over
+      (HSDP); ignored when the mesh has no such axis.
+    int8_weight_scaling: how an INT8 mixed-precision weight travels.
+      ``"row"`` (default): int8 with one global scale per output channel, exactly the
+      forward of ``quantized_matmul``; grad_input re-quantizes the gathered (dequantized)
+      weight per input channel.
+      ``"tensor"``: int8 with one global scale, reused as is by grad_input (no
+      re-quantization, 4 scale bytes instead of 4 N).
+    remat: what the backward of a linear does for the weight.
+      ``"save_gathered"`` (default): keep the gathered low-bit message from the forward
+      (K x N bytes, a quarter of that for ternary) until the backward.
+      ``"regather"``: keep only the local shard's message and all-gather again in the
+      backward (one more collective per linear, 1/n of the memory). The second gather
+      sits behind an optimization barrier, as ``jax.checkpoint`` does, so XLA:GPU keeps
+      it; XLA:CPU drops barriers before its last CSE and merges it with the forward's.
+      The gather lives inside the linear's ``custom_vjp``, so a ``jax.checkpoint``
+      around it can only save the linear's residuals or re-run its whole forward
+      (gather included), not name the gathered weight.
+  """
+
+  fsdp_axis: str = "fsdp"
+  data_axis: str = "data"
+  int8_weight_scaling: Literal["tensor", "row"] = "row"
+  remat: Literal["save_gathered", "regather"] = "save_gathered"
+
+  def __post_init__(self):
+    if self.int8_weight_scaling not in INT8_WEIGHT_SCALINGS:
+      raise ValueError(
+          f"FsdpConfig.int8_weight_scaling must be one of {INT8_WEIGHT_SCALINGS}, got {self.int8_weight_scaling!r}"
+      )
+    if self.remat not in REMAT_MODES:
+      raise ValueError(f"FsdpConfig.remat must be one of {REMAT_MODES}, got {self.remat!r}")
+    if self.fsdp_axis == self.data_axis:
+      raise ValueError(f"FsdpConfig: fsdp_axis and data_axis must differ, both are {self.fsdp_axis!r}")
+
+
+__all__ = ["REMAT_MODES", "FsdpConfig"]

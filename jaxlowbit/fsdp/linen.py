@@ -1,0 +1,210 @@
+"""Flax Linen under FSDP: find a model's linears, then run it on local shards.
+
+:func:`plan_for_model` traces the model once (``jax.eval_shape``) and records every
+``nn.Dense`` / ``nn.DenseGeneral`` / jaxlowbit layer: its path, its recipe and its kernel
+layout. :func:`apply` runs ``model.apply`` inside ``shard_map`` with a Linen method
+interceptor: each recorded linear computes through :func:`jaxlowbit.fsdp.fsdp_linear` on
+its local kernel shard (one low-bit gather), and every other sharded parameter is
+all-gathered in its own dtype before the model starts.
+
+Which recipe a linear runs: a jaxlowbit layer (``Int8Dense``, ``Fp8Dense``,
+``BitNetDense``, or ``dense_for(recipe)``) keeps its own; a plain Flax ``Dense`` /
+``DenseGeneral`` runs the ``recipe`` given to :func:`plan_for_model` unless
+``filter_fqns`` / ``auto_filter_small_kn`` keep it high precision (the rules of
+``jaxlowbit.convert``). Layers with their own ``dot_general`` or with ``batch_dims`` are
+not FSDP linears: their kernels are gathered in their own dtype like any parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import flax.linen as nn
+import jax
+from jax import lax
+
+from jaxlowbit.convert import module_fqn, worth_quantizing
+from jaxlowbit.fsdp.config import FsdpConfig
+from jaxlowbit.fsdp.linear import fsdp_linear
+from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, Path, flatten, make_plan, unflatten
+from jaxlowbit.fsdp.scales import Scales
+from jaxlowbit.layers import _LowBitDenseGeneral
+from jaxlowbit.recipes import Recipe, check_recipe
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+  return tuple(x) if isinstance(x, Sequence) else (x,)
+
+
+def _is_linear(module: nn.Module) -> bool:
+  """A Dense-family module whose dot FSDP can take over."""
+  return (
+      isinstance(module, (nn.Dense, nn.DenseGeneral))
+      and getattr(module, "dot_general", None) is None
+      and getattr(module, "dot_general_cls", None) is None
+      and not _as_tuple(getattr(module, "batch_dims", ()))
+  )
+
+
+def _kernel_path(module: nn.Module) -> Path:
+  return tuple(str(p) for p in module.path) + ("kernel",)
+
+
+def _contract_axes(module: nn.Module, ndim: int) -> tuple[int, ...]:
+  axes = tuple(a % ndim for a in _as_tuple(getattr(module, "axis", -1)))
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{type(module).__name__}: repeated contracting axes {axes}")
+  return axes
+
+
+def _inputs(args, kwargs):
+  return args[0] if args else kwargs["inputs"]
+
+
+def linears_of(
+    model: nn.Module,
+    params: Mapping,
+    *args,
+    recipe: Recipe | None = None,
+    filter_fqns: Sequence[str] = (),
+    auto_filter_small_kn: bool = False,
+    method=None,
+    **kwargs,
+) -> dict[Path, LinearWeight]:
+  """``{kernel path: LinearWeight}`` of every linear ``model.apply(..., *args)`` calls.
+
+  ``params`` and ``args`` may be arrays or ``jax.ShapeDtypeStruct``s (nothing is
+  computed). ``recipe`` / ``filter_fqns`` / ``auto_filter_small_kn`` choose plain Flax
+  Dense layers' recipe as ``jaxlowbit.convert`` would; jaxlowbit layers keep their own.
+  """
+  check_recipe(recipe, "linears_of")
+  if isinstance(filter_fqns, str):
+    raise TypeError("linears_of: filter_fqns must be a sequence of strings, e.g. ('lm_head',), not a string")
+  if hasattr(type(model), "jaxlowbit_recipe"):
+    raise TypeError(
+        "FSDP: got a model from jaxlowbit.convert, whose interceptor would run before FSDP's; pass the "
+        "unconverted model with recipe=..., filter_fqns=..., auto_filter_small_kn=... instead"
+    )
+  leaves = flatten(params)
+  found: dict[Path, LinearWeight] = {}
+
+  def record(next_fun, call_args, call_kwargs, context):
+    module = context.module
+    if context.method_name == "__call__" and _is_linear(module):
+      inputs = _inputs(call_args, call_kwargs)
+      axes = _contract_axes(module, inputs.ndim)
+      if isinstance(module, _LowBitDenseGeneral):
+        chosen = module.recipe
+      else:
+        k, n = math.prod(inputs.shape[a] for a in axes), math.prod(_as_tuple(module.features))
+        skip = any(f in module_fqn(module) for f in filter_fqns)
+        skip = skip or (recipe is not None and auto_filter_small_kn and not worth_quantizing(k, n, recipe))
+        chosen = None if skip else recipe
+      path = _kernel_path(module)
+      kernel_ndim = len(axes) + len(_as_tuple(module.features))
+      found[path] = LinearWeight(chosen, contract_ndim=len(axes), stacked_ndim=leaves[path].ndim - kernel_ndim)
+    return next_fun(*call_args, **call_kwargs)
+
+  def run(p, *a):
+    with nn.intercept_methods(record):
+      return model.apply({"params": p}, *a, method=method, **kwargs)
+
+  jax.eval_shape(run, params, *args)
+  return found
+
+
+def plan_for_model(
+    model: nn.Module,
+    params: Mapping,
+    *args,
+    mesh,
+    config: FsdpConfig = FsdpConfig(),
+    recipe: Recipe | None = None,
+    filter_fqns: Sequence[str] = (),
+    auto_filter_small_kn: bool = False,
+    method=None,
+    **kwargs,
+) -> FsdpPlan:
+  """The :class:`FsdpPlan` of a Linen model's (unsharded) ``params`` over ``mesh``.
+
+  Args:
+    model: the Linen model (not a ``jaxlowbit.convert`` result: pass ``recipe`` instead).
+    params: its ``"params"`` collection (arrays or ``jax.ShapeDtypeStruct``s, full shapes).
+    *args, method, **kwargs: an example call, as for ``model.apply`` (shapes only).
+    mesh: from :func:`jaxlowbit.fsdp.make_mesh`, or None for the unsharded plan.
+    config: :class:`FsdpConfig`.
+    recipe, filter_fqns, auto_filter_small_kn: the recipe of plain Flax Dense layers.
+  """
+  linears = linears_of(
+      model,
+      params,
+      *args,
+      recipe=recipe,
+      filter_fqns=filter_fqns,
+      auto_filter_small_kn=auto_filter_small_kn,
+      method=method,
+      **kwargs,
+  )
+  return make_plan(params, mesh, linears, config)
+
+
+def _fsdp_dense(module: nn.Module, inputs, linear: LinearWeight, axis_name, scale, config: FsdpConfig):
+  """``DenseGeneral``'s computation with the dot run by ``fsdp_linear`` on the local kernel."""
+  features = _as_tuple(module.features)
+  axes = _contract_axes(module, inputs.ndim)
+  kernel = module.get_variable("params", "kernel")  # the local shard: no shape check
+  bias = module.get_variable("params", "bias") if module.use_bias else None
+  inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  free = tuple(a for a in range(inputs.ndim) if a not in axes)
+  free_shape = tuple(inputs.shape[a] for a in free)
+  x = lax.transpose(inputs, free + axes).reshape(*free_shape, -1)
+  w = kernel.reshape(math.prod(kernel.shape[: len(axes)]), math.prod(features))
+  y = fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config)
+  y = y.reshape(*free_shape, *features)
+  if bias is not None:
+    y = y + bias.reshape((1,) * len(free_shape) + features)
+  return y
+
+
+def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scales | None = None, method=None, **kwargs):
+  """``model.apply({"params": params}, *args)`` on this device's shards, inside ``shard_map``.
+
+  Args:
+    model: the model the plan was made for.
+    params: the local shards (shard_map with ``in_specs=plan.specs()``), or the whole
+      parameters for an unsharded plan (then call it anywhere).
+    *args, method, **kwargs: as for ``model.apply`` (e.g. ``rngs=``, ``mutable=``).
+    plan: from :func:`plan_for_model`.
+    scales: from :func:`jaxlowbit.fsdp.precompute_scales` for these parameters; a linear
+      without an entry reduces its own scale (one all-reduce).
+
+  Returns:
+    What ``model.apply`` returns. Differentiable in ``params``: sharded leaves get their
+    shard of the gradient (reduce-scattered), replicated leaves the full one.
+  """
+  axis = plan.config.fsdp_axis
+  scales = {} if scales is None else scales
+  sharded = plan.mesh is not None
+  flat = dict(flatten(params))
+  for path, leaf in flat.items():
+    dim = plan.shard_dims.get(path)
+    if sharded and dim is not None and path not in plan.linears:
+      flat[path] = lax.all_gather(leaf, axis, axis=dim, tiled=True)
+
+  def intercept(next_fun, call_args, call_kwargs, context):
+    module = context.module
+    if context.method_name != "__call__" or not _is_linear(module):
+      return next_fun(*call_args, **call_kwargs)
+    path = _kernel_path(module)
+    linear = plan.linears.get(path)
+    if linear is None:
+      raise ValueError(f"FSDP: linear {'/'.join(path)} was not seen when the plan was made; plan with the same call")
+    axis_name = axis if sharded and plan.shard_dims[path] is not None else None
+    return _fsdp_dense(module, _inputs(call_args, call_kwargs), linear, axis_name, scales.get(path), plan.config)
+
+  with nn.intercept_methods(intercept):
+    return model.apply({"params": unflatten(flat)}, *args, method=method, **kwargs)
+
+
+__all__ = ["apply", "linears_of", "plan_for_model"]

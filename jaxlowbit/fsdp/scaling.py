@@ -1,0 +1,137 @@
+"""How FSDP quantizes each weight before the gather, and the statistics its global scale needs.
+
+A weight ``W [K, N]`` (input features K, output features N) is sharded along K. Its
+*global* scale comes from a statistic over the whole tensor, which every shard can
+quantize with:
+
+==================  ==========================  ==================  ==========================
+scaling             recipe                      statistic           scale
+==================  ==========================  ==================  ==========================
+``INT8_TENSOR``     INT8, ``int8_weight_scaling  amax (one)          ``int8_scale(amax)``
+                    ="tensor"``
+``INT8_CHANNEL``    INT8, ``="row"``            amax per out channel ``int8_scale(amax[N])``
+``FP8_TENSOR``      Float8 tensorwise           amax (one)          ``fp8_scale(amax)``
+``FP8_CHANNEL``     Float8 rowwise(_gw_hp)      amax per out channel ``fp8_scale(amax[N], pow2)``
+``TERNARY``         BitNet                      sum of abs (one)    ``ternary_scale(sum / K N)``
+``HIGH_PRECISION``  None, INT8 ``output=False``  none                (gathered in compute dtype)
+==================  ==========================  ==================  ==========================
+
+A *statistic* is reduced over shards with MAX (amax) or SUM (abs-sum); a *scale* is what the
+quantizer takes, in the convention of its format (int8 and ternary: dequantization scale;
+FP8: multiplier, ``x_fp8 = x * scale``). :meth:`WeightScaling.dequantization` gives the
+float32 multiplier ``scaled_matmul`` wants in every case.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlowbit import fp8, int8, ternary
+from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
+
+INT8_WEIGHT_SCALINGS = ("tensor", "row")
+
+
+class Reduction(enum.Enum):
+  MAX = "max"
+  SUM = "sum"
+
+
+class WeightScaling(enum.Enum):
+  INT8_TENSOR = "int8_tensor"
+  INT8_CHANNEL = "int8_channel"
+  FP8_TENSOR = "fp8_tensor"
+  FP8_CHANNEL = "fp8_channel"
+  TERNARY = "ternary"
+  HIGH_PRECISION = "high_precision"
+
+  @property
+  def quantized(self) -> bool:
+    return self is not WeightScaling.HIGH_PRECISION
+
+  @property
+  def per_channel(self) -> bool:
+    return self in (WeightScaling.INT8_CHANNEL, WeightScaling.FP8_CHANNEL)
+
+  @property
+  def reduction(self) -> Reduction:
+    return Reduction.SUM if self is WeightScaling.TERNARY else Reduction.MAX
+
+  @property
+  def payload_dtype(self):
+    """dtype of the quantized weight (ternary: int8 in {-1, 0, 1} before packing)."""
+    if self in (WeightScaling.FP8_TENSOR, WeightScaling.FP8_CHANNEL):
+      return jnp.dtype(fp8.E4M3)
+    if self is WeightScaling.HIGH_PRECISION:
+      raise ValueError("a high-precision weight has no low-bit payload")
+    return jnp.dtype(jnp.int8)
+
+  def num_scales(self, n: int) -> int:
+    """Scales of a ``[K, N]`` weight: N per channel, else one."""
+    return n if self.per_channel else 1
+
+  def statistic(self, w: jax.Array) -> jax.Array:
+    """float32 ``[num_scales]`` statistic of a (local) ``[K', N]`` weight, to be MAX- or SUM-reduced."""
+    a = jnp.abs(w.astype(jnp.float32))
+    if self.per_channel:
+      return jnp.max(a, axis=0)
+    if self is WeightScaling.TERNARY:
+      return jnp.sum(a).reshape(1)
+    return jnp.max(a).reshape(1)
+
+  def scale(self, statistic: jax.Array, count: int) -> jax.Array:
+    """The quantizer's scale from the global statistic (``count`` = K * N, used by the abs-mean)."""
+    if self in (WeightScaling.INT8_TENSOR, WeightScaling.INT8_CHANNEL):
+      s = int8.int8_scale(statistic)
+    elif self in (WeightScaling.FP8_TENSOR, WeightScaling.FP8_CHANNEL):
+      s = fp8.fp8_scale(statistic, fp8.E4M3, power_of_two=self.per_channel)
+    elif self is WeightScaling.TERNARY:
+      s = ternary.ternary_scale(statistic / np.float32(count))  # a literal, as in jnp.mean
+    else:
+      raise ValueError("a high-precision weight has no scale")
+    return s.reshape(-1) if self.per_channel else s.reshape(())
+
+  def quantize(self, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """``[K', N]`` payload of a (local) weight quantized with the global ``scale``."""
+    if self is WeightScaling.INT8_TENSOR or self is WeightScaling.INT8_CHANNEL:
+      return int8.quantize_int8_with_scale(w, scale)
+    if self is WeightScaling.FP8_TENSOR or self is WeightScaling.FP8_CHANNEL:
+      return fp8.cast_to_fp8(w, scale, fp8.E4M3)
+    if self is WeightScaling.TERNARY:
+      return ternary.quantize_ternary_with_scale(w, scale)
+    raise ValueError("a high-precision weight is not quantized")
+
+  def dequantization(self, scale: jax.Array) -> jax.Array:
+    """float32 multiplier that takes the payload back to real values (``scaled_matmul``'s scale)."""
+    if self in (WeightScaling.FP8_TENSOR, WeightScaling.FP8_CHANNEL):
+      return 1.0 / scale
+    return scale
+
+
+def weight_scaling(recipe: Recipe | None, int8_weight_scaling: str = "row") -> WeightScaling:
+  """How FSDP gathers the weight of a linear that runs ``recipe``.
+
+  The weight travels low-bit when the forward matmul is low-bit; otherwise (``None``, or
+  ``Int8MixedPrecision(output=False)``) it travels in the compute dtype.
+  """
+  check_recipe(recipe, "weight_scaling")
+  if int8_weight_scaling not in INT8_WEIGHT_SCALINGS:
+    raise ValueError(f"int8_weight_scaling must be one of {INT8_WEIGHT_SCALINGS}, got {int8_weight_scaling!r}")
+  if recipe is None:
+    return WeightScaling.HIGH_PRECISION
+  if isinstance(recipe, Int8MixedPrecision):
+    if not recipe.output:
+      return WeightScaling.HIGH_PRECISION
+    return WeightScaling.INT8_TENSOR if int8_weight_scaling == "tensor" else WeightScaling.INT8_CHANNEL
+  if isinstance(recipe, Float8):
+    return WeightScaling.FP8_CHANNEL if recipe.rowwise else WeightScaling.FP8_TENSOR
+  if isinstance(recipe, BitNet):
+    return WeightScaling.TERNARY
+  raise AssertionError(recipe)
+
+
+__all__ = ["INT8_WEIGHT_SCALINGS", "Reduction", "WeightScaling", "weight_scaling"]

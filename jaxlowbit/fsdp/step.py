@@ -1,0 +1,92 @@
+"""Training steps over an :class:`FsdpPlan`: loss and gradients in ``shard_map``, the update outside.
+
+The loss function is written for ONE device: it gets the local parameter shards, the
+step's scales and the local slice of the batch, and returns the mean loss over that
+slice (it calls :func:`jaxlowbit.fsdp.apply` to run the model). :func:`value_and_grad`
+wraps it in ``shard_map``: the loss is averaged over the batch axes, sharded parameters
+get their reduce-scattered gradient shard and replicated ones the all-reduced gradient.
+:func:`train_step` adds the optimizer update (plain ``jit`` over the sharded arrays:
+element-wise optimizers stay local, global norms get their collectives from XLA) and the
+next step's :func:`precompute_scales`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxlowbit.fsdp.plan import FsdpPlan
+from jaxlowbit.fsdp.scales import Scales, precompute_scales
+
+# loss_fn(params, scales, batch) -> float32 scalar: mean loss over this device's batch slice.
+LossFn = Callable[..., jax.Array]
+
+
+def value_and_grad(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
+  """``f(params, scales, batch) -> (loss, grads)`` over the plan's mesh.
+
+  Args:
+    loss_fn: ``loss_fn(params, scales, batch)`` for one device (see module docstring).
+    plan: the :class:`FsdpPlan`; ``params`` are sharded per it and every leaf of ``batch``
+      has its leading dimension sharded over ``plan.batch_axes``.
+
+  Returns:
+    A function of global arrays giving the mean loss over the whole batch (replicated)
+    and its gradient, sharded like ``params``. With an unsharded plan it is
+    ``jax.value_and_grad(loss_fn)``.
+  """
+  if plan.mesh is None:
+    return jax.value_and_grad(loss_fn)
+  axes = plan.batch_axes
+
+  def local(params, scales, batch):
+    return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, scales, batch), axes))(params)
+
+  specs = plan.specs()
+  return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P(), plan.batch_spec()), out_specs=(P(), specs))
+
+
+def _constrain(tree, plan: FsdpPlan):
+  if plan.mesh is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, plan.shardings())
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, params, plan: FsdpPlan):
+  """``optimizer.init(params)`` with every parameter-shaped state leaf sharded like its parameter."""
+
+  def init(params):
+    state = optimizer.init(params)
+    if plan.mesh is None:
+      return state
+    return optax.tree_map_params(
+        optimizer, lambda s, sharding: jax.lax.with_sharding_constraint(s, sharding), state, plan.shardings(),
+        transform_non_params=lambda s: s,
+    )
+
+  return jax.jit(init)(params)
+
+
+def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: FsdpPlan, donate: bool = True):
+  """A jitted ``step(params, opt_state, scales, batch) -> (params, opt_state, scales, loss)``.
+
+  ``scales`` are this step's (``precompute_scales(params, plan)`` before the first step);
+  the step returns the next step's, computed after the update in one collective.
+  ``donate`` donates ``params`` and ``opt_state``.
+  """
+  grad_fn = value_and_grad(loss_fn, plan)
+
+  def step(params, opt_state, scales: Scales, batch):
+    loss, grads = grad_fn(params, scales, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = _constrain(optax.apply_updates(params, updates), plan)
+    return params, opt_state, precompute_scales(params, plan), loss
+
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+__all__ = ["init_optimizer", "train_step", "value_and_grad"]
