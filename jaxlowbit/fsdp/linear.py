@@ -27,8 +27,9 @@ Float8 tensorwise               identical   identical (grad_input reuses the gat
 Float8 rowwise, rowwise_gw_hp   identical   grad_input re-quantizes the gathered weight per input
                                             channel (power-of-two scales: equal to quantizing W
                                             except where a value is subnormal in one of the scales)
-BitNet                          identical*  identical* (*abs-mean summed shard by shard: the scale
-                                            may differ from quantized_matmul's in the last bit)
+BitNet                          identical*  identical* (*the abs-mean of a sharded weight is summed
+                                            shard by shard: its scale may differ from
+                                            quantized_matmul's in the last bit)
 INT8, ``"row"`` (default)       identical   grad_input re-quantizes the dequantized gathered weight
                                             per input channel (two roundings instead of one)
 INT8, ``"tensor"``              per-tensor  grad_input uses the same per-tensor int8 weight

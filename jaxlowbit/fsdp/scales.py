@@ -1,17 +1,17 @@
 """``precompute_scales``: every FSDP weight's global scale for the next step, in ONE all-reduce.
 
 Right after the optimizer step, each device computes, for every quantized linear, the
-statistic of its local shard (amax: one or one per output channel; BitNet: sum of |W|).
-The global values need MAX for amaxes and SUM for abs-sums; both come out of a single
-``pmax`` over the FSDP axis of one float32 vector::
+statistic of its local shard (:mod:`jaxlowbit.fsdp.scaling`): amaxes (one, or one per
+output channel) that reduce with MAX, and BitNet abs-sums that reduce with SUM. Both come
+out of a single ``pmax`` over the FSDP axis of one float32 vector::
 
-    [ amax statistics (S_max) | abs-sums placed in this device's row of an [n, S_sum] zero block ]
+    [ amax statistics | abs-sums: n slots per weight, this device's sum in its own slot, zeros elsewhere ]
 
-Amaxes reduce to their global MAX directly. An abs-sum sits in its own row with zeros in
-every other device's row, so the MAX of each entry is that device's sum exactly (sums are
->= 0); afterwards every device adds the ``n`` rows in the same order, so the global sum
-is exact, deterministic and identical everywhere. Per-channel amaxes, the bulk of the
-vector, are not multiplied by ``n``.
+The MAX of an amax entry is the global amax. An abs-sum slot is non-zero on exactly one
+device (sums are >= 0), so its MAX is that device's sum, exactly: for those slots the
+all-reduce acts as an all-gather. Every device then adds a weight's n sums in shard order,
+so all devices finish with the same bits (a ``psum`` would not promise that), and the
+per-channel amaxes, the bulk of the vector, are not repeated n times.
 
 Weights that are replicated (not sharded) have global statistics locally and join no
 collective; kernels stacked by ``nn.scan`` get no precomputed scale (their layer reduces
@@ -20,6 +20,7 @@ its own, see ``jaxlowbit.fsdp.linear.global_scale``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
@@ -40,40 +41,33 @@ def scaled_paths(plan: FsdpPlan) -> list[Path]:
 
 def _local_scales(kernels: Mapping[Path, jax.Array], plan: FsdpPlan) -> Scales:
   """Per-device body: local statistics -> one pmax (when any kernel is sharded) -> scales."""
-  axis = plan.config.fsdp_axis
-  n = plan.fsdp_size
-  stats, sharded = {}, {Reduction.MAX: [], Reduction.SUM: []}
+  axis, n = plan.config.fsdp_axis, plan.fsdp_size
+  stats, parts, sharded = {}, [], []
   for path in scaled_paths(plan):
     linear, scaling = plan.linears[path], plan.scaling(path)
     w = lax.stop_gradient(kernels[path])
-    stats[path] = scaling.statistic(w.reshape(-1, linear.kn(w.shape)[1]))
-    if plan.shard_dims[path] is not None:
-      sharded[scaling.reduction].append(path)
+    stat = scaling.statistic(w.reshape(-1, linear.kn(w.shape)[1]))
+    stats[path] = stat
+    if plan.shard_dims[path] is None:
+      continue
+    if scaling.reduction is Reduction.SUM:  # this device's sum in its own of n slots
+      stat = jnp.zeros((n,), stat.dtype).at[lax.axis_index(axis)].set(stat[0])
+    sharded.append(path)
+    parts.append(stat)
 
-  if sharded[Reduction.MAX] or sharded[Reduction.SUM]:
-    maxes = [stats[p] for p in sharded[Reduction.MAX]]
-    sums = [stats[p] for p in sharded[Reduction.SUM]]
-    s_max = sum(s.size for s in maxes)
-    s_sum = sum(s.size for s in sums)
-    own_row = jnp.zeros((n, s_sum), jnp.float32)
-    if sums:
-      own_row = own_row.at[lax.axis_index(axis)].set(jnp.concatenate(sums))
-    vector = jnp.concatenate([*maxes, own_row.reshape(-1)])
-    reduced = lax.pmax(vector, axis)  # the one collective
-    global_max = reduced[:s_max]
-    global_sum = jnp.sum(reduced[s_max:].reshape(n, s_sum), axis=0)
-    for paths, flat in ((sharded[Reduction.MAX], global_max), (sharded[Reduction.SUM], global_sum)):
-      offset = 0
-      for p in paths:
-        size = stats[p].size
-        stats[p] = flat[offset : offset + size]
-        offset += size
+  if parts:
+    reduced = lax.pmax(jnp.concatenate(parts), axis)  # the one collective
+    offset = 0
+    for path, part in zip(sharded, parts):
+      stats[path] = reduced[offset : offset + part.size]
+      offset += part.size
 
   scales = {}
   for path, stat in stats.items():
-    k, n_out = plan.linears[path].kn(kernels[path].shape)
-    k *= 1 if plan.shard_dims[path] is None else n  # local shard -> whole weight
-    scales[path] = plan.scaling(path).scale(stat, k * n_out)
+    shape = list(kernels[path].shape)
+    if plan.shard_dims[path] is not None:
+      shape[0] *= n  # local shard -> whole weight
+    scales[path] = plan.scaling(path).scale(stat, math.prod(shape))
   return scales
 
 

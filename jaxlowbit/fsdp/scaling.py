@@ -16,8 +16,10 @@ scaling             recipe                      statistic           scale
 ``HIGH_PRECISION``  None, INT8 ``output=False``  none                (gathered in compute dtype)
 ==================  ==========================  ==================  ==========================
 
-A *statistic* is reduced over shards with MAX (amax) or SUM (abs-sum); a *scale* is what the
-quantizer takes, in the convention of its format (int8 and ternary: dequantization scale;
+A *statistic* is reduced over shards with MAX (amax: exact in any order, so every sharding
+gives the bits of the unsharded value) or SUM (abs-sum: float32 sums round differently for
+every sharding, as they do for different XLA fusions of one array, so BitNet's scale can
+differ from the unsharded one in the last bit). A *scale* is what the quantizer takes, in the convention of its format (int8 and ternary: dequantization scale;
 FP8: multiplier, ``x_fp8 = x * scale``). :meth:`WeightScaling.dequantization` gives the
 float32 multiplier ``scaled_matmul`` wants in every case.
 """
@@ -75,7 +77,7 @@ class WeightScaling(enum.Enum):
     return n if self.per_channel else 1
 
   def statistic(self, w: jax.Array) -> jax.Array:
-    """float32 ``[num_scales]`` statistic of a (local) ``[K', N]`` weight, to be MAX- or SUM-reduced."""
+    """float32 statistic of a (local) ``[K', N]`` weight: amax ``[N]`` or ``[1]``, abs-sum ``[1]``."""
     a = jnp.abs(w.astype(jnp.float32))
     if self.per_channel:
       return jnp.max(a, axis=0)
@@ -84,13 +86,16 @@ class WeightScaling(enum.Enum):
     return jnp.max(a).reshape(1)
 
   def scale(self, statistic: jax.Array, count: int) -> jax.Array:
-    """The quantizer's scale from the global statistic (``count`` = K * N, used by the abs-mean)."""
+    """The quantizer's scale from the global statistic (``count`` = K * N, used by the abs-mean).
+
+    A SUM statistic may come as the ``[n]`` per-shard sums; they are added here, in order.
+    """
     if self in (WeightScaling.INT8_TENSOR, WeightScaling.INT8_CHANNEL):
       s = int8.int8_scale(statistic)
     elif self in (WeightScaling.FP8_TENSOR, WeightScaling.FP8_CHANNEL):
       s = fp8.fp8_scale(statistic, fp8.E4M3, power_of_two=self.per_channel)
     elif self is WeightScaling.TERNARY:
-      s = ternary.ternary_scale(statistic / np.float32(count))  # a literal, as in jnp.mean
+      s = ternary.ternary_scale(jnp.sum(statistic) / np.float32(count))  # a literal, as in jnp.mean
     else:
       raise ValueError("a high-precision weight has no scale")
     return s.reshape(-1) if self.per_channel else s.reshape(())

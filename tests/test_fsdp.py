@@ -1,0 +1,413 @@
+"""jaxlowbit.fsdp on 8 virtual CPU devices (mesh data=2 x fsdp=4).
+
+- the unsharded FSDP numerics against quantized_matmul, recipe by recipe (where they are
+  identical, and how far they are where the gathered weight's scale placement differs);
+- INT8 weight scaling "tensor" vs "row": SQNR of output, grad_input, grad_weight;
+- 5 Adam steps sharded vs unsharded give the same losses (1e-5 relative) for every recipe;
+- compiled HLO: one 8-bit all-gather per quantized weight of exactly payload + scale bytes,
+  no wider gather of it; the backward's gathers per remat mode; precompute_scales is one
+  all-reduce for all weights;
+- two processes through jax.distributed step like one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxlowbit
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp, quantized_matmul
+from jaxlowbit.fsdp import FsdpConfig, WeightScaling
+from jaxlowbit.fsdp.hlo import collectives
+from fsdp_common import TinyNet, data, sharded_and_unsharded, train
+from helpers import fresh_key, rel_err, sqnr_db
+
+FSDP, DATA = 4, 2
+TRAIN_STEPS = 5
+LOSS_RTOL = 1e-5  # the issue's bound: equal losses within 1e-5 relative (fp32 parameters)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return fsdp.make_mesh(fsdp=FSDP, data=DATA)
+
+
+def _inputs(m, k, n, channel_spread=False):
+  kx, kw, kg, ks = jax.random.split(fresh_key(), 4)
+  x = jax.random.normal(kx, (m, k), jnp.float32)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  if channel_spread:  # output channels whose magnitudes span 100x, as trained weights often do
+    w = w * jnp.exp(jax.random.uniform(ks, (1, n), minval=-2.3, maxval=2.3))
+  g = jax.random.normal(kg, (m, n), jnp.float32)
+  return x, w, g
+
+
+def _float64_reference(x, w, g):
+  x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))
+  return x @ w, g @ w.T, x.T @ g
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _fsdp_fwd_bwd(recipe, config, x, w, g):
+  y, vjp = jax.vjp(lambda x, w: fsdp.fsdp_linear(x, w, recipe, config=config), x, w)
+  return (y, *vjp(g))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _qm_fwd_bwd(recipe, x, w, g):
+  y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
+  return (y, *vjp(g))
+
+
+# -------------------------------------------------------------------------------------------
+# Numerics of the gathered weight, without sharding.
+
+ROW, TENSOR = FsdpConfig(int8_weight_scaling="row"), FsdpConfig(int8_weight_scaling="tensor")
+# (recipe, config, matmuls identical to quantized_matmul, {matmul: minimum SQNR against it}).
+AGAINST_QUANTIZED_MATMUL = [
+    (None, ROW, ("output", "grad_input", "grad_weight"), {}),
+    (Int8MixedPrecision(), ROW, ("output", "grad_weight"), {"grad_input": 35.0}),
+    (Int8MixedPrecision(), TENSOR, ("grad_weight",), {"output": 25.0, "grad_input": 25.0}),
+    (Int8MixedPrecision(output=False), ROW, ("output", "grad_input", "grad_weight"), {}),
+    (Float8("tensorwise"), ROW, ("output", "grad_input", "grad_weight"), {}),
+    # grad_input re-quantizes the gathered weight per input channel: power-of-two scales make
+    # that exact except for values that are subnormal in one of the two scalings.
+    (Float8("rowwise"), ROW, ("output", "grad_weight"), {"grad_input": 60.0}),
+    (Float8("rowwise_gw_hp"), ROW, ("output", "grad_weight"), {"grad_input": 60.0}),
+    (BitNet(), ROW, ("output", "grad_input", "grad_weight"), {}),
+    (BitNet(grad_input=True, grad_weight=True), ROW, ("output", "grad_input", "grad_weight"), {}),
+]
+
+
+@pytest.mark.parametrize(
+    "recipe, config, identical, bounds", AGAINST_QUANTIZED_MATMUL, ids=lambda v: str(v) if v is not None else "None"
+)
+def test_unsharded_numerics_against_quantized_matmul(recipe, config, identical, bounds):
+  x, w, g = _inputs(64, 128, 96, channel_spread=True)
+  ours = dict(zip(("output", "grad_input", "grad_weight"), _fsdp_fwd_bwd(recipe, config, x, w, g)))
+  theirs = dict(zip(("output", "grad_input", "grad_weight"), _qm_fwd_bwd(recipe, x, w, g)))
+  for name in identical:
+    np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+  for name, bound in bounds.items():
+    value = sqnr_db(ours[name], theirs[name])
+    print(f"{recipe} {config.int8_weight_scaling} {name}: {value:.1f} dB against quantized_matmul")
+    assert value >= bound, f"{name}: {value:.1f} dB"
+    assert value < float("inf"), f"{name} was expected to differ"
+
+
+def test_int8_weight_scaling_tensor_vs_row(record_property):
+  # Output channels spanning 100x in magnitude: one scale per channel ("row") keeps small
+  # channels' precision that a per-tensor scale loses; grad_input pays for "row" with a
+  # second rounding (re-quantized per input channel from the gathered weight).
+  x, w, g = _inputs(256, 512, 384, channel_spread=True)
+  exact = dict(zip(("output", "grad_input", "grad_weight"), _float64_reference(x, w, g)))
+  table = {}
+  for config in (ROW, TENSOR):
+    outs = _fsdp_fwd_bwd(Int8MixedPrecision(), config, x, w, g)
+    table[config.int8_weight_scaling] = {n: sqnr_db(o, exact[n]) for n, o in zip(exact, outs)}
+  qm = _qm_fwd_bwd(Int8MixedPrecision(), x, w, g)
+  table["quantized_matmul"] = {n: sqnr_db(o, exact[n]) for n, o in zip(exact, qm)}
+  for name, row in table.items():
+    print(f"{name:>16}: " + "  ".join(f"{k} {v:5.1f} dB" for k, v in row.items()))
+  record_property("sqnr_db", table)
+  assert table["row"]["output"] >= table["tensor"]["output"] + 3.0
+  for row in table.values():
+    assert min(row.values()) >= 25.0
+  assert table["row"]["output"] == table["quantized_matmul"]["output"]
+  assert table["row"]["grad_input"] >= table["quantized_matmul"]["grad_input"] - 1.0
+
+
+def test_wire_round_trip():
+  from jaxlowbit.fsdp import wire
+
+  key = fresh_key()
+  for payload in (
+      jax.random.randint(key, (6, 8), -127, 128, jnp.int32).astype(jnp.int8),
+      jax.random.normal(key, (6, 8)).astype(jnp.float8_e4m3fn),
+  ):
+    scales = jax.random.uniform(key, (8,), minval=1e-30, maxval=1e30)
+    message = wire.encode(payload, scales)
+    assert message.dtype == jnp.uint8 and message.shape == (6 * 8 + 4 * 8,)
+    stacked = jnp.stack([message, message])
+    payloads, decoded = wire.decode(stacked, payload.shape, payload.dtype, 8)
+    assert payloads.shape == (2, 6, 8) and payloads.dtype == payload.dtype
+    np.testing.assert_array_equal(payloads[1].view(jnp.uint8), payload.view(jnp.uint8))
+    np.testing.assert_array_equal(decoded, scales)
+  with pytest.raises(ValueError, match="do not hold"):
+    wire.decode(stacked[:, :-1], payload.shape, payload.dtype, 8)
+
+
+# -------------------------------------------------------------------------------------------
+# Training: sharded equals unsharded.
+
+# Every recipe family and both INT8 weight scalings and remat modes. (INT8 output=False and
+# BitNet's int8 backward change only device-local math, checked unsharded above.)
+TRAINING_CASES = [
+    (None, ROW),
+    (Int8MixedPrecision(), ROW),
+    (Int8MixedPrecision(), FsdpConfig(int8_weight_scaling="tensor", remat="regather")),
+    (Float8("tensorwise"), ROW),
+    (Float8("rowwise"), ROW),
+    (BitNet(), ROW),
+]
+
+
+@pytest.mark.parametrize("recipe, config", TRAINING_CASES, ids=lambda v: str(v) if v is not None else "None")
+def test_training_sharded_equals_unsharded(recipe, config, mesh):
+  key = fresh_key()
+  tokens, labels = data(key, TRAIN_STEPS)
+  runs = sharded_and_unsharded(recipe, mesh, config, tokens, labels, jax.random.fold_in(key, 1))
+  print(recipe, config, {k: v for k, v in runs.items()})
+  sharded = runs["sharded"]
+  assert np.all(np.isfinite(sharded))
+  assert sharded[-1] < 0.99 * sharded[0], "the run must learn for the comparison to mean something"
+  # Every step, from the same state: equal losses, updates and next-step scales.
+  np.testing.assert_allclose(sharded, runs["lockstep"], rtol=LOSS_RTOL)
+  assert runs["param_rel_err"] < LOSS_RTOL
+  assert runs["scales_rel_err"] <= (1e-6 if isinstance(recipe, BitNet) else 0.0)  # abs-sums round per sharding
+  if not isinstance(recipe, BitNet):
+    # Free-running runs agree too. (BitNet's do not, reliably: the sharded and unsharded
+    # gradient sums round differently in the last bit, and after a few steps one of the
+    # thousands of weights near +-s/2 flips its ternary value and moves the loss by ~1e-4.)
+    np.testing.assert_allclose(sharded, runs["unsharded"], rtol=LOSS_RTOL)
+
+
+def test_training_bound_catches_a_different_run(mesh):
+  # Negative control: an unsharded run that quantizes activations over the whole batch at
+  # once (per-tensor FP8 scales) instead of per device is outside the bound (measured
+  # 1.5e-4 to 3.5e-4 at the worst step over 5 seeds).
+  key = fresh_key()
+  tokens, labels = data(key, TRAIN_STEPS)
+  sharded = train(Float8("tensorwise"), mesh, ROW, tokens, labels, jax.random.fold_in(key, 1))
+  whole_batch = train(Float8("tensorwise"), None, ROW, tokens, labels, jax.random.fold_in(key, 1))
+  assert np.max(np.abs(sharded - whole_batch) / np.abs(sharded)) > 3 * LOSS_RTOL
+
+
+# -------------------------------------------------------------------------------------------
+# Compiled HLO.
+
+K, N = 128, 96
+HLO_CASES = [
+    (Int8MixedPrecision(), ROW, "u8", K // FSDP * N + 4 * N),
+    (Int8MixedPrecision(), TENSOR, "u8", K // FSDP * N + 4),
+    (Float8("tensorwise"), ROW, "u8", K // FSDP * N + 4),
+    (Float8("rowwise"), ROW, "u8", K // FSDP * N + 4 * N),
+    (BitNet(), ROW, "u8", K // FSDP * N // 4 + 4),  # 2-bit packed along N
+]
+
+
+def _one_dense(recipe, dtype, mesh, config):
+  model = jaxlowbit.dense_for(recipe, features=N, dtype=dtype)
+  x = jnp.ones((16, K), dtype)
+  params = model.init(jax.random.key(0), x)["params"]
+  plan = fsdp.plan_for_model(model, params, x, mesh=mesh, config=config)
+  params = fsdp.shard_params(params, plan)
+  scales = fsdp.precompute_scales(params, plan)
+
+  def forward(p, s, x):
+    return fsdp.apply(model, p, x, plan=plan, scales=s)
+
+  f = jax.shard_map(forward, mesh=mesh, in_specs=(plan.specs(), P(), plan.batch_spec()), out_specs=plan.batch_spec())
+  return f, params, scales, x
+
+
+@pytest.mark.parametrize("recipe, config, dtype, message_bytes", HLO_CASES, ids=lambda v: str(v))
+def test_forward_gathers_each_weight_once_in_8_bits(recipe, config, dtype, message_bytes, mesh):
+  f, params, scales, x = _one_dense(recipe, jnp.bfloat16, mesh, config)
+  found = collectives(jax.jit(f).lower(params, scales, x).compile().as_text())
+  print(found)
+  gathers = [c for c in found if c.op == "all-gather"]
+  assert len(gathers) == 1, found
+  assert gathers[0].dtype == dtype
+  assert gathers[0].shape == (FSDP, message_bytes)  # every shard's payload + scale bytes
+  assert not [c for c in found if c.op != "all-gather"], "precomputed scales: no other collective"
+
+
+def test_high_precision_layer_gathers_in_compute_dtype(mesh):
+  f, params, scales, x = _one_dense(None, jnp.bfloat16, mesh, ROW)
+  lowered = jax.jit(f).lower(params, scales, x)
+  program = lowered.as_text()
+  gathers = [line for line in program.splitlines() if "all_gather" in line and "=" in line]
+  assert len(gathers) == 1 and f"tensor<{K}x{N}xbf16>" in gathers[0], gathers
+  # XLA:CPU computes bf16 dots in float32 and hoists that convert above the gather; on the
+  # GPU the compiled gather stays bf16 (benchmarks/fsdp.py reports it).
+  assert len([c for c in collectives(lowered.compile().as_text()) if c.op == "all-gather"]) == 1
+
+
+@pytest.mark.parametrize("remat, gathers", [("save_gathered", 1), ("regather", 2)])
+def test_backward_regathers_per_remat_mode(remat, gathers, mesh):
+  f, params, scales, x = _one_dense(Int8MixedPrecision(), jnp.float32, mesh, FsdpConfig(remat=remat))
+  # grad_input is what needs the weight in the backward (without dx it is not gathered again).
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.square(f(p, scales, x))), argnums=(0, 1)))
+  program = grad.lower(params, x).as_text()
+  # The program JAX hands XLA (XLA:CPU merges the re-gather back, see FsdpConfig.remat).
+  assert program.count("stablehlo.all_gather") == gathers
+  assert program.count("stablehlo.optimization_barrier") == gathers - 1
+  found = collectives(grad.lower(params, x).compile().as_text())
+  scatters = [c for c in found if c.op == "reduce-scatter"]
+  assert len(scatters) == 1 and scatters[0].dtype == "f32" and scatters[0].shape == (K // FSDP, N), found
+  # the kernel shard's gradient is summed over the data axis too; the replicated bias's over all devices
+  assert sorted(c.shape for c in found if c.op == "all-reduce") == [(1, N), (K // FSDP, N)], found
+
+
+def test_precompute_scales_is_one_all_reduce(mesh):
+  keys = jax.random.split(fresh_key(), 7)
+  shapes = {"int8_row": (128, 96), "int8_tensor_like_fp8": (64, 32), "fp8_row": (32, 48), "ternary": (64, 64),
+            "ternary_odd": (6, 16), "hp": (64, 64), "ternary_3d": (8, 16, 32)}
+  params = {name: {"kernel": jax.random.normal(k, s)} for k, (name, s) in zip(keys, shapes.items())}
+  linears = {
+      ("int8_row", "kernel"): Int8MixedPrecision(),
+      ("int8_tensor_like_fp8", "kernel"): Float8("tensorwise"),
+      ("fp8_row", "kernel"): Float8("rowwise"),
+      ("ternary", "kernel"): BitNet(),
+      ("ternary_odd", "kernel"): BitNet(),  # 6 rows: replicated, needs no collective
+      ("hp", "kernel"): None,
+      ("ternary_3d", "kernel"): fsdp.LinearWeight(BitNet(), contract_ndim=2),
+  }
+  plan = fsdp.make_plan(params, mesh, linears)
+  assert plan.shard_dims[("ternary_odd", "kernel")] is None
+  sharded = fsdp.shard_params(params, plan)
+  compute = jax.jit(lambda p: fsdp.precompute_scales(p, plan))
+  found = collectives(compute.lower(sharded).compile().as_text())
+  assert [c.op for c in found] == ["all-reduce"], found
+  scales = compute(sharded)
+  assert set(scales) == {p for p in linears if p[0] != "hp"}
+  for path, lw in plan.linears.items():
+    if lw.recipe is None:
+      continue
+    scaling = plan.scaling(path)
+    w = params[path[0]]["kernel"]
+    full = jax.jit(lambda w: scaling.scale(scaling.statistic(w.reshape(-1, lw.kn(w.shape)[1])), w.size))(w)
+    if scaling is WeightScaling.TERNARY:  # float32 sums round differently per sharding
+      np.testing.assert_allclose(scales[path], full, rtol=1e-6, err_msg=str(path))
+      np.testing.assert_allclose(scales[path], jaxlowbit.quantize_ternary(w)[1], rtol=1e-6)
+    else:  # MAX is exact in any order: the bits of the unsharded scale
+      np.testing.assert_array_equal(scales[path], full, err_msg=str(path))
+  assert plan.scaling(("int8_row", "kernel")) is WeightScaling.INT8_CHANNEL
+  assert scales[("int8_row", "kernel")].shape == (96,)
+
+
+# -------------------------------------------------------------------------------------------
+# Plan rules and errors.
+
+
+def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      h = jaxlowbit.Int8Dense(features=64, name="up")(x)
+      return x + jaxlowbit.BitNetDense(features=32, name="down")(nn.gelu(h)), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+      return stack()(x, None)[0]
+
+  model = Net()
+  x, _, g = _inputs(64, 32, 32)
+  params = model.init(jax.random.key(0), x)["params"]
+  plan = fsdp.plan_for_model(model, params, x, mesh=mesh)
+  assert plan.linears[("ScanBlock_0", "up", "kernel")].stacked_ndim == 1
+  assert plan.shard_dims[("ScanBlock_0", "up", "kernel")] == 1  # [4 layers, K/4, N]
+  assert plan.shard_dims[("ScanBlock_0", "up", "bias")] == 0  # rank 2, 4 layers: gathered before apply
+  assert fsdp.precompute_scales(params, fsdp.plan_for_model(model, params, x, mesh=None)) == {}
+
+  def loss(p, x, g):
+    return jax.lax.psum(jnp.sum(fsdp.apply(model, p, x, plan=plan) * g), ("data", "fsdp"))
+
+  batch = plan.batch_spec()
+  f = jax.shard_map(jax.value_and_grad(loss), mesh=mesh, in_specs=(plan.specs(), batch, batch), out_specs=(P(), plan.specs()))
+  value, grads = jax.jit(f)(fsdp.shard_params(params, plan), x, g)
+  unsharded = fsdp.plan_for_model(model, params, x, mesh=None)
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(
+      lambda p: jnp.sum(jax.vmap(lambda xs, gs: jnp.sum(fsdp.apply(model, p, xs, plan=unsharded) * gs))(
+          x.reshape(8, 8, 32), g.reshape(8, 8, 32)))
+  ))(params)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for path in (("ScanBlock_0", "down", "kernel"), ("ScanBlock_0", "up", "bias")):
+    a, b = (fsdp.plan.flatten(t)[path] for t in (grads, ref_grads))
+    assert rel_err(a, b) < 1e-4, path
+
+
+def test_errors_say_what_to_do(mesh):
+  with pytest.raises(ValueError, match="int8_weight_scaling"):
+    FsdpConfig(int8_weight_scaling="column")
+  with pytest.raises(ValueError, match="remat"):
+    FsdpConfig(remat="sometimes")
+  with pytest.raises(ValueError, match="divide"):
+    fsdp.make_mesh(fsdp=-1, data=3)
+  model = jaxlowbit.convert(TinyNet(None), Int8MixedPrecision())
+  tokens = jnp.zeros((8, 4), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+  with pytest.raises(TypeError, match="unconverted model with recipe="):
+    fsdp.plan_for_model(model, params, tokens, mesh=mesh)
+  # The unconverted model with the recipe: plain Dense layers run it, filter_fqns keeps some high precision.
+  plan = fsdp.plan_for_model(TinyNet(None), params, tokens, mesh=mesh, recipe=Float8(), filter_fqns=("dense_2",))
+  assert plan.linears[("dense_0", "kernel")].recipe == Float8()
+  assert plan.linears[("dense_2", "kernel")].recipe is None
+  x = jnp.ones((8, 100))
+  with pytest.raises(ValueError, match="must end in K=64"):
+    fsdp.fsdp_linear(x, jnp.ones((64, 8)), Int8MixedPrecision())
+  with pytest.raises(ValueError, match="scale must have shape"):
+    fsdp.fsdp_linear(jnp.ones((8, 64)), jnp.ones((64, 8)), Int8MixedPrecision(), scale=jnp.ones(()))
+
+
+# -------------------------------------------------------------------------------------------
+# Two processes through jax.distributed.
+
+MULTIPROCESS_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_step_like_one(tmp_path):
+  seed = int(np.random.SeedSequence().entropy % (2**31))
+  print(f"seed={seed}")
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+  worker = os.path.join(HERE, "fsdp_multiprocess_worker.py")
+  procs = [
+      subprocess.Popen(
+          [sys.executable, worker, str(i), str(port), str(seed), str(tmp_path / f"losses_{i}.json")],
+          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      )
+      for i in range(2)
+  ]
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=MULTIPROCESS_TIMEOUT_S)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  two = [json.loads((tmp_path / f"losses_{i}.json").read_text()) for i in range(2)]
+  assert two[0]["process_count"] == 2 and two[0]["device_count"] == 4
+  assert two[0]["losses"] == two[1]["losses"]
+
+  from fsdp_multiprocess_worker import RECIPE, STEPS, run
+
+  one = run(jax.devices()[:4], seed, RECIPE, STEPS)
+  print("two processes", two[0]["losses"], "one process", one)
+  np.testing.assert_allclose(two[0]["losses"], one, rtol=1e-6)
