@@ -1,10 +1,11 @@
 """The collectives of a compiled XLA program: what FSDP's tests and benchmark count.
 
 ``collectives(jax.jit(f).lower(*args).compile().as_text())`` lists every all-gather,
-all-reduce, reduce-scatter, all-to-all and collective-permute with its result type, in
-program order, whether XLA emitted it synchronously (``all-gather(``) or asynchronously
-(``all-gather-start(``; an op wrapped in ``async-start`` shows as its synchronous form
-inside the wrapped computation).
+all-reduce, reduce-scatter, all-to-all and collective-permute instruction with its result
+arrays, in program order, whether XLA emitted it synchronously (``all-gather(``) or
+asynchronously (``all-gather-start(``; an op wrapped in ``async-start`` shows as its
+synchronous form inside the wrapped computation), and whether XLA combined several into
+one instruction (a tuple of results).
 """
 
 from __future__ import annotations
@@ -24,16 +25,30 @@ _ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective instruction: ``op`` (e.g. ``"all-gather"``), result ``dtype`` and ``shape``."""
+  """One collective instruction: ``op`` (e.g. ``"all-gather"``) and its result arrays ``(dtype, shape)``."""
 
   op: str
-  dtype: str
-  shape: tuple[int, ...]
+  results: tuple[tuple[str, tuple[int, ...]], ...]
+
+  @property
+  def dtype(self) -> str:
+    """Element type of the (single, or every) result."""
+    dtypes = {d for d, _ in self.results}
+    if len(dtypes) != 1:
+      raise ValueError(f"{self.op} has results of several types {sorted(dtypes)}")
+    return dtypes.pop()
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """Shape of the single result (ValueError for a combined collective)."""
+    if len(self.results) != 1:
+      raise ValueError(f"{self.op} combines {len(self.results)} results")
+    return self.results[0][1]
 
   @property
   def bytes(self) -> int:
-    """Bytes of the result (for an all-gather: what every device receives, its own shard included)."""
-    return math.prod(self.shape) * element_bytes(self.dtype)
+    """Bytes of the results (for an all-gather: what every device receives, its own shard included)."""
+    return sum(math.prod(shape) * element_bytes(dtype) for dtype, shape in self.results)
 
 
 def element_bytes(dtype: str) -> int:
@@ -52,11 +67,13 @@ def collectives(hlo_text: str) -> list[Collective]:
     match = _INSTRUCTION.match(line)
     if not match:
       continue
-    arrays = _ARRAY.findall(match["type"])
-    if not arrays:
-      continue
-    dtype, dims = arrays[-1]  # an async start's tuple ends with the result
-    found.append(Collective(match["op"], dtype, tuple(int(d) for d in dims.split(",") if d)))
+    arrays = [(d, tuple(int(v) for v in dims.split(",") if v)) for d, dims in _ARRAY.findall(match["type"])]
+    if match["start"] and match["op"] == "all-gather":
+      arrays = arrays[len(arrays) // 2 :]  # (operands..., results...)
+    elif match["start"] and match["op"] == "collective-permute":
+      arrays = arrays[1:2]  # (operand, result, contexts...)
+    if arrays:
+      found.append(Collective(match["op"], tuple(arrays)))
   return found
 
 
