@@ -1,8 +1,10 @@
-"""One process of test_fsdp's 2-process run: ``python fsdp_multiprocess_worker.py RANK PORT SEED OUT``.
+"""One process of test_fsdp's 2-process run: ``python fsdp_multiprocess_worker.py SEED OUT``.
 
-Each process has 2 CPU devices (XLA_FLAGS from the test); ``jax.distributed.initialize``
-joins them into 4 global devices, CPU collectives run over gloo. The run is
-``fsdp_common.train`` on a 4-device FSDP mesh; each process writes its losses to OUT.
+The test sets ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``;
+``jaxlowbit.fsdp.initialize_distributed`` hands them to ``jax.distributed.initialize``,
+which joins the two processes' 2 CPU devices each into 4 global devices (CPU collectives
+over gloo). The run is ``fsdp_common.train`` on a 4-device FSDP mesh; each process writes
+its losses to OUT.
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ def run(devices, seed: int, recipe=RECIPE, steps: int = STEPS) -> list[float]:
   return [float(v) for v in train(recipe, mesh, fsdp.FsdpConfig(), tokens, labels, jax.random.fold_in(key, 1))]
 
 
-def main(rank: int, port: int, seed: int, out: str) -> None:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-  jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=rank)
+def main(seed: int, out: str) -> None:
+  assert fsdp.initialize_distributed(), "the environment must name a 2-process run"
   losses = run(jax.devices(), seed)
   with open(out, "w") as f:
     json.dump({"losses": losses, "process_count": jax.process_count(), "device_count": jax.device_count()}, f)
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+  main(int(sys.argv[1]), sys.argv[2])

@@ -365,6 +365,15 @@ def test_errors_say_what_to_do(mesh):
     fsdp.fsdp_linear(jnp.ones((8, 64)), jnp.ones((64, 8)), Int8MixedPrecision(), scale=jnp.ones(()))
 
 
+def test_initialize_distributed_needs_all_or_nothing(monkeypatch):
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert fsdp.initialize_distributed() is False  # single process: nothing to join
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS"):
+    fsdp.initialize_distributed()
+
+
 # -------------------------------------------------------------------------------------------
 # Two processes through jax.distributed.
 
@@ -383,11 +392,12 @@ def test_two_processes_step_like_one(tmp_path):
   port = _free_port()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+  env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
   worker = os.path.join(HERE, "fsdp_multiprocess_worker.py")
   procs = [
       subprocess.Popen(
-          [sys.executable, worker, str(i), str(port), str(seed), str(tmp_path / f"losses_{i}.json")],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          [sys.executable, worker, str(seed), str(tmp_path / f"losses_{i}.json")],
+          env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       )
       for i in range(2)
   ]

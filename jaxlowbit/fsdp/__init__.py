@@ -24,6 +24,7 @@ Typical use with a Linen model::
 """
 
 from jaxlowbit.fsdp.config import REMAT_MODES, FsdpConfig
+from jaxlowbit.fsdp.distributed import initialize_distributed
 from jaxlowbit.fsdp.linear import fsdp_linear, global_scale
 from jaxlowbit.fsdp.linen import apply, linears_of, plan_for_model
 from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, make_mesh, make_plan, shard_batch, shard_params
@@ -41,6 +42,7 @@ __all__ = [
     "fsdp_linear",
     "global_scale",
     "init_optimizer",
+    "initialize_distributed",
     "linears_of",
     "make_mesh",
     "make_plan",
