@@ -107,6 +107,19 @@ def test_unsharded_numerics_against_quantized_matmul(recipe, config, identical, 
     assert value < float("inf"), f"{name} was expected to differ"
 
 
+def test_ternary_shards_pack_where_they_divide():
+  from jaxlowbit.fsdp.linear import ternary_pack_axis
+
+  assert ternary_pack_axis((32, 96)) == 1  # along N
+  assert ternary_pack_axis((32, 6)) == 0  # along the shard's K
+  assert ternary_pack_axis((6, 10)) is None  # one byte per value
+  for k, n in ((32, 6), (6, 10)):
+    x, w, g = _inputs(16, k, n)
+    ours, theirs = _fsdp_fwd_bwd(BitNet(), ROW, x, w, g), _qm_fwd_bwd(BitNet(), x, w, g)
+    for a, b in zip(ours, theirs):
+      np.testing.assert_array_equal(a, b)
+
+
 def test_int8_weight_scaling_tensor_vs_row(record_property):
   # Output channels spanning 100x in magnitude: one scale per channel ("row") keeps small
   # channels' precision that a per-tensor scale loses; grad_input pays for "row" with a
@@ -172,27 +185,31 @@ def test_training_sharded_equals_unsharded(recipe, config, mesh):
   print(recipe, config, {k: v for k, v in runs.items()})
   sharded = runs["sharded"]
   assert np.all(np.isfinite(sharded))
-  assert sharded[-1] < 0.99 * sharded[0], "the run must learn for the comparison to mean something"
+  # The run must move for the comparison to mean something: 100x the bound.
+  assert sharded[-1] < (1 - 100 * LOSS_RTOL) * sharded[0]
   # Every step, from the same state: equal losses, updates and next-step scales.
   np.testing.assert_allclose(sharded, runs["lockstep"], rtol=LOSS_RTOL)
   assert runs["param_rel_err"] < LOSS_RTOL
   assert runs["scales_rel_err"] <= (1e-6 if isinstance(recipe, BitNet) else 0.0)  # abs-sums round per sharding
-  if not isinstance(recipe, BitNet):
-    # Free-running runs agree too. (BitNet's do not, reliably: the sharded and unsharded
-    # gradient sums round differently in the last bit, and after a few steps one of the
-    # thousands of weights near +-s/2 flips its ternary value and moves the loss by ~1e-4.)
-    np.testing.assert_allclose(sharded, runs["unsharded"], rtol=LOSS_RTOL)
+  # And the two runs left to themselves. Rounding differences in the summed gradients move a
+  # few weights across a ternary rounding boundary after some steps, so BitNet's runs drift
+  # apart by more (worst of 20 runs 5.6e-6; every other recipe <= 1.8e-7 in 8 runs each).
+  free_running_rtol = 3 * LOSS_RTOL if isinstance(recipe, BitNet) else LOSS_RTOL
+  np.testing.assert_allclose(sharded, runs["unsharded"], rtol=free_running_rtol)
 
 
-def test_training_bound_catches_a_different_run(mesh):
-  # Negative control: an unsharded run that quantizes activations over the whole batch at
-  # once (per-tensor FP8 scales) instead of per device is outside the bound (measured
-  # 1.5e-4 to 3.5e-4 at the worst step over 5 seeds).
+def test_training_bound_catches_shards_in_the_wrong_order(mesh, monkeypatch):
+  # Negative control: a device-order bug (every gathered weight rotated by one shard) is
+  # outside the bound from the first step (a near-uniform first prediction hides most of it).
+  from jaxlowbit.fsdp import wire
+
   key = fresh_key()
-  tokens, labels = data(key, TRAIN_STEPS)
-  sharded = train(Float8("tensorwise"), mesh, ROW, tokens, labels, jax.random.fold_in(key, 1))
-  whole_batch = train(Float8("tensorwise"), None, ROW, tokens, labels, jax.random.fold_in(key, 1))
-  assert np.max(np.abs(sharded - whole_batch) / np.abs(sharded)) > 3 * LOSS_RTOL
+  tokens, labels = data(key, 1)
+  reference = train(Int8MixedPrecision(), None, ROW, tokens, labels, jax.random.fold_in(key, 1))
+  gather = wire.gather
+  monkeypatch.setattr(wire, "gather", lambda message, axis: jnp.roll(gather(message, axis), 1, axis=0))
+  rotated = train(Int8MixedPrecision(), mesh, ROW, tokens, labels, jax.random.fold_in(key, 1))
+  assert abs(rotated[0] - reference[0]) > 10 * LOSS_RTOL * reference[0]  # ~80x in practice
 
 
 # -------------------------------------------------------------------------------------------
@@ -325,16 +342,18 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
   assert plan.shard_dims[("ScanBlock_0", "up", "bias")] == 0  # rank 2, 4 layers: gathered before apply
   assert fsdp.precompute_scales(params, fsdp.plan_for_model(model, params, x, mesh=None)) == {}
 
-  def loss(p, x, g):
-    return jax.lax.psum(jnp.sum(fsdp.apply(model, p, x, plan=plan) * g), ("data", "fsdp"))
+  def loss_fn(p, scales, batch):
+    x, g = batch
+    return jnp.mean(fsdp.apply(model, p, x, plan=plan, scales=scales) * g)
 
-  batch = plan.batch_spec()
-  f = jax.shard_map(jax.value_and_grad(loss), mesh=mesh, in_specs=(plan.specs(), batch, batch), out_specs=(P(), plan.specs()))
-  value, grads = jax.jit(f)(fsdp.shard_params(params, plan), x, g)
+  sharded = fsdp.shard_params(params, plan)
+  batch = fsdp.shard_batch((x, g), plan)
+  value, grads = jax.jit(fsdp.value_and_grad(loss_fn, plan))(sharded, None, batch)
+  np.testing.assert_allclose(jax.jit(fsdp.evaluate(loss_fn, plan))(sharded, None, batch), value, rtol=1e-6)
   unsharded = fsdp.plan_for_model(model, params, x, mesh=None)
   ref_value, ref_grads = jax.jit(jax.value_and_grad(
-      lambda p: jnp.sum(jax.vmap(lambda xs, gs: jnp.sum(fsdp.apply(model, p, xs, plan=unsharded) * gs))(
-          x.reshape(8, 8, 32), g.reshape(8, 8, 32)))
+      lambda p: jnp.mean(jax.lax.map(lambda xg: jnp.mean(fsdp.apply(model, p, xg[0], plan=unsharded) * xg[1]),
+                                     (x.reshape(8, 8, 32), g.reshape(8, 8, 32))))
   ))(params)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   for path in (("ScanBlock_0", "down", "kernel"), ("ScanBlock_0", "up", "bias")):

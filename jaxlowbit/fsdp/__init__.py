@@ -3,24 +3,31 @@
 Each quantized linear quantizes its local weight shard with the weight's global scale and
 all-gathers payload + float32 scales as bytes in ONE collective (ternary packed 2 bits per
 value); gradients come back with ``psum_scatter``; every weight's scale for the next step
-comes from one all-reduce (``precompute_scales``). See ``linear.py`` for the numerics,
-``plan.py`` for the sharding rule.
+comes from one all-reduce (``precompute_scales``). ``linear.py`` has the numerics,
+``plan.py`` the sharding rule, ``scales.py`` the scale all-reduce.
 
-Typical use with a Linen model::
+Typical use with a Linen model (its linears from ``jaxlowbit.dense_for`` / jaxlowbit layers,
+or plain ``nn.Dense`` with ``recipe=`` given to the plan)::
 
     from jaxlowbit import fsdp
+    fsdp.initialize_distributed()                          # multi-host: no-op unless configured
     mesh = fsdp.make_mesh(fsdp=-1)                         # all devices on the FSDP axis
     plan = fsdp.plan_for_model(model, params, example_x, mesh=mesh)
     params = fsdp.shard_params(params, plan)
     opt_state = fsdp.init_optimizer(optimizer, params, plan)
     scales = fsdp.precompute_scales(params, plan)
 
-    def loss_fn(params, scales, batch):                    # one device's view
+    def loss_fn(params, scales, batch):                    # one device's view, inside shard_map
       logits = fsdp.apply(model, params, batch["x"], plan=plan, scales=scales)
       return cross_entropy(logits, batch["y"]).mean()
 
     step = fsdp.train_step(loss_fn, optimizer, plan)
     params, opt_state, scales, loss = step(params, opt_state, scales, fsdp.shard_batch(batch, plan))
+
+Multi-host: start one process per host with your scheduler and set
+``JAX_COORDINATOR_ADDRESS=host0:port``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (or run
+under SLURM / Open MPI / Kubernetes and call ``initialize_distributed(cluster=True)``);
+see ``distributed.py``.
 """
 
 from jaxlowbit.fsdp.config import REMAT_MODES, FsdpConfig
@@ -30,7 +37,7 @@ from jaxlowbit.fsdp.linen import apply, linears_of, plan_for_model
 from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, make_mesh, make_plan, shard_batch, shard_params
 from jaxlowbit.fsdp.scales import precompute_scales
 from jaxlowbit.fsdp.scaling import WeightScaling, weight_scaling
-from jaxlowbit.fsdp.step import init_optimizer, train_step, value_and_grad
+from jaxlowbit.fsdp.step import evaluate, init_optimizer, train_step, value_and_grad
 
 __all__ = [
     "REMAT_MODES",
@@ -39,6 +46,7 @@ __all__ = [
     "LinearWeight",
     "WeightScaling",
     "apply",
+    "evaluate",
     "fsdp_linear",
     "global_scale",
     "init_optimizer",

@@ -34,12 +34,15 @@ INT8, ``"row"`` (default)       identical   grad_input re-quantizes the dequanti
                                             per input channel (two roundings instead of one)
 INT8, ``"tensor"``              per-tensor  grad_input uses the same per-tensor int8 weight
                                 W scale
-high precision (None, INT8      identical   dW accumulated in float32 and returned in the parameter
-output=False)                               dtype; INT8 grad_input quantizes the compute-dtype weight
+high precision (None, INT8      identical   dW accumulated and kept in float32 (quantized_matmul's
+output=False)                               autodiff rounds it to a 16-bit compute dtype first); INT8
+                                            grad_input quantizes the compute-dtype weight
 ==============================  ==========  ======================================================
 
 grad_weight never touches W, so it is identical in every case (before the reduction over
-devices). Activation scales are per device, as in any data-parallel run: per-token scales
+devices). A high-precision grad_input of a low-bit-gathered weight (``Int8MixedPrecision(
+grad_input=False)``) multiplies by the dequantized gathered weight: only the owning device
+has the master weight's rows. Activation scales are per device, as in any data-parallel run: per-token scales
 are unaffected, per-tensor and per-column (over tokens) ones see the local tokens only.
 """
 
@@ -60,6 +63,7 @@ from jaxlowbit.fsdp.scaling import Reduction, WeightScaling, weight_scaling
 from jaxlowbit.matmul import _bitnet_activations, _hp_dot, _lowbit, _match_varying_axes, _plan
 from jaxlowbit.recipes import BitNet, Recipe, check_recipe
 from pallas_kernels import scaled_matmul
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
@@ -179,7 +183,7 @@ def _grad_input(g: jax.Array, w: jax.Array, d, layout: _Layout) -> jax.Array:
   if not plan.grad_input:
     return _hp_dot(g, _dequantize(w, d).T, g.dtype)
   if scaling in (WeightScaling.INT8_TENSOR, WeightScaling.FP8_TENSOR):
-    right = (w, d)  # one scale: the gathered weight is already W quantized per input channel row
+    right = (w, d)  # one scale serves rows and columns alike: the gathered weight as it is
   else:
     right = plan.grad_input[1](_dequantize(w, d))  # per input channel, from the gathered weight
   return scaled_matmul(*plan.grad_input[0](g), *right, g.dtype)

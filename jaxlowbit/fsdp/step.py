@@ -50,6 +50,18 @@ def value_and_grad(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
   return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P(), plan.batch_spec()), out_specs=(P(), specs))
 
 
+def evaluate(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
+  """``f(params, scales, batch) -> loss`` averaged over the batch axes, without gradients (validation)."""
+  if plan.mesh is None:
+    return loss_fn
+  axes = plan.batch_axes
+
+  def local(params, scales, batch):
+    return lax.pmean(loss_fn(params, scales, batch), axes)
+
+  return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.specs(), P(), plan.batch_spec()), out_specs=P())
+
+
 def _constrain(tree, plan: FsdpPlan):
   if plan.mesh is None:
     return tree
@@ -89,4 +101,4 @@ def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: F
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-__all__ = ["init_optimizer", "train_step", "value_and_grad"]
+__all__ = ["evaluate", "init_optimizer", "train_step", "value_and_grad"]
