@@ -340,16 +340,19 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
   assert plan.linears[("ScanBlock_0", "up", "kernel")].stacked_ndim == 1
   assert plan.shard_dims[("ScanBlock_0", "up", "kernel")] == 1  # [4 layers, K/4, N]
   assert plan.shard_dims[("ScanBlock_0", "up", "bias")] == 0  # rank 2, 4 layers: gathered before apply
-  assert fsdp.precompute_scales(params, fsdp.plan_for_model(model, params, x, mesh=None)) == {}
+  sharded = fsdp.shard_params(params, plan)
+  scales = jax.jit(lambda p: fsdp.precompute_scales(p, plan))(sharded)
+  assert scales[("ScanBlock_0", "up", "kernel")].shape == (4, 64)  # INT8 per layer and output channel
+  assert scales[("ScanBlock_0", "down", "kernel")].shape == (4,)  # ternary per layer
 
   def loss_fn(p, scales, batch):
     x, g = batch
     return jnp.mean(fsdp.apply(model, p, x, plan=plan, scales=scales) * g)
 
-  sharded = fsdp.shard_params(params, plan)
   batch = fsdp.shard_batch((x, g), plan)
-  value, grads = jax.jit(fsdp.value_and_grad(loss_fn, plan))(sharded, None, batch)
-  np.testing.assert_allclose(jax.jit(fsdp.evaluate(loss_fn, plan))(sharded, None, batch), value, rtol=1e-6)
+  value, grads = jax.jit(fsdp.value_and_grad(loss_fn, plan))(sharded, scales, batch)
+  in_layer = jax.jit(fsdp.evaluate(loss_fn, plan))  # no precomputed scales: each layer reduces its own
+  np.testing.assert_allclose(in_layer(sharded, None, batch), value, rtol=1e-6)
   unsharded = fsdp.plan_for_model(model, params, x, mesh=None)
   ref_value, ref_grads = jax.jit(jax.value_and_grad(
       lambda p: jnp.mean(jax.lax.map(lambda xg: jnp.mean(fsdp.apply(model, p, xg[0], plan=unsharded) * xg[1]),
@@ -359,6 +362,23 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
   for path in (("ScanBlock_0", "down", "kernel"), ("ScanBlock_0", "up", "bias")):
     a, b = (fsdp.plan.flatten(t)[path] for t in (grads, ref_grads))
     assert rel_err(a, b) < 1e-4, path
+
+
+def test_dropout_draws_differ_per_device(mesh):
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dropout(0.5, deterministic=False)(jaxlowbit.Int8Dense(features=32)(x))
+
+  model, x = Net(), jnp.ones((64, 16))  # every device gets the same 8 rows
+  params = model.init(jax.random.key(0), x)["params"]
+  plan = fsdp.plan_for_model(model, params, x, mesh=mesh, rngs={"dropout": jax.random.key(1)})
+  f = jax.shard_map(
+      lambda p, x, key: fsdp.apply(model, p, x, plan=plan, rngs={"dropout": key}),
+      mesh=mesh, in_specs=(plan.specs(), plan.batch_spec(), P()), out_specs=plan.batch_spec(),
+  )
+  kept = np.asarray(jax.jit(f)(fsdp.shard_params(params, plan), x, fresh_key()) != 0).reshape(8, 8, 32)
+  assert len({m.tobytes() for m in kept}) == 8  # eight devices, eight different masks
 
 
 def test_errors_say_what_to_do(mesh):

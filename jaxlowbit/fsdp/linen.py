@@ -32,6 +32,10 @@ from jaxlowbit.fsdp.scales import Scales
 from jaxlowbit.layers import _LowBitDenseGeneral
 from jaxlowbit.recipes import Recipe, check_recipe
 
+# Name of the parameter that ``apply`` puts beside each kernel to hand its layer the
+# precomputed scale: as a parameter it is sliced per layer by nn.scan like the kernel.
+SCALE_PARAM = "jaxlowbit_fsdp_scale"
+
 
 def _as_tuple(x) -> tuple[int, ...]:
   return tuple(x) if isinstance(x, Sequence) else (x,)
@@ -149,11 +153,12 @@ def plan_for_model(
   return make_plan(params, mesh, linears, config)
 
 
-def _fsdp_dense(module: nn.Module, inputs, linear: LinearWeight, axis_name, scale, config: FsdpConfig):
+def _fsdp_dense(module: nn.Module, inputs, linear: LinearWeight, axis_name, config: FsdpConfig):
   """``DenseGeneral``'s computation with the dot run by ``fsdp_linear`` on the local kernel."""
   features = _as_tuple(module.features)
   axes = _contract_axes(module, inputs.ndim)
   kernel = module.get_variable("params", "kernel")  # the local shard: no shape check
+  scale = module.get_variable("params", SCALE_PARAM)  # None: the layer reduces its own
   bias = module.get_variable("params", "bias") if module.use_bias else None
   inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
   free = tuple(a for a in range(inputs.ndim) if a not in axes)
@@ -165,6 +170,14 @@ def _fsdp_dense(module: nn.Module, inputs, linear: LinearWeight, axis_name, scal
   if bias is not None:
     y = y + bias.reshape((1,) * len(free_shape) + features)
   return y
+
+
+def _batch_index(plan: FsdpPlan) -> jax.Array:
+  """This device's position along the batch axes (data-major), inside shard_map."""
+  index = 0
+  for name in plan.batch_axes:
+    index = index * lax.axis_size(name) + lax.axis_index(name)
+  return index
 
 
 def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scales | None = None, method=None, **kwargs):
@@ -179,18 +192,30 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
     scales: from :func:`jaxlowbit.fsdp.precompute_scales` for these parameters; a linear
       without an entry reduces its own scale (one all-reduce).
 
+  ``rngs`` (e.g. dropout) are folded with the device's index along the batch axes, so each
+  device draws for its own examples.
+
   Returns:
     What ``model.apply`` returns. Differentiable in ``params``: sharded leaves get their
     shard of the gradient (reduce-scattered), replicated leaves the full one.
   """
   axis = plan.config.fsdp_axis
-  scales = {} if scales is None else scales
   sharded = plan.mesh is not None
   flat = dict(flatten(params))
   for path, leaf in flat.items():
     dim = plan.shard_dims.get(path)
     if sharded and dim is not None and path not in plan.linears:
       flat[path] = lax.all_gather(leaf, axis, axis=dim, tiled=True)
+  for path, scale in (scales or {}).items():
+    if path not in plan.linears:
+      raise ValueError(f"FSDP: scales name {'/'.join(path)}, which is not a linear of the plan")
+    flat[path[:-1] + (SCALE_PARAM,)] = lax.stop_gradient(scale)
+  if sharded and kwargs.get("rngs") is not None:
+    index = _batch_index(plan)
+    rngs = kwargs["rngs"]
+    rngs = {name: jax.random.fold_in(key, index) for name, key in rngs.items()} if isinstance(rngs, Mapping) else (
+        jax.random.fold_in(rngs, index))
+    kwargs = {**kwargs, "rngs": rngs}
 
   def intercept(next_fun, call_args, call_kwargs, context):
     module = context.module
@@ -201,7 +226,7 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
     if linear is None:
       raise ValueError(f"FSDP: linear {'/'.join(path)} was not seen when the plan was made; plan with the same call")
     axis_name = axis if sharded and plan.shard_dims[path] is not None else None
-    return _fsdp_dense(module, _inputs(call_args, call_kwargs), linear, axis_name, scales.get(path), plan.config)
+    return _fsdp_dense(module, _inputs(call_args, call_kwargs), linear, axis_name, plan.config)
 
   with nn.intercept_methods(intercept):
     return model.apply({"params": unflatten(flat)}, *args, method=method, **kwargs)

@@ -14,13 +14,13 @@ so all devices finish with the same bits (a ``psum`` would not promise that), an
 per-channel amaxes, the bulk of the vector, are not repeated n times.
 
 Weights that are replicated (not sharded) have global statistics locally and join no
-collective; kernels stacked by ``nn.scan`` get no precomputed scale (their layer reduces
-its own, see ``jaxlowbit.fsdp.linear.global_scale``).
+collective. Kernels stacked by ``nn.scan`` get one scale per layer (``[layers]`` or
+``[layers, N]``), which ``jaxlowbit.fsdp.apply`` hands to the scanned body beside the
+kernel, so every layer finds its own.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
@@ -35,8 +35,8 @@ Scales = dict[Path, jax.Array]  # {kernel path: float32 () or [N] scale}
 
 
 def scaled_paths(plan: FsdpPlan) -> list[Path]:
-  """Kernels that get a precomputed scale: quantized, not stacked, in a fixed order."""
-  return sorted(p for p, lw in plan.linears.items() if plan.scaling(p).quantized and lw.stacked_ndim == 0)
+  """Kernels that get a precomputed scale (the quantized ones), in a fixed order."""
+  return sorted(p for p in plan.linears if plan.scaling(p).quantized)
 
 
 def _local_scales(kernels: Mapping[Path, jax.Array], plan: FsdpPlan) -> Scales:
@@ -46,33 +46,34 @@ def _local_scales(kernels: Mapping[Path, jax.Array], plan: FsdpPlan) -> Scales:
   for path in scaled_paths(plan):
     linear, scaling = plan.linears[path], plan.scaling(path)
     w = lax.stop_gradient(kernels[path])
-    stat = scaling.statistic(w.reshape(-1, linear.kn(w.shape)[1]))
+    stack = w.shape[: linear.stacked_ndim]
+    stat = scaling.statistic(w.reshape(*stack, -1, linear.kn(w.shape)[1]))  # [*stack, S]
     stats[path] = stat
     if plan.shard_dims[path] is None:
       continue
     if scaling.reduction is Reduction.SUM:  # this device's sum in its own of n slots
-      stat = jnp.zeros((n,), stat.dtype).at[lax.axis_index(axis)].set(stat[0])
+      stat = jnp.zeros((*stack, n), stat.dtype).at[..., lax.axis_index(axis)].set(stat[..., 0])
     sharded.append(path)
     parts.append(stat)
 
   if parts:
-    reduced = lax.pmax(jnp.concatenate(parts), axis)  # the one collective
+    reduced = lax.pmax(jnp.concatenate([p.reshape(-1) for p in parts]), axis)  # the one collective
     offset = 0
     for path, part in zip(sharded, parts):
-      stats[path] = reduced[offset : offset + part.size]
+      stats[path] = reduced[offset : offset + part.size].reshape(part.shape)
       offset += part.size
 
   scales = {}
   for path, stat in stats.items():
-    shape = list(kernels[path].shape)
+    k, n_out = plan.linears[path].kn(kernels[path].shape)
     if plan.shard_dims[path] is not None:
-      shape[0] *= n  # local shard -> whole weight
-    scales[path] = plan.scaling(path).scale(stat, math.prod(shape))
+      k *= n  # local shard -> whole weight
+    scales[path] = plan.scaling(path).scale(stat, k * n_out)
   return scales
 
 
 def precompute_scales(params: Mapping, plan: FsdpPlan) -> Scales:
-  """Global scale of every quantized, unstacked linear kernel: ``{path: float32 () or [N]}``.
+  """Global scale of every quantized linear kernel: ``{path: float32 () or [N]}`` (stacked: per layer).
 
   Args:
     params: the parameter tree, sharded per ``plan`` (``shard_params``) or, for an

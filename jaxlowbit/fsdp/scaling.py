@@ -77,28 +77,30 @@ class WeightScaling(enum.Enum):
     return n if self.per_channel else 1
 
   def statistic(self, w: jax.Array) -> jax.Array:
-    """float32 statistic of a (local) ``[K', N]`` weight: amax ``[N]`` or ``[1]``, abs-sum ``[1]``."""
+    """float32 statistic of a (local) ``[..., K', N]`` weight: amax ``[..., N]`` or ``[..., 1]``,
+    abs-sum ``[..., 1]`` (leading dims: layers stacked by ``nn.scan``)."""
     a = jnp.abs(w.astype(jnp.float32))
     if self.per_channel:
-      return jnp.max(a, axis=0)
+      return jnp.max(a, axis=-2)
     if self is WeightScaling.TERNARY:
-      return jnp.sum(a).reshape(1)
-    return jnp.max(a).reshape(1)
+      return jnp.sum(a, axis=(-2, -1))[..., None]
+    return jnp.max(a, axis=(-2, -1))[..., None]
 
   def scale(self, statistic: jax.Array, count: int) -> jax.Array:
-    """The quantizer's scale from the global statistic (``count`` = K * N, used by the abs-mean).
+    """The quantizer's scale ``[..., N]`` or ``[...]`` from the global statistic ``[..., S]``.
 
-    A SUM statistic may come as the ``[n]`` per-shard sums; they are added here, in order.
+    ``count`` is K * N, for the abs-mean. A SUM statistic may come as ``[..., n]`` per-shard
+    sums; they are added here, in order.
     """
     if self in (WeightScaling.INT8_TENSOR, WeightScaling.INT8_CHANNEL):
       s = int8.int8_scale(statistic)
     elif self in (WeightScaling.FP8_TENSOR, WeightScaling.FP8_CHANNEL):
       s = fp8.fp8_scale(statistic, fp8.E4M3, power_of_two=self.per_channel)
     elif self is WeightScaling.TERNARY:
-      s = ternary.ternary_scale(jnp.sum(statistic) / np.float32(count))  # a literal, as in jnp.mean
+      s = ternary.ternary_scale(jnp.sum(statistic, axis=-1, keepdims=True) / np.float32(count))  # a literal, as in jnp.mean
     else:
       raise ValueError("a high-precision weight has no scale")
-    return s.reshape(-1) if self.per_channel else s.reshape(())
+    return s if self.per_channel else s[..., 0]
 
   def quantize(self, w: jax.Array, scale: jax.Array) -> jax.Array:
     """``[K', N]`` payload of a (local) weight quantized with the global ``scale``."""
