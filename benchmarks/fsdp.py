@@ -6,11 +6,13 @@ Run from the repository root (no network needed)::
     PYTHONPATH=. python benchmarks/fsdp.py --layers 4 --variants bf16,int8-row --out quick.json
 
 speed: a ~1B-parameter stack of transformer-shaped linears (per block: four D x D
-projections and a SwiGLU MLP D -> H -> D, RMSNorms between; no attention mixing), fp32
-master weights, bf16 compute, AdamW, FSDP over every device (``--data`` for HSDP). For each
+projections and a SwiGLU MLP D -> H -> D, RMSNorms between; no attention mixing; blocks
+under ``nn.scan``), fp32 master weights, bf16 compute, AdamW, FSDP over every device
+(``--data`` for HSDP). For each
 variant it compiles one ``jaxlowbit.fsdp.train_step`` and reports, from the compiled
-program, every collective's bytes (all-gather: what each device receives per step), the
-gather element types, and the median step time over ``--steps`` steps.
+program, every collective's executions and bytes per step (loop trip counts included;
+all-gather: what each device receives), the gather element types, and the median step
+time over ``--steps`` steps.
 
 accuracy: SQNR (dB, against float64) of output, grad_input and grad_weight of one INT8
 linear with ``int8_weight_scaling="tensor"`` vs ``"row"`` (and unsharded
@@ -62,17 +64,19 @@ class Block(nn.Module):
   hidden: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, _):
     dense = functools.partial(jaxlowbit.dense_for, self.recipe, use_bias=False, dtype=jnp.bfloat16)
     h = nn.RMSNorm(dtype=jnp.bfloat16)(x)
     q, k, v = (dense(features=self.dim, name=n)(h) for n in ("q", "k", "v"))
     x = x + dense(features=self.dim, name="o")(q * jax.nn.sigmoid(k) + v)  # stand-in for attention
     h = nn.RMSNorm(dtype=jnp.bfloat16)(x)
     gate, up = dense(features=self.hidden, name="gate")(h), dense(features=self.hidden, name="up")(h)
-    return x + dense(features=self.dim, name="down")(nn.silu(gate) * up)
+    return x + dense(features=self.dim, name="down")(nn.silu(gate) * up), None
 
 
 class Stack(nn.Module):
+  """``layers`` Blocks under ``nn.scan`` (kernels ``[layers, K, N]``, sharded along K), as train/ does."""
+
   recipe: object
   layers: int
   dim: int
@@ -80,9 +84,8 @@ class Stack(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    for i in range(self.layers):
-      x = Block(self.recipe, self.dim, self.hidden, name=f"block_{i}")(x)
-    return x
+    stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
+    return stack(self.recipe, self.dim, self.hidden, name="blocks")(x, None)[0]
 
 
 def _commit() -> str | None:
@@ -94,11 +97,13 @@ def _commit() -> str | None:
 
 
 def _summarize(found) -> dict:
+  """Per collective op: instructions, executions and bytes per step (loops counted), element types."""
   by_op: dict[str, dict] = {}
   for c in found:
-    entry = by_op.setdefault(c.op, {"count": 0, "bytes": 0, "dtypes": set()})
-    entry["count"] += 1
-    entry["bytes"] += c.bytes
+    entry = by_op.setdefault(c.op, {"instructions": 0, "count": 0, "bytes": 0, "dtypes": set()})
+    entry["instructions"] += 1
+    entry["count"] += c.executions
+    entry["bytes"] += c.bytes_per_run
     entry["dtypes"].update(dtype for dtype, _ in c.results)
   return {op: {**e, "dtypes": sorted(e["dtypes"])} for op, e in by_op.items()}
 

@@ -344,6 +344,14 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
   scales = jax.jit(lambda p: fsdp.precompute_scales(p, plan))(sharded)
   assert scales[("ScanBlock_0", "up", "kernel")].shape == (4, 64)  # INT8 per layer and output channel
   assert scales[("ScanBlock_0", "down", "kernel")].shape == (4,)  # ternary per layer
+  forward = jax.shard_map(lambda p, s, x: fsdp.apply(model, p, x, plan=plan, scales=s), mesh=mesh,
+                          in_specs=(plan.specs(), P(), plan.batch_spec()), out_specs=plan.batch_spec())
+  found = collectives(jax.jit(forward).lower(sharded, scales, x).compile().as_text())
+  # per layer: the two kernels' 8-bit gathers (32 rows/4 x 64 int8 + 64 scales; 64/4 x 32/4
+  # packed ternary + 1 scale); once: the stacked biases; no scale all-reduce in the loop
+  assert sorted((c.op, c.dtype, c.shape, c.executions) for c in found) == [
+      ("all-gather", "f32", (4, 32), 1), ("all-gather", "f32", (4, 64), 1),
+      ("all-gather", "u8", (4, 16 * 8 + 4), 4), ("all-gather", "u8", (4, 8 * 64 + 4 * 64), 4)]
 
   def loss_fn(p, scales, batch):
     x, g = batch

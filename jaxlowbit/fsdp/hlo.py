@@ -2,10 +2,12 @@
 
 ``collectives(jax.jit(f).lower(*args).compile().as_text())`` lists every all-gather,
 all-reduce, reduce-scatter, all-to-all and collective-permute instruction with its result
-arrays, in program order, whether XLA emitted it synchronously (``all-gather(``) or
-asynchronously (``all-gather-start(``; an op wrapped in ``async-start`` shows as its
-synchronous form inside the wrapped computation), and whether XLA combined several into
-one instruction (a tuple of results).
+arrays and how many times one run of the program executes it (the product of the known
+trip counts of the while loops around it, e.g. ``nn.scan`` over layers), in program order;
+whether XLA emitted it synchronously (``all-gather(``) or asynchronously
+(``all-gather-start(``; an op wrapped in ``async-start`` shows as its synchronous form
+inside the wrapped computation), and whether XLA combined several into one instruction
+(a tuple of results).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLEES = re.compile(r"(?P<key>body|calls|to_apply|condition|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,7 @@ class Collective:
 
   op: str
   results: tuple[tuple[str, tuple[int, ...]], ...]
+  executions: int = 1  # per run of the program (loop trip counts; 1 outside loops)
 
   @property
   def dtype(self) -> str:
@@ -47,8 +54,12 @@ class Collective:
 
   @property
   def bytes(self) -> int:
-    """Bytes of the results (for an all-gather: what every device receives, its own shard included)."""
+    """Bytes of the results of one execution (all-gather: what every device receives, own shard included)."""
     return sum(math.prod(shape) * element_bytes(dtype) for dtype, shape in self.results)
+
+  @property
+  def bytes_per_run(self) -> int:
+    return self.bytes * self.executions
 
 
 def element_bytes(dtype: str) -> int:
@@ -61,9 +72,32 @@ def element_bytes(dtype: str) -> int:
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective in ``hlo_text`` (``Compiled.as_text()``), in order of appearance."""
-  found = []
+  """Every collective in ``hlo_text`` (``Compiled.as_text()``), in order of appearance.
+
+  A while loop without a known trip count counts its body once.
+  """
+  found: list[tuple[str, str, tuple]] = []  # (computation, op, results)
+  calls: dict[str, list[tuple[str, int]]] = {}  # callee -> [(caller, times per caller run)]
+  entry, current = None, None
   for line in hlo_text.splitlines():
+    if line.startswith("}"):
+      current = None
+      continue
+    header = _COMPUTATION.match(line) if current is None else None
+    if header:
+      current = header["name"]
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is None:
+      continue
+    trip = _TRIP_COUNT.search(line)
+    for callee in _CALLEES.finditer(line):
+      times = int(trip["n"]) if trip and callee["key"] == "body" else 1
+      calls.setdefault(callee["name"], []).append((current, times))
+    branches = _BRANCHES.search(line)
+    for name in branches["names"].split(",") if branches else ():
+      calls.setdefault(name.strip().lstrip("%"), []).append((current, 1))
     match = _INSTRUCTION.match(line)
     if not match:
       continue
@@ -73,8 +107,20 @@ def collectives(hlo_text: str) -> list[Collective]:
     elif match["start"] and match["op"] == "collective-permute":
       arrays = arrays[1:2]  # (operand, result, contexts...)
     if arrays:
-      found.append(Collective(match["op"], tuple(arrays)))
-  return found
+      found.append((current, match["op"], tuple(arrays)))
+
+  memo: dict[str, int] = {}
+
+  def executions(name: str, seen: frozenset = frozenset()) -> int:
+    if name == entry or name not in calls:
+      return 1
+    if name in seen:  # malformed recursion: count once
+      return 1
+    if name not in memo:
+      memo[name] = sum(times * executions(caller, seen | {name}) for caller, times in calls[name])
+    return memo[name]
+
+  return [Collective(op, results, executions(comp)) for comp, op, results in found]
 
 
 __all__ = ["COLLECTIVE_OPS", "Collective", "collectives", "element_bytes"]

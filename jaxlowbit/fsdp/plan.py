@@ -89,10 +89,15 @@ class FsdpPlan:
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
-    """Mesh axes the batch's leading dimension is sharded over: (data, fsdp) present in the mesh."""
+    """Mesh axes the batch's leading dimension is sharded over: data and fsdp, where present.
+
+    An axis of size 1 is left out: sharding over it changes nothing but would make every
+    gradient of a data-replicated weight go through a (no-op) all-reduce over it.
+    """
     if self.mesh is None:
       return ()
-    return tuple(a for a in (self.config.data_axis, self.config.fsdp_axis) if a in self.mesh.axis_names)
+    names = (self.config.data_axis, self.config.fsdp_axis)
+    return tuple(a for a in names if a in self.mesh.axis_names and self.mesh.shape[a] > 1)
 
   def spec(self, path: Path) -> P:
     dim = self.shard_dims[path]
