@@ -47,6 +47,12 @@ def _operands(m, n, k, seed=0):
   return a16, b16, a8, b8, sa, sb
 
 
+def _xla_fp8_dot_scalar_scales(a, sa, b, sb):
+  # FP8 dot straight to bf16 with the two scalar scales folded into one multiply.
+  out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+  return (out * (sa * sb).astype(jnp.bfloat16)).astype(jnp.bfloat16)
+
+
 def _xla_fp8_tensorwise(a, sa, b, sb):
   # The dequantize-then-dot pattern XLA rewrites into one cuBLASLt FP8 GEMM with scalar scales.
   return jax.lax.dot_general(
@@ -69,7 +75,9 @@ def gemm_variants(m, n, k, config=None):
       "pallas_int8_rowcol": (jax.jit(pallas), (a8, sa, b8, sb), ref),
       "xla_fp8_rowwise": (jax.jit(ref), (f8a, sa, f8b, sb), None),
       "pallas_fp8_rowwise": (jax.jit(pallas), (f8a, sa, f8b, sb), ref),
-      "xla_fp8_tensorwise_cublaslt": (jax.jit(_xla_fp8_tensorwise), (f8a, one * 0.5, f8b, one * 2.0), None),
+      "xla_fp8_tensorwise_dequant_dot": (jax.jit(_xla_fp8_tensorwise), (f8a, one * 0.5, f8b, one * 2.0), None),
+      "xla_fp8_tensorwise_dot": (jax.jit(_xla_fp8_dot_scalar_scales), (f8a, one * 0.5, f8b, one * 2.0), None),
+      "xla_fp8_tensorwise_ref": (jax.jit(ref), (f8a, one * 0.5, f8b, one * 2.0), None),
       "pallas_fp8_tensorwise": (jax.jit(pallas), (f8a, one * 0.5, f8b, one * 2.0), ref),
       "pallas_fp8_e4m3_e5m2": (jax.jit(pallas), (f8a, sa, f8g, sb), ref),
   }
@@ -113,7 +121,7 @@ def tune(m, n, k, dtype="int8"):
   rows = []
   space = itertools.product(
       [(128, 128, hopper_gemm.Dim.N), (128, 128, hopper_gemm.Dim.M), (128, 64, hopper_gemm.Dim.N), (64, 128, hopper_gemm.Dim.M)],
-      [128], [3, 4], [hopper_gemm.Dim.N, hopper_gemm.Dim.M], [4, 8, 16],
+      [128], [3, 4], [hopper_gemm.Dim.N, hopper_gemm.Dim.M], [8],
   )
   for (tm, tn, wgd), tk, stages, minor, width in space:
     cfg = hopper_gemm.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages, grid_minor_dim=minor,
@@ -145,7 +153,7 @@ def bench_quantize(m=16384, k=8192):
         "rows": (quantize_rows_reference, qkernels.quantize_rows_kernel, x.size * (2 + out_bytes)),
         "cols_t": (quantize_cols_t_reference, qkernels.quantize_cols_t_kernel, x.size * (2 + out_bytes)),
         "rows+cols_t": (
-            lambda x, s: (quantize_rows_reference(x, s), quantize_cols_t_reference(x, s)),
+            lambda x, spec: (quantize_rows_reference(x, spec), quantize_cols_t_reference(x, spec)),
             qkernels.quantize_rows_and_cols_t_kernel,
             x.size * (2 + 2 * out_bytes),  # ideal: one read, two writes
         ),
@@ -170,6 +178,29 @@ def bench_quantize(m=16384, k=8192):
   return rows
 
 
+def tune_quantize(m=16384, k=8192):
+  """Sweep the row kernel's block shape (rows per program, columns per load, warps)."""
+  x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+  copy_ms = time_ms(jax.jit(lambda x: x * 2), x)
+  copy_gbs = 2 * x.size * 2 / copy_ms / 1e6
+  rows = []
+  for spec in (QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True)):
+    for block, chunk, warps in itertools.product([8, 16, 32], [512, 1024, 2048], [4, 8]):
+      if block * chunk > 32768:
+        continue
+      qkernels.ROW_BLOCK, qkernels.COL_CHUNK, qkernels.NUM_WARPS = block, chunk, warps
+      row = {"spec": spec.dtype, "block": block, "chunk": chunk, "warps": warps}
+      try:
+        fn = jax.jit(functools.partial(qkernels.quantize_rows_kernel, spec=spec))
+        ms = time_ms(fn, x)
+        row.update(ms=ms, of_copy=x.size * (2 + jnp.dtype(spec.dtype).itemsize) / ms / 1e6 / copy_gbs)
+      except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+      rows.append(row)
+  rows.sort(key=lambda r: -r.get("of_copy", 0))
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--sizes", type=int, nargs="*", default=[8192], help="square sizes M=N=K")
@@ -177,6 +208,7 @@ def main():
   parser.add_argument("--tune", type=int, nargs=3, metavar=("M", "N", "K"))
   parser.add_argument("--tune-dtype", default="int8", choices=["int8", "fp8"])
   parser.add_argument("--quantize", action="store_true")
+  parser.add_argument("--tune-quantize", action="store_true")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/<name>.json)")
   args = parser.parse_args()
   if args.tune:
@@ -184,6 +216,10 @@ def main():
     path = write_json(f"gemm_tune_{args.tune_dtype}", rows, args.out)
     print(table(rows[:12], ["tops", "ms", "tile_m", "tile_n", "stages", "grid_minor_dim", "grid_tile_width",
                             "wg_dimension", "error"]))
+  elif args.tune_quantize:
+    rows = tune_quantize()
+    path = write_json("quantize_tune", rows, args.out)
+    print(table(rows[:10], ["spec", "block", "chunk", "warps", "ms", "of_copy", "error"]))
   elif args.quantize:
     rows = bench_quantize()
     path = write_json("quantize", rows, args.out)

@@ -7,7 +7,7 @@
 for int8 x int8 (exact int32 accumulation) or fp8 x fp8 (e4m3/e5m2, float32 accumulation),
 writing bf16 or float32. Both operands are K-major (``b`` is ``[N, K]``), which is what
 wgmma requires of 8-bit operands: the B tile is staged as ``[tile_n, tile_k]`` and handed to
-wgmma through ``transpose_ref``. The kernel is persistent (one CTA per SM walking output
+wgmma through a transposed view of the ref. The kernel is persistent (one CTA per SM walking output
 tiles in a planar-snake order for L2 reuse), the K loop is a TMA pipeline with a dedicated
 memory warpgroup (warp specialization) and two compute warpgroups, and the epilogue
 multiplies the accumulator by the row and column scales in registers before a swizzled
@@ -177,7 +177,7 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: GemmConfig):
 
       def mma(_, a_smem, b_smem, acc_ref):
         # 8-bit wgmma needs K-major B: the [tile_n, tile_k] tile viewed as [tile_k, tile_n].
-        plgpu.wgmma(acc_ref, a_smem.at[wg_m], plgpu.transpose_ref(b_smem.at[wg_n], (1, 0)))
+        plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[wg_n].transpose((1, 0)))
         plgpu.wgmma_wait(0)
         return acc_ref
 

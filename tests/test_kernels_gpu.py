@@ -64,7 +64,12 @@ def test_scaled_gemm_matches_reference(dtypes, out_dtype, per_tensor):
   got = scaled_matmul_hopper(a, sa, b, sb, out_dtype)
   want = scaled_matmul_reference(a, sa, b, sb, jnp.float32)
   assert got.dtype == out_dtype and got.shape == (m, n)
-  tol = 4e-3 if out_dtype == jnp.bfloat16 else 1e-6
+  # bf16 output rounds each element once (2**-9). int8 sums are exact; Hopper's FP8 wgmma
+  # accumulates with fewer than 23 mantissa bits, so FP8 float32 outputs differ at ~4e-4.
+  if out_dtype == jnp.bfloat16:
+    tol = 4e-3
+  else:
+    tol = 1e-6 if dtypes[0] == jnp.int8 else 2e-3
   assert rel_err(got, want) <= tol
 
 
