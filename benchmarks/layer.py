@@ -94,6 +94,7 @@ def run(shapes, backends, recipes):
     rows.append({"shape": f"D={d} H={h} T={t}", "recipe": "bf16", "backend": "xla", "ms": base_ms,
                  "speedup": 1.0, "tflops": flops / base_ms / 1e9})
     print(rows[-1], flush=True)
+    xla_results = {}
     for backend in backends:
       os.environ[BACKEND_ENV] = backend
       for name in recipes:
@@ -104,6 +105,11 @@ def run(shapes, backends, recipes):
           row["sqnr_out"] = sqnr(out, ref_out)
           row["sqnr_dw_down"] = sqnr(grads[0][0][2], ref_grads[0][0][2])
           row["sqnr_dx"] = sqnr(grads[1], ref_grads[1])
+          if backend == "xla":
+            xla_results[name] = (out, grads[1])
+          elif name in xla_results:  # kernels against the XLA path of the same recipe
+            row["sqnr_out_vs_xla"] = sqnr(out, xla_results[name][0])
+            row["sqnr_dx_vs_xla"] = sqnr(grads[1], xla_results[name][1])
           row["transposes"] = count_transposes(step, params, x, cot)
           ms = time_ms(step, params, x, cot, iters=3, reps=3)
           row.update(ms=ms, speedup=base_ms / ms, tflops=flops / ms / 1e9)
@@ -126,7 +132,7 @@ def main():
   rows = run(shapes, args.backends, args.recipes)
   path = write_json("layer", rows, args.out)
   print(table(rows, ["shape", "recipe", "backend", "ms", "speedup", "tflops", "sqnr_out", "sqnr_dw_down", "sqnr_dx",
-                     "transposes", "error"]))
+                     "sqnr_out_vs_xla", "transposes", "error"]))
   print("wrote", path)
 
 

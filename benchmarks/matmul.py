@@ -120,12 +120,12 @@ def tune(m, n, k, dtype="int8"):
   ref = functools.partial(scaled_matmul_reference, out_dtype=jnp.bfloat16)
   rows = []
   space = itertools.product(
-      [(128, 128, hopper_gemm.Dim.N), (128, 128, hopper_gemm.Dim.M), (128, 64, hopper_gemm.Dim.N), (64, 128, hopper_gemm.Dim.M)],
-      [128], [3, 4], [hopper_gemm.Dim.N, hopper_gemm.Dim.M], [8],
+      [(128, 128, hopper_gemm.Dim.N), (128, 128, hopper_gemm.Dim.M)],
+      [3, 4], [hopper_gemm.Dim.N, hopper_gemm.Dim.M], [8], [0, 1],
   )
-  for (tm, tn, wgd), tk, stages, minor, width in space:
-    cfg = hopper_gemm.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages, grid_minor_dim=minor,
-                                 grid_tile_width=width, wg_dimension=wgd)
+  for (tm, tn, wgd), stages, minor, width, in_flight in space:
+    cfg = hopper_gemm.GemmConfig(tile_m=tm, tile_n=tn, stages=stages, grid_minor_dim=minor,
+                                 grid_tile_width=width, wg_dimension=wgd, wgmma_in_flight=in_flight)
     fn = jax.jit(functools.partial(hopper_gemm.scaled_matmul_hopper, out_dtype=jnp.bfloat16, config=cfg))
     row = {"dtype": dtype, "m": m, "n": n, "k": k, **{f: str(v) for f, v in dataclasses.asdict(cfg).items()}}
     try:
@@ -215,7 +215,7 @@ def main():
     rows = tune(*args.tune, dtype=args.tune_dtype)
     path = write_json(f"gemm_tune_{args.tune_dtype}", rows, args.out)
     print(table(rows[:12], ["tops", "ms", "tile_m", "tile_n", "stages", "grid_minor_dim", "grid_tile_width",
-                            "wg_dimension", "error"]))
+                            "wg_dimension", "wgmma_in_flight", "error"]))
   elif args.tune_quantize:
     rows = tune_quantize()
     path = write_json("quantize_tune", rows, args.out)

@@ -54,6 +54,8 @@ class GemmConfig:
     epi_tile_m, epi_tile_n: epilogue store tile (output staged through shared memory).
     grid_minor_dim, grid_tile_width: planar-snake order of output tiles (L2 reuse).
     wg_dimension: how the two compute warpgroups split the CTA tile.
+    wgmma_in_flight: wgmma groups left running when a K step ends (0 or 1); with 1 the
+      pipeline releases each shared-memory slot one step later.
   """
 
   tile_m: int = 128
@@ -65,6 +67,7 @@ class GemmConfig:
   grid_minor_dim: Dim = Dim.N
   grid_tile_width: int = 8
   wg_dimension: Dim = Dim.N
+  wgmma_in_flight: int = 0
 
   @property
   def cta_tile_m(self) -> int:
@@ -120,8 +123,14 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: GemmConfig):
         grid=(k_iters,),
         memory_registers=MEMORY_WARPGROUP_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((cta_tile_m, tile_k), lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM),
+            plgpu.BlockSpec(
+                (cta_tile_m, tile_k), lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM,
+                delay_release=config.wgmma_in_flight,
+            ),
+            plgpu.BlockSpec(
+                (cta_tile_n, tile_k), lambda ki: (0, ki), transforms=transforms, memory_space=plgpu.SMEM,
+                delay_release=config.wgmma_in_flight,
+            ),
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -178,7 +187,7 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: GemmConfig):
       def mma(_, a_smem, b_smem, acc_ref):
         # 8-bit wgmma needs K-major B: the [tile_n, tile_k] tile viewed as [tile_k, tile_n].
         plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[wg_n].transpose((1, 0)))
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(config.wgmma_in_flight)
         return acc_ref
 
       pipeline(mma, compute_context)(a_gmem.at[cta_m, :], b_gmem.at[cta_n, :], allocations=pipeline_allocs)

@@ -75,6 +75,9 @@ def _round_half_even(y: jax.Array) -> jax.Array:
 
 
 def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec) -> jax.Array:
+  # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
+  # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
+  x = jnp.where(x != x, 0.0, x)
   if spec.is_int8:
     y = _round_half_even(x / param)
     return jnp.clip(y, -int8.INT8_MAX, int8.INT8_MAX).astype(jnp.int8)

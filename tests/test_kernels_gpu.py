@@ -102,9 +102,11 @@ def test_quantize_kernel_nan_rows():
   from pallas_kernels import quantize as qk
 
   x = jax.random.normal(fresh_key(), (64, 256)).at[3, 17].set(jnp.nan)
-  q, s = qk.quantize_rows_kernel(x, QuantSpec("int8"))
-  deq = np.asarray(q, np.float32) * np.asarray(s)
-  assert np.all(np.isnan(deq[3])) and np.all(np.isfinite(np.delete(deq, 3, axis=0)))
+  for spec in (QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True)):
+    q, s = qk.quantize_rows_kernel(x, spec)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      deq = np.asarray(q, np.float32) * np.asarray(s)
+    assert np.all(np.isnan(deq[3])) and np.all(np.isfinite(np.delete(deq, 3, axis=0))), spec
 
 
 RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), Float8("rowwise_gw_hp"), BitNet(),
