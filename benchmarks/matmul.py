@@ -121,7 +121,7 @@ def tune(m, n, k, dtype="int8"):
   rows = []
   space = itertools.product(
       [(128, 128, hopper_gemm.Dim.N), (128, 128, hopper_gemm.Dim.M)],
-      [3, 4], [hopper_gemm.Dim.N, hopper_gemm.Dim.M], [8], [0, 1],
+      [2, 3], [hopper_gemm.Dim.N, hopper_gemm.Dim.M], [8], [0, 1],
   )
   for (tm, tn, wgd), stages, minor, width, in_flight in space:
     cfg = hopper_gemm.GemmConfig(tile_m=tm, tile_n=tn, stages=stages, grid_minor_dim=minor,
