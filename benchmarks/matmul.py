@@ -188,7 +188,7 @@ def tune_quantize(m=16384, k=8192):
     for block, chunk, warps in itertools.product([8, 16, 32], [512, 1024, 2048], [4, 8]):
       if block * chunk > 32768:
         continue
-      qkernels.ROW_BLOCK, qkernels.COL_CHUNK, qkernels.NUM_WARPS = block, chunk, warps
+      qkernels.tuning.QUANTIZE_ROWS["int8" if spec.is_int8 else "fp8"] = (block, chunk, warps)
       row = {"spec": spec.dtype, "block": block, "chunk": chunk, "warps": warps}
       try:
         fn = jax.jit(functools.partial(qkernels.quantize_rows_kernel, spec=spec))

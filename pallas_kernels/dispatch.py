@@ -55,9 +55,14 @@ def compute_capability(device=None) -> int | None:
   return int(str(cc).split(".")[0]) if cc else None
 
 
-def select_backend(a_dtype, m: int, n: int, k: int, device=None) -> str:
-  """Which implementation ``scaled_matmul`` uses for an ``[M, K] x [N, K]`` problem."""
-  del m, n, k  # every shape runs on the kernel (padded where needed) once one is chosen
+def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: bool = False) -> str:
+  """Which implementation ``scaled_matmul`` uses for an ``[M, K] x [N, K]`` problem.
+
+  ``auto`` takes the Pallas GEMM on Hopper where ``tuning.gemm_worth_it`` says it wins;
+  ``pallas`` forces it for every shape (padded to tile multiples).
+  """
+  from pallas_kernels import tuning
+
   requested = requested_backend()
   major = compute_capability(device)
   if jnp.dtype(a_dtype) in FP8_TYPES and major is not None and major < HOPPER:
@@ -70,21 +75,23 @@ def select_backend(a_dtype, m: int, n: int, k: int, device=None) -> str:
     if requested == "pallas":
       raise NotImplementedError(f"{BACKEND_ENV}=pallas: the Pallas GEMM needs a Hopper GPU (sm90)")
     return "xla"
-  return "pallas"
+  if requested == "pallas" or tuning.gemm_worth_it(m, n, k, per_tensor):
+    return "pallas"
+  return "xla"
 
 
-def _quantize_on_kernel(x: jax.Array, spec: QuantSpec) -> bool:
-  """Whether the fused quantization kernels take ``x`` (2-D, supported spec and shape, GPU)."""
+def _quantize_on_kernel(x: jax.Array, spec: QuantSpec, transposed: bool) -> bool:
+  """Whether a fused quantization kernel takes ``x`` (2-D, supported spec and shape, GPU)."""
   from pallas_kernels import quantize as kernels  # keeps Pallas imports off the CPU import path
 
   if requested_backend() == "xla" or compute_capability() is None:
     return False
-  return x.ndim == 2 and kernels.supported(spec, *x.shape)
+  return x.ndim == 2 and kernels.supported(spec, *x.shape, transposed=transposed)
 
 
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [R, C]`` of ``spec.dtype``, float32 dequant scale ``[R, 1]`` or ``[1, 1]``)."""
-  if _quantize_on_kernel(x, spec):
+  if _quantize_on_kernel(x, spec, transposed=False):
     from pallas_kernels.quantize import quantize_rows_kernel
 
     return quantize_rows_kernel(x, spec)
@@ -93,7 +100,7 @@ def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
 
 def quantize_cols_t(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [C, R]``: per-column quantization written transposed, scale ``[C, 1]`` or ``[1, 1]``)."""
-  if _quantize_on_kernel(x, spec):
+  if _quantize_on_kernel(x, spec, transposed=True):
     from pallas_kernels.quantize import quantize_cols_t_kernel
 
     return quantize_cols_t_kernel(x, spec)
@@ -102,11 +109,11 @@ def quantize_cols_t(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array
 
 def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec):
   """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can."""
-  if _quantize_on_kernel(x, spec):
+  if _quantize_on_kernel(x, spec, transposed=False):
     from pallas_kernels.quantize import quantize_rows_and_cols_t_kernel
 
     return quantize_rows_and_cols_t_kernel(x, spec)
-  return quantize_rows_reference(x, spec), quantize_cols_t_reference(x, spec)
+  return quantize_rows(x, spec), quantize_cols_t(x, spec)
 
 
 def scaled_matmul(
@@ -121,7 +128,8 @@ def scaled_matmul(
   """
   check_operands(a, a_scale, b, b_scale)
   m, k = a.shape
-  if select_backend(a.dtype, m, b.shape[0], k) == "pallas":
+  per_tensor = a_scale.size == 1 and b_scale.size == 1
+  if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor) == "pallas":
     from pallas_kernels.hopper_gemm import scaled_matmul_hopper  # imports Mosaic GPU lazily
 
     return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype)

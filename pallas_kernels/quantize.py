@@ -29,26 +29,25 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit import fp8, int8
 from jaxlowbit.formats import QuantSpec
 from jaxlowbit.stats import absmax
+from pallas_kernels import tuning
 
-ROW_BLOCK = 16  # rows per program of the row kernel
-COL_CHUNK = 1024  # columns per load of the row kernel
 TILE = 64  # square tile of the transposing kernel
-NUM_WARPS = 4
+TILE_WARPS = 4
 
 
-def supported(spec: QuantSpec, r: int, c: int) -> bool:
-  """Whether the kernels take this spec and shape (else callers use the reference)."""
-  return (
-      not spec.ternary
-      and not spec.per_tensor
-      and r % ROW_BLOCK == 0
-      and r % TILE == 0
-      and c % TILE == 0
-  )
+def supported(spec: QuantSpec, r: int, c: int, transposed: bool) -> bool:
+  """Whether a kernel takes this spec and shape (else callers use the reference).
+
+  Per-tensor scales are taken by the transposing kernel only: a per-tensor row copy is a
+  plain elementwise pass that XLA already runs at full speed.
+  """
+  if spec.ternary or (spec.per_tensor and not transposed):
+    return False
+  block_rows = tuning.quantize_rows_config(spec.jnp_dtype)[0]
+  return r % TILE == 0 and c % TILE == 0 and r % block_rows == 0
 
 
-def _col_chunk(c: int) -> int:
-  chunk = COL_CHUNK
+def _col_chunk(c: int, chunk: int) -> int:
   while c % chunk:
     chunk //= 2
   return chunk
@@ -85,9 +84,9 @@ def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec) -> jax.Array:
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)
 
 
-def _rows_kernel(x_ref, q_ref, s_ref, *colmax_ref, spec: QuantSpec, chunk: int):
+def _rows_kernel(x_ref, q_ref, s_ref, *colmax_ref, spec: QuantSpec, block_rows: int, chunk: int):
   i = pl.program_id(0)
-  rows = pl.ds(i * ROW_BLOCK, ROW_BLOCK)
+  rows = pl.ds(i * block_rows, block_rows)
   n_chunks = x_ref.shape[1] // chunk
 
   def sweep_stats(j, amax):
@@ -98,7 +97,7 @@ def _rows_kernel(x_ref, q_ref, s_ref, *colmax_ref, spec: QuantSpec, chunk: int):
       colmax_ref[0][pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
     return jnp.maximum(amax, jnp.max(magnitude, axis=1))
 
-  amax = lax.fori_loop(0, n_chunks, sweep_stats, jnp.zeros((ROW_BLOCK,), jnp.float32))
+  amax = lax.fori_loop(0, n_chunks, sweep_stats, jnp.zeros((block_rows,), jnp.float32))
   param, scale = _scales(amax, spec)
 
   def sweep_write(j, _):
@@ -119,14 +118,15 @@ def _cols_t_kernel(x_ref, param_ref, q_ref, *, spec: QuantSpec):
 
 def _rows_call(x, spec: QuantSpec, with_colmax: bool, interpret: bool):
   r, c = x.shape
+  block_rows, chunk, warps = tuning.quantize_rows_config(spec.jnp_dtype)
   outs = [jax.ShapeDtypeStruct((r, c), spec.jnp_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)]
   if with_colmax:
-    outs.append(jax.ShapeDtypeStruct((r // ROW_BLOCK, c), jnp.float32))
+    outs.append(jax.ShapeDtypeStruct((r // block_rows, c), jnp.float32))
   return pl.pallas_call(
-      functools.partial(_rows_kernel, spec=spec, chunk=_col_chunk(c)),
+      functools.partial(_rows_kernel, spec=spec, block_rows=block_rows, chunk=_col_chunk(c, chunk)),
       out_shape=tuple(outs),
-      grid=(r // ROW_BLOCK,),
-      compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+      grid=(r // block_rows,),
+      compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_rows",
   )(x)
@@ -138,7 +138,7 @@ def _cols_t_call(x, param, spec: QuantSpec, interpret: bool):
       functools.partial(_cols_t_kernel, spec=spec),
       out_shape=jax.ShapeDtypeStruct((c, r), spec.jnp_dtype),
       grid=(r // TILE, c // TILE),
-      compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+      compiler_params=plt.CompilerParams(num_warps=TILE_WARPS, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_cols_t",
   )(x, param)
@@ -152,6 +152,9 @@ def quantize_rows_kernel(x: jax.Array, spec: QuantSpec, interpret: bool = False)
 
 def quantize_cols_t_kernel(x: jax.Array, spec: QuantSpec, interpret: bool = False):
   """``x [R, C]`` -> (``q^T [C, R]`` quantized per column, dequant scale ``[C, 1]``)."""
+  if spec.per_tensor:
+    param, scale = _scales(absmax(x).reshape(()), spec)
+    return _cols_t_call(x, jnp.broadcast_to(param, (x.shape[1],)), spec, interpret), scale.reshape(1, 1)
   param, scale = _scales(absmax(x, axis=0)[0], spec)  # one XLA read of x
   return _cols_t_call(x, param, spec, interpret), scale[:, None]
 

@@ -64,6 +64,7 @@ class _FakeGpu:
         ("pallas", None, jnp.int8, NotImplementedError),  # no Hopper here
         ("xla", _FakeGpu("9.0"), jnp.int8, "xla"),
         (None, _FakeGpu("9.0"), jnp.int8, "pallas"),
+        ("auto", _FakeGpu("9.0"), jnp.int8, "pallas"),
         (None, _FakeGpu("9.0"), jnp.float8_e4m3fn, "pallas"),
         (None, _FakeGpu("8.0"), jnp.int8, "xla"),  # Ampere: XLA int8 path
         ("pallas", _FakeGpu("8.0"), jnp.int8, NotImplementedError),
@@ -81,6 +82,17 @@ def test_backend_selection(monkeypatch, env, device, dtype, expected):
       dispatch.select_backend(dtype, 256, 256, 256, device=device)
   else:
     assert dispatch.select_backend(dtype, 256, 256, 256, device=device) == expected
+
+
+def test_auto_backend_follows_the_measured_crossovers(monkeypatch):
+  monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
+  hopper = _FakeGpu("9.0")
+  assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "xla"  # mostly padding
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper, per_tensor=True) == "xla"
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper) == "pallas"
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 8192, 8192, 8192, device=hopper, per_tensor=True) == "pallas"
+  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "pallas"
 
 
 def test_quantize_dispatch_matches_numerics():
