@@ -121,13 +121,51 @@ def run(shapes, backends, recipes):
   return rows
 
 
+def linear_sweep(tokens: int, sizes, recipes):
+  """One linear's fwd+bwd (K in, N out) per recipe vs bf16: the data behind auto_filter_small_kn."""
+  rows = []
+  for k in sizes:
+    for n in sizes:
+      kx, kw, kg = jax.random.split(jax.random.key(k * 7 + n), 3)
+      x = jax.random.normal(kx, (tokens, k), jnp.bfloat16)
+      w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+      g = jax.random.normal(kg, (tokens, n), jnp.bfloat16)
+
+      def step_for(recipe):
+        def step(x, w, g):
+          y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
+          return y, vjp(g)
+
+        return jax.jit(step)
+
+      base_ms = time_ms(step_for(None), x, w, g, iters=5, reps=3)
+      for name in recipes:
+        row = {"tokens": tokens, "k": k, "n": n, "recipe": name}
+        try:
+          ms = time_ms(step_for(RECIPES[name]), x, w, g, iters=5, reps=3)
+          row.update(ms=ms, bf16_ms=base_ms, speedup=base_ms / ms)
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES], help="D,H,T")
   parser.add_argument("--backends", nargs="*", default=["xla", "pallas"])
   parser.add_argument("--recipes", nargs="*", default=list(RECIPES))
+  parser.add_argument("--linear-sweep", type=int, nargs="*", help="K=N sizes of a single-linear sweep")
+  parser.add_argument("--tokens", type=int, default=8192)
   parser.add_argument("--out")
   args = parser.parse_args()
+  if args.linear_sweep:
+    rows = linear_sweep(args.tokens, args.linear_sweep, args.recipes)
+    path = write_json("linear_sweep", rows, args.out)
+    print(table(rows, ["tokens", "k", "n", "recipe", "ms", "bf16_ms", "speedup", "error"]))
+    print("wrote", path)
+    return
   shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
   rows = run(shapes, args.backends, args.recipes)
   path = write_json("layer", rows, args.out)

@@ -204,6 +204,7 @@ def tune_quantize(m=16384, k=8192):
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--sizes", type=int, nargs="*", default=[8192], help="square sizes M=N=K")
+  parser.add_argument("--mnk", nargs="*", default=[], help="extra M,N,K problems, e.g. 16384,8192,2048")
   parser.add_argument("--only", nargs="*", help="substrings of variant names to run")
   parser.add_argument("--tune", type=int, nargs=3, metavar=("M", "N", "K"))
   parser.add_argument("--tune-dtype", default="int8", choices=["int8", "fp8"])
@@ -225,7 +226,8 @@ def main():
     path = write_json("quantize", rows, args.out)
     print(table(rows, ["name", "ms", "gb_s", "of_copy", "mismatch", "error"]))
   else:
-    rows = bench_gemm([(s, s, s) for s in args.sizes], args.only)
+    extra = [tuple(int(v) for v in p.split(",")) for p in args.mnk]
+    rows = bench_gemm([(s, s, s) for s in args.sizes] + extra, args.only)
     path = write_json("gemm", rows, args.out)
     print(table(rows, ["name", "m", "n", "k", "ms", "tops", "rel_err", "error"]))
   print("wrote", path)
