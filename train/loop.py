@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import json
 import math
 import pathlib
 import signal
@@ -138,7 +140,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
       (loss, grads), _ = jax.lax.scan(add_microbatch, zeros, (jnp.arange(accum), micro))
       loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -154,6 +156,44 @@ def make_eval_step(model: Transformer):
     return cross_entropy(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
 
   return eval_step
+
+
+# Config fields that change nothing inside the jitted functions. Runs in one process whose
+# configs differ only in these reuse the functions compiled for an earlier run (a resume in a
+# notebook, tests, benchmarks); any other difference compiles afresh, so the cache is never stale.
+RUNTIME_ONLY_FIELDS = frozenset({
+    "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+    "async_checkpointing", "tensorboard", "peak_tflops", "data",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """The model and the jitted ``init``, ``train_step`` (state donated) and ``eval_step`` of a config."""
+
+  model: Transformer
+  init: Callable[[], TrainState]
+  train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
+  eval_step: Callable[[Any, jax.Array], jax.Array]
+
+
+def step_functions(config: ml_collections.ConfigDict) -> StepFunctions:
+  """:class:`StepFunctions` for ``config`` (cached on every field not in :data:`RUNTIME_ONLY_FIELDS`)."""
+  compiled = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_ONLY_FIELDS}
+  return _step_functions(json.dumps(compiled, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _step_functions(key: str) -> StepFunctions:
+  config = ml_collections.ConfigDict(json.loads(key))
+  model = Transformer(train_config.model_config(config))
+  optimizer = make_optimizer(config)
+  return StepFunctions(
+      model=model,
+      init=jax.jit(make_init(model, optimizer, config)),
+      train_step=jax.jit(make_train_step(model, optimizer, config), donate_argnums=0),
+      eval_step=jax.jit(make_eval_step(model)),
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,12 +267,9 @@ def train(
   say(f"data: {datasets.description}")
 
   # 2. Model, optimizer and the jitted pure functions.
-  model = Transformer(model_config)
-  optimizer = make_optimizer(config)
+  functions = step_functions(config)
+  init, train_step, eval_step = functions.init, functions.train_step, functions.eval_step
   schedule = learning_rate_schedule(config)
-  init = jax.jit(make_init(model, optimizer, config))
-  train_step = jax.jit(make_train_step(model, optimizer, config), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model))
 
   counts = param_count(model_config)
   tokens_per_step = config.batch_size * config.seq_len

@@ -20,9 +20,12 @@ DECAYED_PARAM_NAMES = ("kernel", "embedding")
 
 
 def learning_rate_schedule(config) -> optax.Schedule:
-  """Linear warmup from 0 to ``lr`` over ``warmup_steps``, cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+  """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+
+  The first step already moves (``lr / warmup_steps``): warming up from exactly 0 wastes it.
+  """
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
+      init_value=config.lr / max(config.warmup_steps, 1),
       peak_value=config.lr,
       warmup_steps=config.warmup_steps,
       decay_steps=config.steps,
