@@ -8,6 +8,7 @@ the README command itself.
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,15 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, corpus):
   for a, b in zip(jax.tree.leaves(state_full), jax.tree.leaves(state_split)):
     np.testing.assert_array_equal(a, b)
 
+  # Step 4 was saved asynchronously while training went on, donating the state's buffers:
+  # resuming from it must still reproduce the run.
+  shutil.copytree(tmp_path / "full", tmp_path / "from4")
+  for step_dir in (tmp_path / "from4" / "checkpoints").iterdir():
+    if step_dir.name.isdigit() and int(step_dir.name) > 4:
+      shutil.rmtree(step_dir)
+  assert loop.train(config, tmp_path / "from4").step == 12
+  assert train_losses(tmp_path / "from4") == expected
+
 
 def run_main(*args: str) -> subprocess.CompletedProcess:
   env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -121,8 +131,9 @@ def test_nonfinite_loss_stops_keeps_last_good_checkpoint_and_exits_3(tmp_path, c
   run_dir = tmp_path / "nan"
   proc = run_main(
       f"--config={TINY}", f"--workdir={run_dir}", "--config.inject_nan_at_step=7", "--config.checkpoint_every=4",
-      "--config.log_every=5", "--config.steps=12", "--config.warmup_steps=2", "--config.eval_every=100", "--config.model.d_model=32",
-      "--config.model.n_layers=1", "--config.model.dtype=float32", "--config.seq_len=32", "--config.batch_size=4",
+      "--config.log_every=5", "--config.steps=12", "--config.warmup_steps=2", "--config.eval_every=100",
+      "--config.model.d_model=32", "--config.model.n_layers=1", "--config.model.dtype=float32",
+      "--config.seq_len=32", "--config.batch_size=4",
       f"--config.data.path={corpus}", "--config.tensorboard=False",
   )
   assert proc.returncode == train_main.EXIT_NONFINITE == 3, proc.stderr[-3000:]

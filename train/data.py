@@ -192,7 +192,9 @@ def read_token_file(path: str | os.PathLike) -> tuple[np.ndarray, int]:
   """``(tokens, vocab_size)``: a read-only ``np.memmap`` of a file from :func:`write_token_file`."""
   meta_path = _meta_path(path)
   if not meta_path.exists():
-    raise FileNotFoundError(f"{path}: no {meta_path.name} beside it; write token files with train.data.write_token_file")
+    raise FileNotFoundError(
+        f"{path}: no {meta_path.name} beside it; write token files with train.data.write_token_file"
+    )
   meta = json.loads(meta_path.read_text())
   tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
   if tokens.size != meta["num_tokens"]:

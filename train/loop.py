@@ -116,9 +116,10 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   """
   accum = config.grad_accum_steps
   nan_step = config.inject_nan_at_step
+  dropout = model.config.dropout_rate > 0  # without dropout no key is split (cheaper to compile and run)
 
   def loss_fn(params, tokens: jax.Array, rng: jax.Array, poison: jax.Array) -> jax.Array:
-    logits = model.apply({"params": params}, tokens[:, :-1], rngs={"dropout": rng})
+    logits = model.apply({"params": params}, tokens[:, :-1], rngs={"dropout": rng} if dropout else {})
     return cross_entropy(logits, tokens[:, 1:]) * poison
 
   grad_fn = jax.value_and_grad(loss_fn)
@@ -225,6 +226,18 @@ class StopRequest:
       signal.signal(signal.SIGINT, previous)
 
 
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> set[str]:
+  """Dotted names of the fields whose values differ between two config dicts."""
+  changed = set()
+  for key in old.keys() | new.keys():
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      changed |= _changed_fields(a, b, f"{prefix}{key}.")
+    elif a != b:
+      changed.add(prefix + key)
+  return changed
+
+
 def _alive(state: TrainState) -> bool:
   """False when some buffer of ``state`` was donated to a step that never returned."""
   return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
@@ -290,16 +303,23 @@ def train(
         f"{run_dir} already holds checkpoints (latest step {latest}); pass --resume to continue that run "
         "or choose another --workdir"
     )
+  config_file = run_dir / checkpoint.CONFIG_FILE
   if latest is not None:
+    if config_file.exists():
+      changed = _changed_fields(json.loads(config_file.read_text()), json.loads(train_config.to_json(config)))
+      if changed - {"resume"}:
+        say(f"warning: resuming with changed config fields {sorted(changed - {'resume'})}: expect a different run")
     abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
     state, data_state = checkpointer.restore(latest, abstract)
     datasets.train.restore(data_state)
     metrics.truncate_after(run_dir, latest)
     say(f"resumed from {checkpointer.directory / str(latest)} (data position {datasets.train.position})")
   else:
+    if config.resume:
+      say(f"no checkpoint in {checkpointer.directory}: starting from step 0")
     state = init()
     metrics.truncate_after(run_dir, -1)  # a fresh run starts a fresh metrics file
-  (run_dir / checkpoint.CONFIG_FILE).write_text(train_config.to_json(config))
+  config_file.write_text(train_config.to_json(config))
 
   start_step = int(state.step)
   start_position = datasets.train.position
@@ -422,4 +442,5 @@ def train(
       say(f"interrupted at step {step} mid-step; kept the last checkpoint (step {checkpointer.latest_step()})")
   writer.close()
   checkpointer.close()
-  return TrainResult(status, step, last_loss, val_loss, checkpointer.latest_step() if saved_step is None else saved_step)
+  last_checkpoint = checkpointer.latest_step() if saved_step is None else saved_step
+  return TrainResult(status, step, last_loss, val_loss, last_checkpoint)
