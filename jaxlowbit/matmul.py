@@ -160,14 +160,18 @@ def _bitnet_linear_bwd(recipe, residuals, g):
     gq, sg = dispatch.quantize_rows(g, _INT8_ROWS)
     dx = dispatch.scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
   else:
-    dx = (_hp_dot(g, wq.T, jnp.float32) * s).astype(g.dtype)
+    w_fake = (wq.astype(jnp.float32) * s).astype(g.dtype)  # weight-sized: cheap
+    dx = _hp_dot(g, w_fake.T, g.dtype)
+  # Both forms below run in g's dtype (bf16 in training): the straight-through reference's
+  # fake-quantized x, and sx * g, are exact enough there and an f32 GEMM would be ~3x slower.
   if recipe.grad_weight:
     # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
-    qgt, sgt = dispatch.quantize_cols_t(g.astype(jnp.float32) * sx, _INT8_ROWS)
+    scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
+    qgt, sgt = dispatch.quantize_cols_t(scaled_g, _INT8_ROWS)
     dw = dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, w.dtype)
   else:
-    x_fake = xq.astype(jnp.float32) * sx
-    dw = _hp_dot(x_fake.T, g.astype(jnp.float32), w.dtype)
+    x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
+    dw = _hp_dot(x_fake.T, g, w.dtype)
   return dx, dw
 
 
