@@ -19,6 +19,8 @@ Robustness:
   state is then saved only if it is still intact.
 - Resume: the checkpoint holds the state (params, optimizer state, step, rng) and the data
   stream's position, so a resumed run reproduces an uninterrupted one exactly.
+- Drills: ``config.inject_nan_at_step = s`` turns the parameters NaN right before step ``s``
+  (in the loop, not in the jitted step), to exercise the non-finite path end to end.
 """
 
 from __future__ import annotations
