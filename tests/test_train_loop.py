@@ -171,6 +171,9 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path, corpus):
   assert result.status == "interrupted" and result.step in (3, 4) and result.checkpoint_step == result.step
   step, state, data_state = restore(tmp_path / "sigint", config)
   assert step == result.step == int(state.step) and data_state["position"] == step * config.batch_size
+  config.resume = True  # stopped again before its first step: nothing new to save, no error
+  again = loop.train(config, tmp_path / "sigint", should_stop=lambda step: True)
+  assert again.status == "interrupted" and again.step == again.checkpoint_step == step
 
 
 def test_keyboard_interrupt_between_steps_saves(tmp_path, corpus, monkeypatch):

@@ -342,7 +342,8 @@ def train(
   pending: list[tuple[int, dict[str, jax.Array]]] = []
   losses: list[float] = []  # host losses since the last log line
   grad_norm = float("nan")
-  last_loss = val_loss = saved_step = None
+  last_loss = val_loss = None
+  saved_step = latest  # the step whose checkpoint is on disk already (None for a fresh run)
   status = "completed"
   timer, timed_steps, excluded_s, compile_s = time.perf_counter(), 0, 0.0, None
 
