@@ -5,6 +5,7 @@ so that each ``train()`` compiles in seconds; ``test_tiny_config_from_the_comman
 the README command itself.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import flags
 
 from jaxlowbit import BitNet
 from train import checkpoint, data, loop, metrics
@@ -125,22 +127,30 @@ def run_main(*args: str) -> subprocess.CompletedProcess:
   )
 
 
-def test_nonfinite_loss_stops_keeps_last_good_checkpoint_and_exits_3(tmp_path, corpus):
+def test_nonfinite_loss_stops_keeps_last_good_checkpoint_and_exits_3(tmp_path, corpus, capsys):
+  """``train.main`` in this process (its step is already compiled): NaN at step 7 -> exit 3, step 4 kept."""
   from train import main as train_main
 
-  run_dir = tmp_path / "nan"
-  proc = run_main(
-      f"--config={TINY}", f"--workdir={run_dir}", "--config.inject_nan_at_step=7", "--config.checkpoint_every=4",
-      "--config.log_every=5", "--config.steps=12", "--config.warmup_steps=2", "--config.eval_every=100",
-      "--config.model.d_model=32", "--config.model.n_layers=1", "--config.model.dtype=float32",
-      "--config.seq_len=32", "--config.batch_size=4",
-      f"--config.data.path={corpus}", "--config.tensorboard=False",
+  overrides = {"inject_nan_at_step": 7, "checkpoint_every": 4, "log_every": 5, "eval_every": 100}
+  config_file = tmp_path / "nan_config.py"
+  config_file.write_text(
+      "import sys\n"
+      f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+      "import test_train_loop\n"
+      f"def get_config():\n  return test_train_loop.micro_config({corpus!r}, **{overrides!r})\n"
   )
-  assert proc.returncode == train_main.EXIT_NONFINITE == 3, proc.stderr[-3000:]
-  assert "step 7: loss nan" in proc.stderr and "last good checkpoint is step 4" in proc.stderr, proc.stderr[-3000:]
+  run_dir = tmp_path / "nan"
+  flags.FLAGS(["prog", f"--config={config_file}", f"--workdir={run_dir}"])
+  try:
+    with pytest.raises(SystemExit) as exit_info:
+      train_main.main(["prog"])
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert exit_info.value.code == train_main.EXIT_NONFINITE == 3
+  err = capsys.readouterr().err
+  assert "step 7: loss nan" in err and "last good checkpoint is step 4" in err, err
 
-  config = micro_config(corpus, model__d_model=32, model__n_heads=4, model__n_kv_heads=2, model__d_ff=192)
-  step, state, data_state = restore(run_dir, config)
+  step, state, data_state = restore(run_dir, micro_config(corpus))
   assert step == 4 and sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4]
   assert data_state["position"] == 4 * 4
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.params))
@@ -161,6 +171,9 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path, corpus):
   assert result.status == "interrupted" and result.step in (3, 4) and result.checkpoint_step == result.step
   step, state, data_state = restore(tmp_path / "sigint", config)
   assert step == result.step == int(state.step) and data_state["position"] == step * config.batch_size
+  config.resume = True  # stopped again before its first step: nothing new to save, no error
+  again = loop.train(config, tmp_path / "sigint", should_stop=lambda step: True)
+  assert again.status == "interrupted" and again.step == again.checkpoint_step == step
 
 
 def test_keyboard_interrupt_between_steps_saves(tmp_path, corpus, monkeypatch):
@@ -212,17 +225,52 @@ def test_each_recipe_builds_and_steps(recipe, corpus):
 def test_gradient_accumulation_matches_one_big_batch(corpus):
   """Two microbatches of 2 give the same step as one batch of 4 (Adam with a large eps is ~linear in g)."""
   batch = np.random.default_rng(1).integers(0, 259, (4, 33)).astype(np.int32)
-  results, state = [], None
+  state = jax.device_get(loop.step_functions(micro_config(corpus)).init())  # same tree; compiled above
+  results = []
   for accum in (1, 2):
     config = micro_config(corpus, grad_accum_steps=accum, eps=1.0, weight_decay=0.0)
     model = Transformer(train_config.model_config(config))
-    optimizer = make_optimizer(config)
-    if state is None:
-      state = jax.device_get(jax.jit(loop.make_init(model, optimizer, config))())
-    new_state, step_metrics = jax.jit(loop.make_train_step(model, optimizer, config))(jax.device_put(state), batch)
+    step = jax.jit(loop.make_train_step(model, make_optimizer(config), config))
+    new_state, step_metrics = step(jax.device_put(state), batch)
     results.append((new_state.params, step_metrics))
   (p1, m1), (p2, m2) = results
   np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
   np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
   for a, b, before in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), jax.tree.leaves(state.params)):
     np.testing.assert_allclose(b - before, a - before, rtol=1e-4, atol=1e-8)  # atol: ~1 ulp of |p| < 0.1
+
+
+def _load_benchmark(name: str):
+  spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_throughput_benchmark_runs_and_writes_json(tmp_path, corpus):
+  """The GPU script on CPU with the micro model (its step is already compiled by the tests above)."""
+  throughput = _load_benchmark("train_throughput")
+  fields = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1, "model.d_ff": 64,
+            "model.dtype": "float32", "steps": 12, "batch_size": 4, "seq_len": 32, "lr": 0.01, "warmup_steps": 2}
+  out = tmp_path / "throughput.json"
+  throughput.main(["--configs", str(TINY), "--steps", "2", "--warmup", "1", "--out", str(out),
+                   *[arg for k, v in fields.items() for arg in ("--set", f"{k}={v}")]])
+  result = json.loads(out.read_text())
+  (row,) = result["rows"]
+  assert row["recipe"] == "bf16" and row["tokens_per_s"] > 0 and row["speedup_vs_first"] == 1.0
+  assert np.isfinite(row["last_loss"]) and result["overrides"]["data.source"] == "synthetic"
+
+
+def test_convergence_report_from_existing_runs(tmp_path, capsys):
+  convergence = _load_benchmark("convergence")
+  for recipe, val in (("bf16", 2.00), ("int8", 2.03), ("fp8", 2.05), ("bitnet", 2.30)):
+    run = tmp_path / recipe
+    run.mkdir()
+    records = [{"step": 10, "loss": val + 0.1, "tokens_per_s": 100.0}, {"step": 10, "val_loss": val}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  out = tmp_path / "convergence.json"
+  convergence.main(["--report_only", "--workdir", str(tmp_path), "--out", str(out)])
+  rows = {r["recipe"]: r for r in json.loads(out.read_text())["rows"]}
+  assert rows["int8"]["bar"] == "pass" and rows["fp8"]["bar"] == "FAIL"  # 1.5% and 2.5% above bf16
+  assert rows["bitnet"]["gap_vs_bf16"] == pytest.approx(0.15) and "bar" not in rows["bitnet"]
+  assert "+2.50%" in capsys.readouterr().out

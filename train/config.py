@@ -117,7 +117,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.peak_tflops = config_dict.placeholder(float)  # bf16 dense peak for MFU; None: look up the device
   config.tensorboard = True  # write TensorBoard events when tensorboardX or torch's writer is importable
 
-  # Fault injection (tests, drills): make the loss NaN at this step; -1 never.
+  # Fault injection (tests, drills): the parameters turn NaN right before this step; -1 never.
   config.inject_nan_at_step = -1
   return config
 

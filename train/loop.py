@@ -19,6 +19,8 @@ Robustness:
   state is then saved only if it is still intact.
 - Resume: the checkpoint holds the state (params, optimizer state, step, rng) and the data
   stream's position, so a resumed run reproduces an uninterrupted one exactly.
+- Drills: ``config.inject_nan_at_step = s`` turns the parameters NaN right before step ``s``
+  (in the loop, not in the jitted step), to exercise the non-finite path end to end.
 """
 
 from __future__ import annotations
@@ -115,27 +117,24 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   global norm before clipping.
   """
   accum = config.grad_accum_steps
-  nan_step = config.inject_nan_at_step
   dropout = model.config.dropout_rate > 0  # without dropout no key is split (cheaper to compile and run)
 
-  def loss_fn(params, tokens: jax.Array, rng: jax.Array, poison: jax.Array) -> jax.Array:
+  def loss_fn(params, tokens: jax.Array, rng: jax.Array) -> jax.Array:
     logits = model.apply({"params": params}, tokens[:, :-1], rngs={"dropout": rng} if dropout else {})
-    return cross_entropy(logits, tokens[:, 1:]) * poison
+    return cross_entropy(logits, tokens[:, 1:])
 
   grad_fn = jax.value_and_grad(loss_fn)
 
   def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    # Fault injection (config.inject_nan_at_step): a NaN loss, and so NaN gradients, at that step.
-    poison = jnp.where(state.step + 1 == nan_step, jnp.nan, 1.0) if nan_step >= 0 else jnp.float32(1)
     if accum == 1:
-      loss, grads = grad_fn(state.params, batch, rng, poison)
+      loss, grads = grad_fn(state.params, batch, rng)
     else:
       micro = batch.reshape(accum, batch.shape[0] // accum, batch.shape[1])
 
       def add_microbatch(carry, xs):
         index, tokens = xs
-        loss, grads = grad_fn(state.params, tokens, jax.random.fold_in(rng, index), poison)
+        loss, grads = grad_fn(state.params, tokens, jax.random.fold_in(rng, index))
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
@@ -164,7 +163,7 @@ def make_eval_step(model: Transformer):
 # notebook, tests, benchmarks); any other difference compiles afresh, so the cache is never stale.
 RUNTIME_ONLY_FIELDS = frozenset({
     "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-    "async_checkpointing", "tensorboard", "peak_tflops", "data",
+    "async_checkpointing", "tensorboard", "peak_tflops", "data", "inject_nan_at_step",
 })
 
 
@@ -236,6 +235,10 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> set[str]:
     elif a != b:
       changed.add(prefix + key)
   return changed
+
+
+def _finite(tree) -> bool:
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
 
 
 def _alive(state: TrainState) -> bool:
@@ -339,7 +342,8 @@ def train(
   pending: list[tuple[int, dict[str, jax.Array]]] = []
   losses: list[float] = []  # host losses since the last log line
   grad_norm = float("nan")
-  last_loss = val_loss = saved_step = None
+  last_loss = val_loss = None
+  saved_step = latest  # the step whose checkpoint is on disk already (None for a fresh run)
   status = "completed"
   timer, timed_steps, excluded_s, compile_s = time.perf_counter(), 0, 0.0, None
 
@@ -383,6 +387,8 @@ def train(
           status = "interrupted"
           break
         batch = datasets.train.next()
+        if step + 1 == config.inject_nan_at_step:  # fault injection (tests, drills): the model diverges here
+          state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
         state, step_metrics = train_step(state, batch)
         step += 1
         pending.append((step, step_metrics))
@@ -415,12 +421,16 @@ def train(
           losses.clear()
           timer, timed_steps, excluded_s = time.perf_counter(), 0, 0.0
 
-        paused = time.perf_counter()
-        if step % config.eval_every == 0 or step == config.steps:
-          val_loss = evaluate(step)
-        if step % config.checkpoint_every == 0 or step == config.steps:
-          save(step)
-        excluded_s += time.perf_counter() - paused
+        eval_due = step % config.eval_every == 0 or step == config.steps
+        save_due = step % config.checkpoint_every == 0 or step == config.steps
+        if eval_due or save_due:
+          flush()  # waiting for the training steps still counts as training time
+          paused = time.perf_counter()
+          if eval_due:
+            val_loss = evaluate(step)
+          if save_due:
+            save(step)
+          excluded_s += time.perf_counter() - paused
   except KeyboardInterrupt:
     status = "interrupted"
   except NonFiniteLossError:
@@ -430,16 +440,19 @@ def train(
 
   # 5. Finish: on interruption, save where we are (if the state is intact and finite).
   if status == "interrupted":
-    if saved_step != step and _alive(state):
+    if not _alive(state):
+      say(f"interrupted mid-step; kept the last checkpoint (step {checkpointer.latest_step()})")
+    elif saved_step != int(state.step):
+      step = int(state.step)  # the state is the authority (an interrupt may land between two statements)
       try:
+        if not _finite(state.params):
+          raise NonFiniteLossError(f"step {step}: parameters are not finite; kept the last checkpoint")
         save(step)
-        say(f"interrupted at step {step}: saved a checkpoint; continue with --resume")
       except NonFiniteLossError:
         writer.close()
         checkpointer.close()
         raise
-    elif saved_step != step:
-      say(f"interrupted at step {step} mid-step; kept the last checkpoint (step {checkpointer.latest_step()})")
+      say(f"interrupted at step {step}: saved a checkpoint; continue with --resume")
   writer.close()
   checkpointer.close()
   last_checkpoint = checkpointer.latest_step() if saved_step is None else saved_step

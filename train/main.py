@@ -41,6 +41,9 @@ def main(argv: list[str]) -> None:
   except loop.NonFiniteLossError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_NONFINITE)
+  except FileExistsError as e:  # a workdir with checkpoints and no --resume
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   if result.status == "interrupted":
     sys.exit(EXIT_INTERRUPTED)
 
