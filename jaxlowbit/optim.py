@@ -214,7 +214,7 @@ def adamw_8bit(
   _check_block(block_size, "adamw_8bit")
   moments = scale_by_adam_quantized(
       BlockFormat("dynamic", 8, True, block_size),
-      BlockFormat("dynamic", 8, False, block_size),
+      BlockFormat("dynamic", 8, False, block_size, nonzero=True),
       b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
   )  # fmt: skip
   return _adamw(moments, weight_decay, mask, learning_rate)
@@ -251,7 +251,7 @@ def adamw_4bit(
   _check_block(block_size, "adamw_4bit")
   moments = scale_by_adam_quantized(
       BlockFormat("dynamic", 4, True, block_size),
-      BlockFormat("linear", 4, False, block_size),
+      BlockFormat("linear", 4, False, block_size, nonzero=True),
       b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
   )  # fmt: skip
   return _adamw(moments, weight_decay, mask, learning_rate)
@@ -297,7 +297,7 @@ def adamw_fp8(
     raise TypeError(f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}") from None
   moments = scale_by_adam_quantized(
       BlockFormat("e4m3", block=block_size),
-      BlockFormat(v_kind, block=block_size),
+      BlockFormat(v_kind, block=block_size, nonzero=True),
       b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
   )  # fmt: skip
   return _adamw(moments, weight_decay, mask, learning_rate)

@@ -65,12 +65,15 @@ class BlockFormat:
     signed: whether the map covers negative values (``dynamic`` only; ``linear`` is unsigned,
       float kinds are always signed).
     block: elements per block (one float32 scale each); even, so 4-bit pairs never straddle.
+    nonzero: positive values never round to zero; they take at least the smallest positive code
+      (for second moments: a ``v`` rounded to zero turns Adam's ``m / sqrt(v)`` into ``m / eps``).
   """
 
   kind: Kind
   bits: int = 8
   signed: bool = True
   block: int = 256
+  nonzero: bool = False
 
   def __post_init__(self):
     if self.kind not in ("dynamic", "linear", "e4m3", "fp16"):
@@ -320,10 +323,15 @@ def _blocks(x: jax.Array, fmt: BlockFormat) -> jax.Array:
   return x.reshape(*scale_shape, fmt.block)
 
 
+def _smallest_positive(dtype) -> float:
+  return float(jnp.finfo(dtype).smallest_subnormal)
+
+
 def quantize_blockwise(x: jax.Array, fmt: BlockFormat, method: str = "arithmetic") -> BlockQuantized:
   """Quantize ``x`` (floating, shape ``S``) block-wise; see the module doc for the layout.
 
   NaN in a block makes its scale NaN, so the block dequantizes to NaN (never silently zero).
+  With ``fmt.nonzero``, positive elements keep at least the smallest positive code.
   """
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize_blockwise: expected a floating-point array, got dtype {x.dtype}")
@@ -331,11 +339,19 @@ def quantize_blockwise(x: jax.Array, fmt: BlockFormat, method: str = "arithmetic
   amax = jnp.max(jnp.abs(blocks), axis=-1)
   safe = jnp.maximum(amax, AMAX_FLOOR)
   inv = (fmt.fmax / safe)[..., None]  # multiplier into the code range; NaN amax stays NaN
+  y = blocks * inv
   if fmt.kind in _FLOAT_DTYPES:
-    codes = jnp.clip(blocks * inv, -fmt.fmax, fmt.fmax).astype(fmt.code_dtype)
+    y = jnp.clip(y, -fmt.fmax, fmt.fmax)
+    if fmt.nonzero:
+      y = jnp.where(blocks > 0, jnp.maximum(y, _smallest_positive(fmt.code_dtype)), y)
+    codes = y.astype(fmt.code_dtype)
     scale = safe * (1.0 / fmt.fmax)
   else:
-    codes = encode(blocks * inv, fmt, method)
+    codes = encode(y, fmt, method)
+    if fmt.nonzero:
+      zero = 2 ** (fmt.bits - 1) - 1 if fmt.signed else 0  # the code of 0 (linear maps have none)
+      if fmt.kind == "dynamic":
+        codes = jnp.where((blocks > 0) & (codes == zero), jnp.uint8(zero + 1), codes)
     scale = amax
   if fmt.storage_bits == 4:
     codes = pack_4bit(codes)  # within each block, so a block's bytes stay together
