@@ -12,7 +12,7 @@ Which elements form a block (the sharding rule). The blocks run along the *trail
 inside one ``group`` slice, so sharding any of the leading axes ``S[:k]`` (FSDP shards dim 0 of a
 ``[K, N]`` kernel; ``group`` is then ``N`` alone) never splits a block. Sharding an axis inside
 the group keeps blocks whole when each shard holds a multiple of ``B`` elements of the flattened
-group. Stored arrays are ``codes [*lead, T * bits / 8]`` and ``scale [*lead, T / B]``: their
+group. Stored arrays are ``codes [*lead, T]`` (``[*lead, T / 2]`` for 4 bits) and ``scale [*lead, T / B]``: their
 dim 0 partitions the same elements as the tensor's dim 0 (row-major), so they take the
 tensor's dim-0 sharding unchanged.
 
@@ -105,7 +105,8 @@ class BlockQuantized(NamedTuple):
   """A block-wise quantized tensor of logical shape ``S = lead + group`` (see module doc).
 
   Attributes:
-    codes: ``[*lead, T * storage_bits / 8]`` uint8 (maps) or ``[*lead, T]`` float8_e4m3fn / float16.
+    codes: ``[*lead, T]`` uint8 (8-bit maps), float8_e4m3fn or float16, or ``[*lead, T / 2]``
+      uint8 (4-bit maps, two codes per byte).
     scale: ``[*lead, T / block]`` float32 dequantization multiplier per block.
   """
 
@@ -315,7 +316,7 @@ def stored_shapes(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[tuple[int, 
         f"block={fmt.block}; keep such tensors in float32 (the optimizers do) or change the block"
     )
   lead, t = tuple(shape[:k]), math.prod(shape[k:])
-  return lead + (t * fmt.storage_bits // 8,), lead + (t // fmt.block,)
+  return lead + (t // 2 if fmt.storage_bits == 4 else t,), lead + (t // fmt.block,)
 
 
 def _blocks(x: jax.Array, fmt: BlockFormat) -> jax.Array:
