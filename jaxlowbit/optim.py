@@ -53,6 +53,7 @@ from jaxlowbit.qstate import (
     dequantize_blockwise,
     group_start,
     quantize_blockwise,
+    zeros_blockwise,
 )
 from jaxlowbit.rounding import stochastic_round
 
@@ -127,7 +128,7 @@ def scale_by_adam_quantized(
   def init_fn(params):
     def init_leaf(p, fmt, dtype):
       if _quantizable(p, block, min_size):
-        return quantize_blockwise(jnp.zeros(p.shape, jnp.float32), fmt)
+        return zeros_blockwise(p.shape, fmt)
       return jnp.zeros(p.shape, dtype or p.dtype)
 
     mu = jax.tree.map(lambda p: init_leaf(p, m_format, mu_dtype), params)

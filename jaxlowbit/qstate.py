@@ -249,7 +249,8 @@ def encode(y: jax.Array, fmt: BlockFormat, method: Literal["arithmetic", "search
     return _encode_dynamic(y, fmt.bits, fmt.signed)
   if fmt.kind == "linear":
     levels = 2**fmt.bits
-    return jnp.clip(jnp.round(y * levels) - 1, 0, levels - 1).astype(jnp.uint8)
+    # ceil(y * levels - 1/2) - 1 is the nearest code, ties to the smaller one (as searchsorted).
+    return jnp.clip(jnp.ceil(y * levels - 0.5) - 1, 0, levels - 1).astype(jnp.uint8)
   raise ValueError(f"encode: {fmt.kind} is a float format, not a code map")
 
 
@@ -368,6 +369,13 @@ def dequantize_blockwise(q: BlockQuantized, fmt: BlockFormat, shape: tuple[int, 
   return (values * q.scale[..., None]).reshape(shape)
 
 
+def zeros_blockwise(shape: tuple[int, ...], fmt: BlockFormat) -> BlockQuantized:
+  """A block-wise tensor of zeros: zero scales (any code times a zero scale is 0). No compute,
+  so optimizer ``init`` stays cheap eagerly and under ``jax.eval_shape``."""
+  codes_shape, scale_shape = stored_shapes(tuple(shape), fmt)
+  return BlockQuantized(jnp.zeros(codes_shape, fmt.code_dtype), jnp.zeros(scale_shape, jnp.float32))
+
+
 def nbytes(tree) -> int:
   """Total bytes of the array leaves of ``tree`` (works on ``jax.eval_shape`` outputs)."""
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
@@ -390,4 +398,5 @@ __all__ = [
     "quantize_blockwise",
     "stored_shapes",
     "unpack_4bit",
+    "zeros_blockwise",
 ]

@@ -16,8 +16,9 @@ from helpers import fresh_key, rel_err
 
 LOWBIT = ["adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"]
 # Norm-wise relative error of each step's update against optax.adamw on the same gradients,
-# over 10 steps (measured: 8-bit ~0.02, fp8 ~0.04, 4-bit ~0.3: a 4-bit m has 7 magnitudes).
-UPDATE_RTOL = {"adamw_8bit": 0.06, "adamw_fp8": 0.1, "adamw_fp8_o2": 0.1, "adamw_4bit": 0.5}
+# worst over 10 steps; measured over 6 seeds: 8-bit 0.035, fp8 0.051, fp8_o2 0.045, 4-bit 0.498
+# (4 bits: m has 7 magnitudes, and v's linear map rounds everything below amax/16 up to it).
+UPDATE_RTOL = {"adamw_8bit": 0.05, "adamw_fp8": 0.075, "adamw_fp8_o2": 0.065, "adamw_4bit": 0.6}
 
 
 def _params(key):
@@ -150,7 +151,7 @@ def test_heavy_tailed_sparse_gradients_stay_bounded(name):
     assert float(jnp.max(jnp.abs(u["w"]))) < 10.0, t
 
 
-@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit", "adamw_fp8"])
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit"])  # one-byte and packed half-byte codes
 def test_fsdp_sharded_update_matches_unsharded(name):
   devices = np.array(jax.devices()[:8])
   assert devices.size == 8, "tests/conftest.py provides 8 CPU devices"
@@ -168,11 +169,12 @@ def test_fsdp_sharded_update_matches_unsharded(name):
   grads = _grad_sequence(key, params, 3)
 
   def run(params, grads):
-    state = tx.init(params)
-    for t in range(3):
-      u, state = tx.update(jax.tree.map(lambda g, t=t: g[t], grads), state, params)
-      params = optax.apply_updates(params, u)
-    return params, state
+    def step(carry, g):
+      params, state = carry
+      u, state = tx.update(g, state, params)
+      return (optax.apply_updates(params, u), state), None
+
+    return jax.lax.scan(step, (params, tx.init(params)), grads)[0]
 
   one = devices[0]
   p_ref, s_ref = jax.jit(run)(jax.device_put(params, one), jax.device_put(grads, one))
@@ -185,7 +187,16 @@ def test_fsdp_sharded_update_matches_unsharded(name):
   jax.tree.map(np.testing.assert_array_equal, s_sh, s_ref)
 
 
-def _mlp_problem(seed=0, d=64, h=256, c=16):
+STEPS = 300
+
+
+def _mlp_problem(seed=0, d=64, h=256, c=16, steps=STEPS):
+  """(params, loss(params, batch), batches): a 3-layer MLP learning a random teacher's labels.
+
+  Every step sees a fresh batch (the online regime of LM pretraining); the batches are made
+  once, outside the jitted steps, so no random generation is compiled into them.
+  """
+
   def init(key):
     k1, k2, k3 = jax.random.split(key, 3)
     return {
@@ -198,44 +209,45 @@ def _mlp_problem(seed=0, d=64, h=256, c=16):
     x = jax.nn.gelu(x @ p["w1"] + p["b1"])
     return jax.nn.gelu(x @ p["w2"] + p["b2"]) @ p["w3"]
 
-  teacher = init(jax.random.key(seed + 1000))
+  inputs = jax.random.normal(jax.random.key(seed + 1), (steps, 128, d))
+  labels = jnp.argmax(apply(init(jax.random.key(seed + 1000)), inputs), -1)
 
-  def loss(p, key):
-    x = jax.random.normal(key, (128, d))
-    return optax.softmax_cross_entropy_with_integer_labels(apply(p, x), jnp.argmax(apply(teacher, x), -1)).mean()
+  def loss(p, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(apply(p, x), y).mean()
 
-  return init(jax.random.key(seed)), loss
+  return init(jax.random.key(seed)), loss, (inputs, labels)
 
 
-def train(tx, params, loss, steps=300, apply_updates=optax.apply_updates):
-  """Final loss (mean of the last 30 steps) of ``steps`` steps, one jitted scan."""
+def train(tx, params, loss, batches, apply_updates=optax.apply_updates):
+  """(final loss = mean of the last 30 steps, first loss): one step per batch, one jitted scan."""
 
   @jax.jit
-  def run(params):
-    def step(carry, t):
+  def run(params, batches):
+    def step(carry, batch):
       params, state = carry
-      value, grads = jax.value_and_grad(loss)(params, jax.random.fold_in(jax.random.key(7), t))
+      value, grads = jax.value_and_grad(loss)(params, batch)
       updates, state = tx.update(grads, state, params)
       return (apply_updates(params, updates), state), value
 
-    _, losses = jax.lax.scan(step, (params, tx.init(params)), jnp.arange(steps))
+    _, losses = jax.lax.scan(step, (params, tx.init(params)), batches)
     return losses
 
-  losses = run(params)
+  losses = run(params, batches)
   return float(jnp.mean(losses[-30:])), float(losses[0])
 
 
 @functools.cache
 def _reference_loss():
-  params, loss = _mlp_problem()
-  return train(optax.adamw(3e-3, weight_decay=0.01), params, loss)
+  params, loss, batches = _mlp_problem()
+  return train(optax.adamw(3e-3, weight_decay=0.01), params, loss, batches)
 
 
 @pytest.mark.parametrize("name", LOWBIT)
 def test_300_steps_reach_adamw_loss_within_3_percent(name):
-  params, loss = _mlp_problem()
+  params, loss, batches = _mlp_problem()
   ref, start = _reference_loss()
-  ours, _ = train(optim.make(name, 3e-3, weight_decay=0.01), params, loss)
+  ours, _ = train(optim.make(name, 3e-3, weight_decay=0.01), params, loss, batches)
   assert ref < 0.8 * start, "the reference must actually learn"
   assert ours <= 1.03 * ref, (ours, ref)
 

@@ -58,13 +58,13 @@ def test_stochastic_rounding_transformation_lands_exactly():
 
 def test_bf16_weights_train_like_float32():
   """A small learning rate (updates ~1/10 of a bf16 ulp): stochastic rounding trains like float32."""
-  params, loss = _mlp_problem()
+  params, loss, batches = _mlp_problem()
   lr = 3e-4
-  ref, start = train(optax.adamw(lr, weight_decay=0.0), params, loss)
+  ref, start = train(optax.adamw(lr, weight_decay=0.0), params, loss, batches)
   bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-  loss32 = lambda p, k: loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), k)  # noqa: E731
-  plain, _ = train(optax.adamw(lr, weight_decay=0.0), bf16, loss32)
-  sr, _ = train(optim.make("adamw_8bit", lr, weight_decay=0.0, stochastic_rounding_seed=0), bf16, loss32)
+  loss32 = lambda p, b: loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), b)  # noqa: E731
+  plain, _ = train(optax.adamw(lr, weight_decay=0.0), bf16, loss32, batches)
+  sr, _ = train(optim.make("adamw", lr, weight_decay=0.0, stochastic_rounding_seed=0), bf16, loss32, batches)
   assert ref < 0.9 * start
   assert sr <= 1.03 * ref, (sr, ref)
   assert plain - ref > 2 * abs(sr - ref), ("round-to-nearest bf16 should lag", plain, sr, ref)
