@@ -38,7 +38,6 @@ stochastically, so updates far below bf16's resolution still move the weights on
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -295,13 +294,22 @@ def adamw_fp8(
   try:
     v_kind = kinds[jnp.dtype(v_dtype)]
   except (KeyError, TypeError):
-    raise TypeError(f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}") from None
+    raise TypeError(
+        f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
+    ) from None
   moments = scale_by_adam_quantized(
       BlockFormat("e4m3", block=block_size),
       BlockFormat(v_kind, block=block_size, nonzero=True),
       b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
   )  # fmt: skip
   return _adamw(moments, weight_decay, mask, learning_rate)
+
+
+def adamw_fp8_o2(learning_rate: optax.ScalarOrSchedule, *args, **kwargs) -> optax.GradientTransformationExtraArgs:
+  """MS-AMP O2's optimizer: :func:`adamw_fp8` with ``v_dtype=jnp.float16`` (``m`` e4m3, ``v`` float16)."""
+  if "v_dtype" in kwargs:
+    raise TypeError("adamw_fp8_o2: v_dtype is float16 by definition; use adamw_fp8(v_dtype=...) to choose")
+  return adamw_fp8(learning_rate, *args, v_dtype=jnp.float16, **kwargs)
 
 
 # ----------------------------------------------------------------------------- bf16 weights
@@ -400,7 +408,7 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "adamw_8bit": adamw_8bit,
     "adamw_4bit": adamw_4bit,
     "adamw_fp8": adamw_fp8,
-    "adamw_fp8_o2": functools.partial(adamw_fp8, v_dtype=jnp.float16),
+    "adamw_fp8_o2": adamw_fp8_o2,
 }
 
 
@@ -440,6 +448,7 @@ __all__ = [
     "adamw_4bit",
     "adamw_8bit",
     "adamw_fp8",
+    "adamw_fp8_o2",
     "apply_updates_stochastic",
     "make",
     "scale_by_adam_quantized",

@@ -94,7 +94,9 @@ def _model_shapes():
   return {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("name,limit", [("adamw_8bit", 0.27), ("adamw_4bit", 0.15), ("adamw_fp8", 0.27), ("adamw_fp8_o2", 0.40)])
+@pytest.mark.parametrize(
+    "name,limit", [("adamw_8bit", 0.27), ("adamw_4bit", 0.15), ("adamw_fp8", 0.27), ("adamw_fp8_o2", 0.40)]
+)
 def test_state_bytes(name, limit):
   params = _model_shapes()
   n_params = sum(np.prod(p.shape) for p in params.values())
@@ -262,7 +264,8 @@ def test_errors_say_what_to_do():
   with pytest.raises(ValueError, match="unknown optimizer 'adam8'.*adamw_8bit"):
     optim.make("adam8", 1e-3)
   with pytest.raises(ValueError, match="first moment is signed"):
-    optim.scale_by_adam_quantized(qstate.BlockFormat("dynamic", signed=False), qstate.BlockFormat("dynamic", signed=False))
+    unsigned = qstate.BlockFormat("dynamic", signed=False)
+    optim.scale_by_adam_quantized(unsigned, unsigned)
   with pytest.raises(ValueError, match="share one block size"):
     optim.scale_by_adam_quantized(qstate.BlockFormat("e4m3", block=128), qstate.BlockFormat("e4m3", block=256))
   with pytest.raises(TypeError, match="BlockFormat"):
