@@ -181,9 +181,9 @@ def _adamw(
   )
 
 
-def _check_block(block_size: int, who: str) -> None:
+def _check_block(block_size: int, who: str, default: int) -> None:
   if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2 or block_size % 2:
-    raise ValueError(f"{who}: block_size must be an even int >= 2 (default {BLOCK_8BIT}), got {block_size!r}")
+    raise ValueError(f"{who}: block_size must be an even int >= 2 (default {default}), got {block_size!r}")
 
 
 def adamw_8bit(
@@ -211,7 +211,7 @@ def adamw_8bit(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (a chain, like ``optax.adamw``'s).
   """
-  _check_block(block_size, "adamw_8bit")
+  _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
   moments = scale_by_adam_quantized(
       BlockFormat("dynamic", 8, True, block_size),
       BlockFormat("dynamic", 8, False, block_size, nonzero=True),
@@ -248,7 +248,7 @@ def adamw_4bit(
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
   """
-  _check_block(block_size, "adamw_4bit")
+  _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
   moments = scale_by_adam_quantized(
       BlockFormat("dynamic", 4, True, block_size),
       BlockFormat("linear", 4, False, block_size, nonzero=True),
@@ -289,7 +289,7 @@ def adamw_fp8(
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
   """
-  _check_block(block_size, "adamw_fp8")
+  _check_block(block_size, "adamw_fp8", BLOCK_FP8)
   kinds = {jnp.dtype(fp8.E4M3): "e4m3", jnp.dtype(jnp.float16): "fp16"}
   try:
     v_kind = kinds[jnp.dtype(v_dtype)]
@@ -362,9 +362,11 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
   """Last transformation of a chain: makes ``optax.apply_updates`` round bf16 params stochastically.
 
   For each bfloat16 parameter it returns the float32 update ``u' = stochastic_round(p + u) - p``.
-  Both terms are bf16 values, so ``u'`` is exact in float32 and ``optax.apply_updates`` (which
-  adds in float32 and casts back) lands exactly on the stochastically rounded value. Other
-  parameters pass their updates through. Needs ``params`` in ``update``; put nothing after it.
+  Both terms are bf16 values, so ``u'`` is exact in float32 (unless ``p + u`` cancels to below
+  ``2^-24 |p|``, where the result is off by less than float32's resolution at ``p``), and
+  ``optax.apply_updates`` (which adds in float32 and casts back) lands on the stochastically
+  rounded value. Other parameters pass their updates through. Needs ``params`` in ``update``;
+  put nothing after it.
 
   Args:
     seed: int seed or a ``jax.random`` key; the state carries the key (as uint32 key data) and

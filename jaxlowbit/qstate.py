@@ -12,16 +12,18 @@ Which elements form a block (the sharding rule). The blocks run along the *trail
 inside one ``group`` slice, so sharding any of the leading axes ``S[:k]`` (FSDP shards dim 0 of a
 ``[K, N]`` kernel; ``group`` is then ``N`` alone) never splits a block. Sharding an axis inside
 the group keeps blocks whole when each shard holds a multiple of ``B`` elements of the flattened
-group. Stored arrays are ``codes [*lead, T]`` (``[*lead, T / 2]`` for 4 bits) and ``scale [*lead, T / B]``: their
-dim 0 partitions the same elements as the tensor's dim 0 (row-major), so they take the
-tensor's dim-0 sharding unchanged.
+group. Stored arrays are ``codes [*lead, T]`` (``[*lead, T / 2]`` for 4 bits) and
+``scale [*lead, T / B]``: their dim 0 partitions the same elements as the tensor's dim 0
+(row-major), so they take the tensor's dim-0 sharding unchanged.
 
 Formats (:class:`BlockFormat`):
 
 - ``dynamic``: the dynamic tree map (Dettmers 2016, "8-bit approximations for parallelism in
   deep learning"; bitsandbytes' 8-bit optimizers): a code is a sign bit (signed maps), then
   ``E`` zero bits giving the decade ``10^-E``, a one bit, and ``F`` bits of a linear fraction
-  in ``[0.1, 1]``. Values near the block maximum get many fraction bits, tiny values few.
+  in ``[0.1, 1]``. Values near the block maximum get many fraction bits, tiny values few. The
+  stored code is the value's index in the sorted table (:func:`dynamic_map`); the bit layout
+  defines the values, and encode/decode compute the index arithmetically.
 - ``linear``: ``(j + 1) / 2^bits`` for ``j = 0 .. 2^bits - 1``, zero excluded (the 4-bit
   second moment of Li et al. 2023, "Memory efficient optimizers with 4-bit states": a second
   moment quantized to zero would make ``m / sqrt(v)`` explode).
