@@ -121,7 +121,8 @@ class Int8WeightOnlyDense(nn.DenseGeneral):
       then rounded to int8), bias_init, precision: as in ``flax.linen.DenseGeneral``.
       ``batch_dims`` is not supported.
     recipe: None (dequantize, then a dot in the compute dtype) or an
-      :class:`Int8MixedPrecision` (INT8 matmuls; the weight re-quantizes to its own codes).
+      :class:`Int8MixedPrecision` (INT8 matmuls; quantizing the dequantized weight per channel
+      gives back its codes when the channel's largest code is +-127, as after every update).
   """
 
   recipe: Int8MixedPrecision | None = None

@@ -63,13 +63,21 @@ def _trajectory(tx, params, key, steps):
   return params, state, [jax.tree.map(lambda u, t=t: u[t], updates) for t in range(steps)]
 
 
-@pytest.mark.parametrize("name", LOWBIT)
-def test_updates_track_optax_adamw(name):
+TRACK_KW = dict(learning_rate=1e-3, weight_decay=0.1)
+
+
+@functools.cache
+def _tracking_reference():
+  """(key, params, optax.adamw's updates): fresh per session, shared by the optimizers' tests."""
   key = fresh_key()
   params = _params(key)
-  kw = dict(learning_rate=1e-3, weight_decay=0.1)
-  _, state, ours = _trajectory(optim.make(name, **kw), params, key, 10)
-  _, _, ref = _trajectory(optax.adamw(**kw), params, key, 10)
+  return key, params, _trajectory(optax.adamw(**TRACK_KW), params, key, 10)[2]
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_updates_track_optax_adamw(name):
+  key, params, ref = _tracking_reference()
+  _, state, ours = _trajectory(optim.make(name, **TRACK_KW), params, key, 10)
   for t, (u, r) in enumerate(zip(ours, ref)):
     for leaf in ("kernel", "heads"):
       err = rel_err(u[leaf], r[leaf])
