@@ -122,7 +122,8 @@ class Int8WeightOnlyDense(nn.DenseGeneral):
       ``batch_dims`` is not supported.
     recipe: None (dequantize, then a dot in the compute dtype) or an
       :class:`Int8MixedPrecision` (INT8 matmuls; quantizing the dequantized weight per channel
-      gives back its codes when the channel's largest code is +-127, as after every update).
+      gives back its codes when the channel's largest code is +-127, which updates keep true but
+      for rare rounding).
   """
 
   recipe: Int8MixedPrecision | None = None
