@@ -10,11 +10,13 @@ Swap a layer::
 NNX layers live in ``jaxlowbit.nnx``.
 """
 
+from jaxlowbit import optim, qstate, quantized_training
 from jaxlowbit.convert import convert, worth_quantizing
 from jaxlowbit.fp8 import dequantize_fp8, quantize_fp8
 from jaxlowbit.int8 import dequantize_int8, quantize_int8
 from jaxlowbit.layers import BitNetDense, Fp8Dense, Int8Dense, dense_for
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
+from jaxlowbit.quantized_training import Int8Weight, Int8WeightOnlyDense
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe
 from jaxlowbit.rounding import stochastic_round
 from jaxlowbit.ternary import dequantize_ternary, pack_2bit, quantize_ternary, unpack_2bit
@@ -28,18 +30,23 @@ __all__ = [
     "Fp8Dense",
     "Int8Dense",
     "Int8MixedPrecision",
+    "Int8Weight",
+    "Int8WeightOnlyDense",
     "Recipe",
     "convert",
     "dense_for",
     "dequantize_fp8",
     "dequantize_int8",
     "dequantize_ternary",
+    "optim",
     "pack_2bit",
     "quantize_fp8",
     "quantize_int8",
     "quantize_ternary",
     "quantized_dot_general",
     "quantized_matmul",
+    "quantized_training",
+    "qstate",
     "stochastic_round",
     "unpack_2bit",
     "worth_quantizing",

@@ -3,7 +3,8 @@
 Each recipe is a ``jax.custom_vjp``: the forward quantizes x and W dynamically, the
 backward quantizes g (and re-quantizes W) for ``grad_input`` and ``grad_weight``, and every
 low-bit product goes through the one dispatch point, :func:`pallas_kernels.scaled_matmul`
-(``[M, K] x [N, K]``, both operands K-major, scales applied in the epilogue).
+(``[M, K] x [N, K]``, both operands K-major, scales applied in the epilogue), as does every
+quantization (``quantize_rows``; ``quantize_cols_t``, which writes the transposed copy).
 
 Operand layouts per matmul (for 2-D ``x [M, K]``, ``W [K, N]``, ``g [M, N]``):
 
@@ -25,75 +26,52 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit import fp8, int8, ternary
+from jaxlowbit import ternary
+from jaxlowbit.formats import QuantSpec
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
-from pallas_kernels import scaled_matmul
+from pallas_kernels import dispatch  # module import: pallas_kernels imports jaxlowbit's numerics
 
-# (low-bit payload, float32 dequantization scale per row or one in all) of a 2-D operand.
-Quantized = tuple[jax.Array, jax.Array]
-Quantizer = Callable[[jax.Array], Quantized]
-
-
-def _int8_rows(t: jax.Array) -> Quantized:
-  return int8.quantize_int8(t, axis=-1)
-
-
-def _e4m3_rows_pow2(t: jax.Array) -> Quantized:
-  q, scale = fp8.quantize_fp8(t, fp8.E4M3, axis=-1, power_of_two=True)
-  return q, 1.0 / scale
-
-
-def _fp8_tensor(dtype) -> Quantizer:
-  def quantize(t: jax.Array) -> Quantized:
-    q, scale = fp8.quantize_fp8(t, dtype, axis=None)
-    return q, 1.0 / scale
-
-  return quantize
-
-
-_e4m3_tensor = _fp8_tensor(fp8.E4M3)
-_e5m2_tensor = _fp8_tensor(fp8.E5M2)
+# How each operand of each matmul is quantized (see the table in the module docstring).
+_INT8_ROWS = QuantSpec("int8")
+_E4M3_ROWS_POW2 = QuantSpec("float8_e4m3fn", power_of_two=True)
+_E4M3_TENSOR = QuantSpec("float8_e4m3fn", per_tensor=True)
+_E5M2_TENSOR = QuantSpec("float8_e5m2", per_tensor=True)
+_BITNET_ACTIVATIONS = QuantSpec("int8", eps=ternary.ACTIVATION_EPS)
+_TERNARY = QuantSpec("int8", per_tensor=True, ternary=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """(left, right) quantizers of each matmul; None runs that matmul in high precision."""
+  """(left, right) operand specs of each matmul; None runs that matmul in high precision."""
 
-  output: tuple[Quantizer, Quantizer] | None
-  grad_input: tuple[Quantizer, Quantizer] | None
-  grad_weight: tuple[Quantizer, Quantizer] | None
+  output: tuple[QuantSpec, QuantSpec] | None
+  grad_input: tuple[QuantSpec, QuantSpec] | None
+  grad_weight: tuple[QuantSpec, QuantSpec] | None
 
 
 def _plan(recipe: Int8MixedPrecision | Float8) -> _Plan:
   if isinstance(recipe, Int8MixedPrecision):
-    pair = (_int8_rows, _int8_rows)
+    pair = (_INT8_ROWS, _INT8_ROWS)
     return _Plan(
         output=pair if recipe.output else None,
         grad_input=pair if recipe.grad_input else None,
         grad_weight=pair if recipe.grad_weight else None,
     )
   if recipe.rowwise:
-    pair = (_e4m3_rows_pow2, _e4m3_rows_pow2)
+    pair = (_E4M3_ROWS_POW2, _E4M3_ROWS_POW2)
     return _Plan(pair, pair, pair if recipe.grad_weight else None)
   # tensorwise: activations and weights e4m3, gradients e5m2 (more range, less precision).
   return _Plan(
-      output=(_e4m3_tensor, _e4m3_tensor),
-      grad_input=(_e5m2_tensor, _e4m3_tensor),
-      grad_weight=(_e4m3_tensor, _e5m2_tensor),
+      output=(_E4M3_TENSOR, _E4M3_TENSOR),
+      grad_input=(_E5M2_TENSOR, _E4M3_TENSOR),
+      grad_weight=(_E4M3_TENSOR, _E5M2_TENSOR),
   )
-
-
-def _lowbit(left: jax.Array, right: jax.Array, quantizers: tuple[Quantizer, Quantizer], out_dtype):
-  """``left [R, K'] @ right[C, K']^T`` with each operand quantized per its quantizer."""
-  qa, sa = quantizers[0](left)
-  qb, sb = quantizers[1](right)
-  return scaled_matmul(qa, sa, qb, sb, out_dtype)
 
 
 def _hp_dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
@@ -110,28 +88,45 @@ def _scaled_linear(x: jax.Array, w: jax.Array, recipe: Int8MixedPrecision | Floa
   return _scaled_linear_fwd(x, w, recipe)[0]
 
 
+def _rows_and_cols_t(t: jax.Array, rows_spec: QuantSpec | None, cols_spec: QuantSpec | None):
+  """``t`` quantized per row and/or per column (transposed), from one fused pass when both."""
+  if rows_spec is not None and rows_spec == cols_spec:
+    return dispatch.quantize_rows_and_cols_t(t, rows_spec)
+  rows = dispatch.quantize_rows(t, rows_spec) if rows_spec else None
+  cols_t = dispatch.quantize_cols_t(t, cols_spec) if cols_spec else None
+  return rows, cols_t
+
+
 def _scaled_linear_fwd(x, w, recipe):
   plan = _plan(recipe)
+  # x per token for the forward and, for grad_weight, per input feature (transposed).
+  x_rows, x_cols_t = _rows_and_cols_t(
+      x, plan.output[0] if plan.output else None, plan.grad_weight[0] if plan.grad_weight else None
+  )
   if plan.output:
-    y = _lowbit(x, w.T, plan.output, x.dtype)
+    qwt, swt = dispatch.quantize_cols_t(w, plan.output[1])  # W^T [N, K], per output channel
+    y = dispatch.scaled_matmul(*x_rows, qwt, swt, x.dtype)
   else:
     y = _hp_dot(x, w, x.dtype)
-  # grad_weight reads x per input feature: keep only its quantized transpose when low-bit.
-  saved_x = plan.grad_weight[0](x.T) if plan.grad_weight else x
-  return y, (saved_x, w)
+  # Keep only x's quantized transpose when grad_weight is low-bit.
+  return y, (x_cols_t if plan.grad_weight else x, w)
 
 
 def _scaled_linear_bwd(recipe, residuals, g):
   saved_x, w = residuals
   plan = _plan(recipe)
+  # g per token for grad_input and, for grad_weight, per output feature (transposed).
+  g_rows, g_cols_t = _rows_and_cols_t(
+      g, plan.grad_input[0] if plan.grad_input else None, plan.grad_weight[1] if plan.grad_weight else None
+  )
   if plan.grad_input:
-    dx = _lowbit(g, w, plan.grad_input, g.dtype)
+    qw, sw = dispatch.quantize_rows(w, plan.grad_input[1])  # W [K, N], per input channel
+    dx = dispatch.scaled_matmul(*g_rows, qw, sw, g.dtype)
   else:
     dx = _hp_dot(g, w.T, g.dtype)
   if plan.grad_weight:
-    qxt, sxt = saved_x
-    qgt, sgt = plan.grad_weight[1](g.T)
-    dw = scaled_matmul(qxt, sxt, qgt, sgt, w.dtype)
+    qxt, sxt = saved_x  # x^T [K, M], per input feature
+    dw = dispatch.scaled_matmul(qxt, sxt, *g_cols_t, w.dtype)
   else:
     dw = _hp_dot(saved_x.T, g, w.dtype)
   return dx, dw
@@ -144,10 +139,6 @@ _scaled_linear.defvjp(_scaled_linear_fwd, _scaled_linear_bwd)
 # BitNet b1.58: ternary W x int8 x forward, straight-through backward.
 
 
-def _bitnet_activations(x: jax.Array) -> Quantized:
-  return int8.quantize_int8(x, axis=-1, eps=ternary.ACTIVATION_EPS)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _bitnet_linear(x: jax.Array, w: jax.Array, recipe: BitNet) -> jax.Array:
   return _bitnet_linear_fwd(x, w, recipe)[0]
@@ -155,28 +146,32 @@ def _bitnet_linear(x: jax.Array, w: jax.Array, recipe: BitNet) -> jax.Array:
 
 def _bitnet_linear_fwd(x, w, recipe):
   del recipe
-  xq, sx = _bitnet_activations(x)
-  wq, s = ternary.quantize_ternary(w)
-  y = scaled_matmul(xq, sx, wq.T, s, x.dtype)
+  xq, sx = dispatch.quantize_rows(x, _BITNET_ACTIVATIONS)
+  wqt, s = dispatch.quantize_cols_t(w, _TERNARY)  # Wq^T [N, K], one scale
+  y = dispatch.scaled_matmul(xq, sx, wqt, s, x.dtype)
   # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
   return y, (xq, sx, w)
 
 
 def _bitnet_linear_bwd(recipe, residuals, g):
   xq, sx, w = residuals
-  wq, s = ternary.quantize_ternary(w)
+  wq, s = dispatch.quantize_rows(w, _TERNARY)
   if recipe.grad_input:
-    gq, sg = int8.quantize_int8(g, axis=-1)
-    dx = scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
+    gq, sg = dispatch.quantize_rows(g, _INT8_ROWS)
+    dx = dispatch.scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
   else:
-    dx = (_hp_dot(g, wq.T, jnp.float32) * s).astype(g.dtype)
+    w_fake = (wq.astype(jnp.float32) * s).astype(g.dtype)  # weight-sized: cheap
+    dx = _hp_dot(g, w_fake.T, g.dtype)
+  # Both forms below run in g's dtype (bf16 in training): the straight-through reference's
+  # fake-quantized x, and sx * g, are exact enough there and an f32 GEMM would be ~3x slower.
   if recipe.grad_weight:
     # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
-    qgt, sgt = int8.quantize_int8((g.astype(jnp.float32) * sx).T, axis=-1)
-    dw = scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, w.dtype)
+    scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
+    qgt, sgt = dispatch.quantize_cols_t(scaled_g, _INT8_ROWS)
+    dw = dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, w.dtype)
   else:
-    x_fake = xq.astype(jnp.float32) * sx
-    dw = _hp_dot(x_fake.T, g.astype(jnp.float32), w.dtype)
+    x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
+    dw = _hp_dot(x_fake.T, g, w.dtype)
   return dx, dw
 
 

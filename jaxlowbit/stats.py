@@ -32,10 +32,15 @@ def check_floating(x: jax.Array, who: str) -> None:
 def absmax(x: jax.Array, axis: Axis = None) -> jax.Array:
   """float32 ``max(|x|)`` over ``axis`` (None: whole tensor), reduced dims kept as size 1.
 
-  NaN anywhere in a slice makes its result NaN (``jnp.max`` propagates NaN), which is how
-  the quantizers carry NaNs through instead of rounding them to zero.
+  NaN counts as +inf, so a slice holding NaN or inf gets an infinite amax: its scale is
+  then inf (int8) or 0 (FP8 multiplier) and the slice dequantizes to NaN, instead of NaN
+  being rounded to a silent zero. Mapping NaN to inf (rather than relying on ``max`` to
+  propagate NaN) keeps this true on every backend: vectorized max reductions on XLA:CPU
+  and Triton's ``maxnumf`` both drop NaN.
   """
-  return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=canonical_axis(x, axis), keepdims=True)
+  x = x.astype(jnp.float32)
+  magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+  return jnp.max(magnitude, axis=canonical_axis(x, axis), keepdims=True)
 
 
 def absmean(x: jax.Array, axis: Axis = None) -> jax.Array:

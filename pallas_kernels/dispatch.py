@@ -1,15 +1,19 @@
-"""The single dispatch point for jaxlowbit's low-bit GEMMs.
+"""The single dispatch point for jaxlowbit's low-bit kernels.
 
-``jaxlowbit.quantized_matmul`` sends every low-bit matmul of every recipe (forward,
-grad_input, grad_weight) through :func:`scaled_matmul`; which implementation runs is
-decided here and nowhere else.
+``jaxlowbit.quantized_matmul`` sends every quantization and every low-bit matmul of every
+recipe (forward, grad_input, grad_weight) through the three functions here; which
+implementation runs is decided here and nowhere else:
+
+- :func:`quantize_rows`   ``[R, C]`` -> int8/fp8 ``[R, C]`` + one scale per row
+- :func:`quantize_cols_t` ``[R, C]`` -> int8/fp8 ``[C, R]`` + one scale per column (transposed)
+- :func:`scaled_matmul`   ``[M, K] x [N, K]`` -> ``[M, N]`` with the scales applied
 
 Backends:
-- ``"xla"``: :func:`pallas_kernels.reference.scaled_matmul_reference` (XLA dot + epilogue).
-- ``"pallas"``: the Pallas GPU kernels (Hopper wgmma), where the device and shape allow.
+- ``"xla"``: :mod:`pallas_kernels.reference` (XLA fusions).
+- ``"pallas"``: the Pallas GPU kernels (Hopper wgmma GEMM, Triton-backend quantizers).
 
-``JAXLOWBIT_BACKEND=xla|pallas|auto`` (default ``auto``) forces a backend; ``auto`` picks
-the kernel on devices where it is proven faster and XLA everywhere else.
+``JAXLOWBIT_BACKEND=xla|pallas|auto`` (default ``auto``) forces a backend; ``auto`` takes
+the kernel where the device supports it and the benchmarks show it faster, XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -19,10 +23,19 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import check_operands, scaled_matmul_reference
+from jaxlowbit.formats import QuantSpec
+from pallas_kernels.reference import (
+    FP8_TYPES,
+    check_operands,
+    quantize_cols_t_reference,
+    quantize_rows_reference,
+    scaled_matmul_reference,
+)
 
 BACKEND_ENV = "JAXLOWBIT_BACKEND"
 BACKENDS = ("auto", "xla", "pallas")
+# Hopper is compute capability 9.x: wgmma and FP8 tensor cores.
+HOPPER = 9
 
 
 def requested_backend() -> str:
@@ -33,13 +46,74 @@ def requested_backend() -> str:
   return value
 
 
-def select_backend(a: jax.Array, b: jax.Array, platform: str | None = None) -> str:
-  """Which implementation ``scaled_matmul`` uses for these operands: ``"xla"`` or ``"pallas"``."""
-  del a, b, platform  # No Pallas kernel is registered yet: every shape takes the XLA path.
+def compute_capability(device=None) -> int | None:
+  """Major compute capability of ``device`` (default device), None for non-NVIDIA devices."""
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  cc = getattr(device, "compute_capability", None)
+  return int(str(cc).split(".")[0]) if cc else None
+
+
+def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: bool = False) -> str:
+  """Which implementation ``scaled_matmul`` uses for an ``[M, K] x [N, K]`` problem.
+
+  ``auto`` takes the Pallas GEMM on Hopper where ``tuning.gemm_worth_it`` says it wins;
+  ``pallas`` forces it for every shape (padded to tile multiples).
+  """
+  from pallas_kernels import tuning
+
   requested = requested_backend()
-  if requested == "pallas":
-    raise NotImplementedError(f"{BACKEND_ENV}=pallas: no Pallas kernel is available in this build")
+  major = compute_capability(device)
+  if jnp.dtype(a_dtype) in FP8_TYPES and major is not None and major < HOPPER:
+    raise NotImplementedError(
+        f"FP8 matmuls need an sm90+ GPU (Hopper); this device is sm{major}x. Use Int8MixedPrecision or BitNet."
+    )
+  if requested == "xla":
+    return "xla"
+  if major is None or major < HOPPER:
+    if requested == "pallas":
+      raise NotImplementedError(f"{BACKEND_ENV}=pallas: the Pallas GEMM needs a Hopper GPU (sm90)")
+    return "xla"
+  if requested == "pallas" or tuning.gemm_worth_it(m, n, k, per_tensor):
+    return "pallas"
   return "xla"
+
+
+def _quantize_on_kernel(x: jax.Array, spec: QuantSpec, transposed: bool) -> bool:
+  """Whether a fused quantization kernel takes ``x`` (2-D, supported spec and shape, GPU)."""
+  from pallas_kernels import quantize as kernels  # keeps Pallas imports off the CPU import path
+
+  if requested_backend() == "xla" or compute_capability() is None:
+    return False
+  return x.ndim == 2 and kernels.supported(spec, *x.shape, transposed=transposed)
+
+
+def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+  """``x [R, C]`` -> (``q [R, C]`` of ``spec.dtype``, float32 dequant scale ``[R, 1]`` or ``[1, 1]``)."""
+  if _quantize_on_kernel(x, spec, transposed=False):
+    from pallas_kernels.quantize import quantize_rows_kernel
+
+    return quantize_rows_kernel(x, spec)
+  return quantize_rows_reference(x, spec)
+
+
+def quantize_cols_t(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+  """``x [R, C]`` -> (``q [C, R]``: per-column quantization written transposed, scale ``[C, 1]`` or ``[1, 1]``)."""
+  if _quantize_on_kernel(x, spec, transposed=True):
+    from pallas_kernels.quantize import quantize_cols_t_kernel
+
+    return quantize_cols_t_kernel(x, spec)
+  return quantize_cols_t_reference(x, spec)
+
+
+def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec):
+  """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can."""
+  if _quantize_on_kernel(x, spec, transposed=False):
+    from pallas_kernels.quantize import quantize_rows_and_cols_t_kernel
+
+    return quantize_rows_and_cols_t_kernel(x, spec)
+  return quantize_rows(x, spec), quantize_cols_t(x, spec)
 
 
 def scaled_matmul(
@@ -53,5 +127,10 @@ def scaled_matmul(
     out_dtype: dtype of the ``[M, N]`` result.
   """
   check_operands(a, a_scale, b, b_scale)
-  select_backend(a, b)
+  m, k = a.shape
+  per_tensor = a_scale.size == 1 and b_scale.size == 1
+  if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor) == "pallas":
+    from pallas_kernels.hopper_gemm import scaled_matmul_hopper  # imports Mosaic GPU lazily
+
+    return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype)
   return scaled_matmul_reference(a, a_scale, b, b_scale, out_dtype)

@@ -1,6 +1,11 @@
-"""Plain-XLA reference for the low-bit GEMM that every kernel in this package must match.
+"""Plain-XLA references that every kernel in this package must match.
 
-``scaled_matmul_reference(a, a_scale, b, b_scale)`` computes
+Quantization (``quantize_rows_reference``, ``quantize_cols_t_reference``): a 2-D tensor is
+quantized with one scale per row, or one per column and written transposed (the layout the
+GEMM wants for grad_weight), or with one scale in all, as a :class:`QuantSpec` says. Scales
+come back as float32 *dequantization multipliers* (``x ~= q * scale``) for every format.
+
+GEMM: ``scaled_matmul_reference(a, a_scale, b, b_scale)`` computes
 
     out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n]
 
@@ -14,10 +19,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxlowbit.formats import QuantSpec, quantize
+
 INT8 = jnp.dtype(jnp.int8)
 FP8_TYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # Largest K for which int8 x int8 sums cannot overflow int32: 127 * 127 * K < 2**31.
 MAX_INT8_K = (2**31 - 1) // (127 * 127)
+
+
+def quantize_rows_reference(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+  """``[R, C]`` -> (``q [R, C]``, scale ``[R, 1]`` or ``[1, 1]``): one scale per row."""
+  return quantize(x, spec, axis=-1)
+
+
+def quantize_cols_t_reference(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+  """``[R, C]`` -> (``q^T [C, R]``, scale ``[C, 1]`` or ``[1, 1]``): one scale per column, transposed."""
+  q, scale = quantize(x, spec, axis=0)
+  return q.T, scale.reshape(-1, 1)
 
 
 def check_operands(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array) -> None:

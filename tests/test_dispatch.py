@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxlowbit
+from jaxlowbit.formats import QuantSpec
 from pallas_kernels import dispatch, reference
 from helpers import fresh_key
 
@@ -48,13 +50,60 @@ def test_operand_errors(a, b, sa, sb, err, match):
     dispatch.scaled_matmul(lhs, jnp.ones(sa), rhs, jnp.ones(sb))
 
 
-def test_backend_env(monkeypatch):
-  a = jnp.zeros((4, 8), jnp.int8)
+class _FakeGpu:
+  platform = "gpu"
+
+  def __init__(self, cc):
+    self.compute_capability = cc
+
+
+@pytest.mark.parametrize(
+    "env,device,dtype,expected",
+    [
+        (None, None, jnp.int8, "xla"),  # CPU
+        ("pallas", None, jnp.int8, NotImplementedError),  # no Hopper here
+        ("xla", _FakeGpu("9.0"), jnp.int8, "xla"),
+        (None, _FakeGpu("9.0"), jnp.int8, "pallas"),
+        ("auto", _FakeGpu("9.0"), jnp.int8, "pallas"),
+        (None, _FakeGpu("9.0"), jnp.float8_e4m3fn, "pallas"),
+        (None, _FakeGpu("8.0"), jnp.int8, "xla"),  # Ampere: XLA int8 path
+        ("pallas", _FakeGpu("8.0"), jnp.int8, NotImplementedError),
+        (None, _FakeGpu("8.0"), jnp.float8_e4m3fn, NotImplementedError),  # FP8 needs sm90
+        ("cuda", None, jnp.int8, ValueError),
+    ],
+)
+def test_backend_selection(monkeypatch, env, device, dtype, expected):
+  if env is None:
+    monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
+  else:
+    monkeypatch.setenv(dispatch.BACKEND_ENV, env)
+  if isinstance(expected, type):
+    with pytest.raises(expected):
+      dispatch.select_backend(dtype, 256, 256, 256, device=device)
+  else:
+    assert dispatch.select_backend(dtype, 256, 256, 256, device=device) == expected
+
+
+def test_auto_backend_follows_the_measured_crossovers(monkeypatch):
   monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
-  assert dispatch.requested_backend() == "auto"
-  assert dispatch.select_backend(a, a) == "xla"
-  monkeypatch.setenv(dispatch.BACKEND_ENV, "XLA")
-  assert dispatch.select_backend(a, a) == "xla"
-  monkeypatch.setenv(dispatch.BACKEND_ENV, "cuda")
-  with pytest.raises(ValueError, match="JAXLOWBIT_BACKEND"):
-    dispatch.requested_backend()
+  hopper = _FakeGpu("9.0")
+  assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "xla"  # mostly padding
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper, per_tensor=True) == "xla"
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper) == "pallas"
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 8192, 8192, 8192, device=hopper, per_tensor=True) == "pallas"
+  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "pallas"
+
+
+def test_quantize_dispatch_matches_numerics():
+  x = jax.random.normal(fresh_key(), (48, 80))
+  spec = QuantSpec("int8")
+  q, s = dispatch.quantize_rows(x, spec)
+  q2, s2 = jaxlowbit.quantize_int8(x, axis=-1)
+  np.testing.assert_array_equal(q, q2)
+  np.testing.assert_array_equal(s, s2)
+  qt, st = dispatch.quantize_cols_t(x, QuantSpec("float8_e4m3fn", power_of_two=True))
+  q3, s3 = jaxlowbit.quantize_fp8(x, jnp.float8_e4m3fn, axis=0, power_of_two=True)
+  assert qt.shape == (80, 48) and st.shape == (80, 1)
+  np.testing.assert_array_equal(np.asarray(qt, np.float32), np.asarray(q3, np.float32).T)
+  np.testing.assert_array_equal(st[:, 0], 1.0 / s3[0])

@@ -1,0 +1,174 @@
+"""Optimizer state memory and step time: float32 AdamW vs 8-bit, 4-bit and FP8 AdamW.
+
+The parameter shapes are a Llama-style 1B model's (TinyLlama 1.1B: d_model 2048, 22 layers,
+GQA 32 query / 4 key-value heads of 64, SwiGLU hidden 5632, vocabulary 32000, untied head),
+with the layers stacked on a leading axis as ``nn.scan`` stores them. One timed step is the
+whole optimizer step, ``tx.update`` then ``optax.apply_updates``, jitted with the parameters
+and state donated; the figure is the median of ``--repeats`` runs after ``--warmup``.
+
+    PYTHONPATH=. python benchmarks/optim.py --out results/optim.json            # GPU, full 1B
+    PYTHONPATH=. python benchmarks/optim.py --layers 1 --vocab 4096 --out /tmp/o.json   # CPU smoke
+
+``--encode`` adds the quantizer micro-benchmark: the dynamic map's nearest code computed
+arithmetically (what the optimizers use) vs ``searchsorted`` over the code table.
+The table is printed last; ``--out`` gets the same numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxlowbit import optim, qstate
+
+# TinyLlama-1.1B-style shapes, one row per parameter: (name, shape per layer or None, stacked?).
+D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, D_FF, VOCAB = 2048, 22, 32, 4, 64, 5632, 32000
+
+
+def model_shapes(layers: int = N_LAYERS, vocab: int = VOCAB) -> dict[str, tuple[int, ...]]:
+  """The parameter table: name -> shape (layer parameters carry a leading ``[layers]`` axis)."""
+  d, q, kv = D_MODEL, N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
+  per_layer = {
+      "layers.attn_norm": (d,),
+      "layers.attn.q": (d, q),
+      "layers.attn.k": (d, kv),
+      "layers.attn.v": (d, kv),
+      "layers.attn.out": (q, d),
+      "layers.mlp_norm": (d,),
+      "layers.mlp.gate": (d, D_FF),
+      "layers.mlp.up": (d, D_FF),
+      "layers.mlp.down": (D_FF, d),
+  }
+  shapes = {"embed": (vocab, d)}
+  shapes.update({name: (layers, *shape) for name, shape in per_layer.items()})
+  shapes.update({"final_norm": (d,), "lm_head": (d, vocab)})
+  return shapes
+
+
+OPTIMIZERS = ["adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"]
+
+
+def _arrays(shapes, key, scale):
+  keys = jax.random.split(key, len(shapes))
+  return {
+      name: jax.jit(lambda k, s=shape: jax.random.normal(k, s, jnp.float32) * scale)(k)
+      for k, (name, shape) in zip(keys, shapes.items())
+  }
+
+
+def bench_optimizer(name: str, shapes, repeats: int, warmup: int) -> dict:
+  tx = optim.make(name, 1e-4, weight_decay=0.1)
+  abstract = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
+  state_bytes = qstate.nbytes(jax.eval_shape(tx.init, abstract))
+  params = _arrays(shapes, jax.random.key(0), 0.02)
+  grads = _arrays(shapes, jax.random.key(1), 1e-3)
+  state = jax.jit(tx.init)(params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  params, state = jax.block_until_ready(step(params, state, grads))
+  compile_s = time.perf_counter() - t0
+  for _ in range(warmup):
+    params, state = jax.block_until_ready(step(params, state, grads))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    params, state = jax.block_until_ready(step(params, state, grads))
+    times.append(time.perf_counter() - t0)
+  finite = bool(all(jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)))
+  del params, state, grads
+  return {
+      "optimizer": name,
+      "state_bytes": state_bytes,
+      "step_ms_median": 1e3 * statistics.median(times),
+      "step_ms_min": 1e3 * min(times),
+      "compile_and_first_s": compile_s,
+      "finite": finite,
+  }
+
+
+def bench_encode(n: int, repeats: int) -> list[dict]:
+  """Quantize ``n`` float32 values block-wise with both nearest-code methods (ms, median)."""
+  x = jax.random.normal(jax.random.key(2), (n // 2048, 2048))
+  rows = []
+  for fmt in (qstate.BlockFormat("dynamic", 8, True, 256), qstate.BlockFormat("dynamic", 4, True, 128)):
+    for method in ("arithmetic", "searchsorted"):
+      f = jax.jit(lambda a, fmt=fmt, method=method: qstate.quantize_blockwise(a, fmt, method))
+      jax.block_until_ready(f(x))
+      times = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+      ms = 1e3 * statistics.median(times)
+      rows.append({"map": f"dynamic{fmt.bits}", "method": method, "elements": n, "ms_median": ms})
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", required=True, help="JSON file to write")
+  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated jaxlowbit.optim.make names")
+  parser.add_argument("--layers", type=int, default=N_LAYERS, help="transformer layers (22 for the 1B model)")
+  parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary rows of the embedding and LM head")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--encode", type=int, default=0, help="also time the nearest-code methods on this many elements")
+  args = parser.parse_args(argv)
+
+  shapes = model_shapes(args.layers, args.vocab)
+  n_params = sum(math.prod(s) for s in shapes.values())
+  results = []
+  for name in args.optimizers.split(","):
+    results.append(bench_optimizer(name.strip(), shapes, args.repeats, args.warmup))
+    print(f"done {name}: {results[-1]['step_ms_median']:.2f} ms", flush=True)
+  base = next((r for r in results if r["optimizer"] == "adamw"), results[0])
+  for r in results:
+    r["state_vs_adamw"] = r["state_bytes"] / base["state_bytes"]
+    r["time_vs_adamw"] = r["step_ms_median"] / base["step_ms_median"]
+    r["state_bytes_per_param"] = r["state_bytes"] / n_params
+  encode = bench_encode(args.encode, args.repeats) if args.encode else []
+
+  report = {
+      "benchmark": "optim",
+      "device": str(jax.devices()[0].device_kind),
+      "platform": jax.default_backend(),
+      "jax": jax.__version__,
+      "python": platform.python_version(),
+      "shapes": {k: list(v) for k, v in shapes.items()},
+      "n_params": n_params,
+      "repeats": args.repeats,
+      "results": results,
+      "encode": encode,
+  }
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=2)
+
+  print(f"\n{report['device']} ({report['platform']}), jax {report['jax']}, {n_params / 1e9:.3f}B parameters, "
+        f"median of {args.repeats} steps (update + apply_updates)")  # fmt: skip
+  if encode:
+    print(f"\n{'map':<10} {'nearest code':<14} {'ms / ' + format(args.encode, ',') + ' values':>22}")
+    for e in encode:
+      print(f"{e['map']:<10} {e['method']:<14} {e['ms_median']:>22.2f}")
+  header = ("optimizer", "state GB", "B/param", "vs adamw", "step ms", "vs adamw", "finite")
+  print("\n{:<14} {:>9} {:>8} {:>9} {:>9} {:>9} {:>7}".format(*header))
+  for r in results:
+    row = (r["optimizer"], r["state_bytes"] / 1e9, r["state_bytes_per_param"], r["state_vs_adamw"])
+    row += (r["step_ms_median"], r["time_vs_adamw"], str(r["finite"]))
+    print("{:<14} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7}".format(*row))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,194 @@
+"""Training throughput of the 1B configs per recipe (bf16, INT8, FP8, BitNet), in ONE process.
+
+    PYTHONPATH=. python benchmarks/train_throughput.py --out benchmarks/results/train_throughput.json
+
+Every row uses the trainer's own jitted step (``train.loop.step_functions``: fp32 master
+weights, bf16 compute, AdamW, clipping, donated state) on synthetic batches, so it measures
+what ``python -m train.main`` runs. Per config: initialize, compile (timed on its own, with
+XLA's memory estimate), run ``--warmup`` steps, then time ``--steps`` steps and block on the
+result. MFU counts model FLOPs (6 N T plus causal attention, ``train.model``) against the
+device's bf16 dense peak for every recipe, so low-bit rows can pass what bf16 reaches.
+
+Prints a table last and writes JSON to ``--out``. Needs no network (synthetic data). On CPU,
+``--configs configs/tiny.py --extra_recipes int8,bitnet --steps 2`` checks that it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import platform
+import sys
+import time
+import traceback
+
+import jax
+import numpy as np
+
+from train import config as train_config
+from train import data, loop, metrics
+from train.model import param_count, train_flops_per_token
+
+DEFAULT_CONFIGS = ("configs/bf16_1b.py", "configs/int8_1b.py", "configs/fp8_1b.py", "configs/bitnet_1b.py")
+GIB = 2**30
+
+
+def parse_value(text: str):
+  """``"3"`` -> 3, ``"1e-3"`` -> 0.001, ``"true"`` -> True, anything else stays a string."""
+  lowered = text.lower()
+  if lowered in ("true", "false"):
+    return lowered == "true"
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+  overrides = {}
+  for pair in pairs:
+    if "=" not in pair:
+      raise SystemExit(f"--set expects KEY=VALUE (e.g. model.remat_policy=full), got {pair!r}")
+    key, value = pair.split("=", 1)
+    overrides[key] = parse_value(value)
+  return overrides
+
+
+def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
+  """Time the trainer's step for ``config``; returns one table row."""
+  model_config = train_config.model_config(config)
+  functions = loop.step_functions(config)
+  stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
+  batches = [stream.next() for _ in range(warmup + steps)]
+
+  state = functions.init()
+  started = time.perf_counter()
+  compiled = functions.train_step.lower(state, batches[0]).compile()
+  compile_s = time.perf_counter() - started
+  memory = compiled.memory_analysis()
+  temp_gib = getattr(memory, "temp_size_in_bytes", 0) / GIB if memory is not None else None
+
+  for batch in batches[:warmup]:
+    state, step_metrics = compiled(state, batch)
+  jax.block_until_ready((state, step_metrics))
+  started = time.perf_counter()
+  for batch in batches[warmup:]:
+    state, step_metrics = compiled(state, batch)
+  jax.block_until_ready((state, step_metrics))
+  elapsed = time.perf_counter() - started
+
+  tokens_per_step = config.batch_size * config.seq_len
+  step_time = elapsed / steps
+  flops_per_step = train_flops_per_token(model_config, config.seq_len) * tokens_per_step
+  loss = float(step_metrics["loss"])
+  del state, compiled
+  return {
+      "recipe": config.recipe,
+      "params": param_count(model_config)["total"],
+      "batch_size": config.batch_size,
+      "seq_len": config.seq_len,
+      "remat_policy": config.model.remat_policy,
+      "tokens_per_s": tokens_per_step / step_time,
+      "step_time_s": step_time,
+      "mfu": metrics.mfu(flops_per_step, step_time, peak),
+      "compile_s": compile_s,
+      "temp_gib": temp_gib,
+      "last_loss": loss,
+  }
+
+
+def format_table(rows: list[dict]) -> str:
+  header = ["config", "recipe", "tokens/s", "step ms", "MFU", "speed-up", "compile s", "temp GiB"]
+  lines = []
+  base = next((r["tokens_per_s"] for r in rows if "error" not in r), None)
+  for r in rows:
+    if "error" in r:
+      lines.append([r["name"], r.get("recipe", "?"), "error: " + r["error"][:60], "", "", "", "", ""])
+      continue
+    lines.append([
+        r["name"],
+        r["recipe"],
+        f"{r['tokens_per_s']:,.0f}",
+        f"{1e3 * r['step_time_s']:.1f}",
+        "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+        f"{r['tokens_per_s'] / base:.2f}x",
+        f"{r['compile_s']:.1f}",
+        "-" if r["temp_gib"] is None else f"{r['temp_gib']:.1f}",
+    ])
+  widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+
+  def fmt(cells: list) -> str:
+    return " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))
+
+  note = f"speed-up: tokens/s relative to the first row ({rows[0]['name']})"
+  return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, lines), note])
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated config files")
+  parser.add_argument("--extra_recipes", default="", help="also run the first config with these recipes, e.g. "
+                      "fp8_rowwise,bitnet_int8_bwd")
+  parser.add_argument("--steps", type=int, default=20, help="timed steps per config")
+  parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config field in every run, e.g. --set model.remat_policy=full")
+  parser.add_argument("--peak_tflops", type=float, default=None, help="bf16 dense peak (default: by device)")
+  parser.add_argument("--out", required=True, help="JSON file to write")
+  args = parser.parse_args(argv)
+
+  overrides = {"data.source": "synthetic", **parse_overrides(args.set)}
+  runs = [(path, None) for path in args.configs.split(",") if path]
+  runs += [(runs[0][0], recipe) for recipe in args.extra_recipes.split(",") if recipe]
+  peak = args.peak_tflops or metrics.peak_tflops()
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, bf16 peak {peak} TFLOP/s")
+
+  rows = []
+  for path, recipe in runs:
+    name = pathlib.Path(path).stem + (f"+{recipe}" if recipe else "")
+    run_overrides = {**overrides, **({"recipe": recipe} if recipe else {})}
+    try:
+      config = train_config.load_file(path, run_overrides)
+      train_config.check(config)
+      row = {"name": name, **bench_one(config, args.steps, args.warmup, peak)}
+      print(f"{name}: {row['tokens_per_s']:,.0f} tokens/s, {1e3 * row['step_time_s']:.1f} ms/step, "
+            f"loss {row['last_loss']:.3f}", flush=True)
+    except Exception as e:  # one failing recipe (e.g. out of memory) must not lose the others
+      traceback.print_exc()
+      row = {"name": name, "recipe": recipe or "?", "error": f"{type(e).__name__}: {e}"}
+    rows.append(row)
+    gc.collect()
+
+  base = next((r for r in rows if "error" not in r), None)
+  for r in rows:
+    if "error" not in r and base is not None:
+      r["speedup_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+  result = {
+      "benchmark": "train_throughput",
+      "device": device.device_kind,
+      "platform": device.platform,
+      "jax": jax.__version__,
+      "python": platform.python_version(),
+      "steps": args.steps,
+      "warmup": args.warmup,
+      "overrides": overrides,
+      "peak_tflops": peak,
+      "rows": rows,
+  }
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + "\n")
+  print(f"\nwrote {out}\n")
+  print(format_table(rows))
+  if any("error" in r for r in rows):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  np.set_printoptions(precision=4)
+  main()

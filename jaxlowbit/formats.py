@@ -1,0 +1,56 @@
+"""``QuantSpec``: how one matmul operand is quantized, and the quantizer it names.
+
+The recipes (``jaxlowbit.matmul``) describe each operand of each matmul by a spec; the
+kernels (``pallas_kernels``) implement specs. :func:`quantize` is the definition every
+kernel is checked against. Scales are float32 *dequantization multipliers* for every
+format (``x ~= q * scale``; for FP8 that is the reciprocal of ``quantize_fp8``'s scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxlowbit import fp8, int8, ternary
+from jaxlowbit.stats import Axis
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  """How one GEMM operand is quantized.
+
+  Attributes:
+    dtype: ``int8``, ``float8_e4m3fn`` or ``float8_e5m2`` payload.
+    per_tensor: one scale for the whole tensor instead of one per row/column.
+    power_of_two: round FP8 scales down to powers of two (rowwise FP8 recipes).
+    eps: floor on amax (int8: 1e-12 generally, 1e-5 for BitNet activations).
+    ternary: BitNet weights: absmean scale, values in {-1, 0, 1} (int8 payload).
+  """
+
+  dtype: str = "int8"
+  per_tensor: bool = False
+  power_of_two: bool = False
+  eps: float = int8.AMAX_EPS
+  ternary: bool = False
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def is_int8(self) -> bool:
+    return self.jnp_dtype == jnp.dtype(jnp.int8)
+
+
+def quantize(x: jax.Array, spec: QuantSpec, axis: Axis) -> tuple[jax.Array, jax.Array]:
+  """Quantize ``x`` reducing over ``axis`` (None: per tensor); scale is a dequant multiplier."""
+  if spec.ternary:
+    return ternary.quantize_ternary(x)
+  if spec.per_tensor:
+    axis = None
+  if spec.is_int8:
+    return int8.quantize_int8(x, axis=axis, eps=spec.eps)
+  q, scale = fp8.quantize_fp8(x, spec.jnp_dtype, axis=axis, power_of_two=spec.power_of_two)
+  return q, 1.0 / scale

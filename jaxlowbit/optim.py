@@ -1,0 +1,458 @@
+"""Low-bit AdamW for optax: 8-bit, 4-bit and FP8 optimizer states, and bf16 weights.
+
+Swap one line::
+
+    tx = optax.adamw(3e-4, weight_decay=0.1)               # two float32 copies of the model
+    tx = jaxlowbit.optim.adamw_8bit(3e-4, weight_decay=0.1)  # ~0.25x the state bytes
+
+Every optimizer here is ``optax.chain(scale_by_adam_quantized(...), add_decayed_weights,
+scale_by_learning_rate)``, exactly like ``optax.adamw``, and composes with ``optax.chain``,
+schedules, ``optax.clip_by_global_norm`` and ``optax.MultiSteps``.
+
+=============  ===========================  ===========================  =====  ======================
+name           first moment ``m``           second moment ``v``          block  state bytes / param
+=============  ===========================  ===========================  =====  ======================
+adamw          float32                      float32                      -      8
+adamw_8bit     8-bit signed dynamic map     8-bit unsigned dynamic map   256    2.03
+adamw_4bit     4-bit signed dynamic map     4-bit linear map (no zero)   128    1.06
+adamw_fp8      e4m3, scale amax/448         e4m3, scale amax/448         256    2.03
+adamw_fp8_o2   e4m3, scale amax/448         float16, scale amax/65504    256    3.03
+=============  ===========================  ===========================  =====  ======================
+
+(bitsandbytes' 8-bit Adam; torchao's 4-bit AdamW after Li et al. 2023; torchao's FP8 AdamW;
+MS-AMP's O2 optimizer.) Each step dequantizes ``m`` and ``v`` to float32, runs the Adam update
+in float32 and re-quantizes; the update of that step uses the float32 moments. Tensors with
+fewer than :data:`MIN_QUANTIZED_SIZE` elements, or whose size has no trailing run of axes that
+is a multiple of the block (see :mod:`jaxlowbit.qstate`), keep float32 moments and follow
+``optax.adamw`` bit for bit.
+
+Sharding: a quantized moment is a :class:`~jaxlowbit.qstate.BlockQuantized` ``(codes,
+scale)`` whose blocks run along the parameter's trailing axes, so FSDP sharding of dim 0
+never splits a block; shard dim 0 of ``codes`` and ``scale`` like the parameter's dim 0 (or let
+``jit`` propagate it from the parameters).
+
+bf16 weights without a float32 master copy: :func:`apply_updates_stochastic` (or the
+:func:`stochastic_rounding` transformation last in the chain) rounds ``p + u`` to bf16
+stochastically, so updates far below bf16's resolution still move the weights on average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxlowbit import fp8
+from jaxlowbit.qstate import (
+    BlockFormat,
+    BlockQuantized,
+    dequantize_blockwise,
+    group_start,
+    quantize_blockwise,
+    zeros_blockwise,
+)
+from jaxlowbit.rounding import stochastic_round
+
+# Tensors smaller than this keep float32 moments: their state is negligible and they are
+# often sensitive (norm scales, biases). The threshold of torchao's and bitsandbytes' optimizers.
+MIN_QUANTIZED_SIZE = 4096
+# Block sizes: bitsandbytes' blockwise 8-bit optimizers and torchao's 8-bit/FP8 use 256;
+# the 4-bit optimizer (Li et al. 2023; torchao) uses 128.
+BLOCK_8BIT = 256
+BLOCK_4BIT = 128
+BLOCK_FP8 = 256
+
+
+class ScaleByAdamQuantizedState(NamedTuple):
+  """State of :func:`scale_by_adam_quantized`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken.
+    mu, nu: trees shaped like the parameters; each leaf is a float32 array (small tensors) or a
+      :class:`~jaxlowbit.qstate.BlockQuantized`.
+  """
+
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def _check_format(fmt: BlockFormat, moment: str, who: str) -> None:
+  if not isinstance(fmt, BlockFormat):
+    raise TypeError(f"{who}: {moment}_format must be a jaxlowbit.qstate.BlockFormat, got {fmt!r}")
+  if moment == "m" and fmt.kind in ("dynamic", "linear") and not fmt.signed:
+    raise ValueError(f"{who}: the first moment is signed; {fmt} cannot hold it")
+
+
+def _quantizable(x: jax.Array, block: int, min_size: int) -> bool:
+  return x.size >= min_size and group_start(x.shape, block) is not None
+
+
+def scale_by_adam_quantized(
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    *,
+    nesterov: bool = False,
+    min_size: int = MIN_QUANTIZED_SIZE,
+) -> optax.GradientTransformation:
+  """``optax.scale_by_adam`` with block-wise quantized moments.
+
+  Args:
+    m_format, v_format: storage of the first and second moments (``m`` needs a signed format).
+    b1, b2, eps, eps_root, nesterov: as in ``optax.scale_by_adam``.
+    mu_dtype: dtype of ``m`` for tensors that stay unquantized (as in optax); None: the
+      parameter's dtype.
+    min_size: tensors with fewer elements keep unquantized moments.
+
+  Returns:
+    An ``optax.GradientTransformation``. Updates of quantized tensors are float32; the others
+    follow ``optax.scale_by_adam`` exactly.
+  """
+  who = "scale_by_adam_quantized"
+  _check_format(m_format, "m", who)
+  _check_format(v_format, "v", who)
+  if m_format.block != v_format.block:
+    raise ValueError(f"{who}: m and v must share one block size, got {m_format.block} and {v_format.block}")
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  block = m_format.block
+
+  def init_fn(params):
+    def init_leaf(p, fmt, dtype):
+      if _quantizable(p, block, min_size):
+        return zeros_blockwise(p.shape, fmt)
+      return jnp.zeros(p.shape, dtype or p.dtype)
+
+    mu = jax.tree.map(lambda p: init_leaf(p, m_format, mu_dtype), params)
+    nu = jax.tree.map(lambda p: init_leaf(p, v_format, None), params)
+    return ScaleByAdamQuantizedState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+  def update_fn(updates, state, params=None):
+    del params
+    count_inc = optax.safe_increment(state.count)
+    # Bias corrections computed as optax does (decay**count in float32, then the moment's dtype).
+    bc1 = 1 - b1**count_inc
+    bc2 = 1 - b2**count_inc
+    bc1_next = 1 - b1 ** optax.safe_increment(count_inc)
+
+    def leaf(g, m, v):
+      if g is None:
+        return None, m, v
+      quantized = isinstance(m, BlockQuantized)
+      if quantized:
+        g = g.astype(jnp.float32)
+        m = dequantize_blockwise(m, m_format, g.shape)
+        v = dequantize_blockwise(v, v_format, g.shape)
+      m_new = (1 - b1) * g + b1 * m
+      v_new = (1 - b2) * (g * g) + b2 * v
+      if nesterov:
+        m_hat = b1 * (m_new / bc1_next.astype(m_new.dtype)) + (1 - b1) * (g / bc1.astype(g.dtype))
+      else:
+        m_hat = m_new / bc1.astype(m_new.dtype)
+      v_hat = v_new / bc2.astype(v_new.dtype)
+      u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+      if quantized:
+        return u, quantize_blockwise(m_new, m_format), quantize_blockwise(v_new, v_format)
+      if mu_dtype is not None:
+        m_new = m_new.astype(mu_dtype)
+      return u, m_new, v_new.astype(v.dtype)
+
+    out = jax.tree.map(leaf, updates, state.mu, state.nu, is_leaf=lambda x: x is None)
+    pick = lambda i: jax.tree.map(lambda _, o: o[i], updates, out, is_leaf=lambda x: x is None)  # noqa: E731
+    return pick(0), ScaleByAdamQuantizedState(count=count_inc, mu=pick(1), nu=pick(2))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _adamw(
+    moments: optax.GradientTransformation, weight_decay: optax.ScalarOrSchedule, mask, learning_rate
+) -> optax.GradientTransformationExtraArgs:
+  return optax.chain(
+      moments,
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+def _check_block(block_size: int, who: str, default: int) -> None:
+  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2 or block_size % 2:
+    raise ValueError(f"{who}: block_size must be an even int >= 2 (default {default}), got {block_size!r}")
+
+
+def adamw_8bit(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    nesterov: bool = False,
+    block_size: int = BLOCK_8BIT,
+    min_size: int = MIN_QUANTIZED_SIZE,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.adamw`` with 8-bit block-wise moments (dynamic tree map; bitsandbytes' 8-bit Adam).
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in
+      ``optax.adamw`` (``mu_dtype`` applies to the tensors that stay unquantized).
+    block_size: elements per block and scale (even; 256 as in bitsandbytes and torchao).
+    min_size: tensors with fewer elements keep float32 moments (4096).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` (a chain, like ``optax.adamw``'s).
+  """
+  _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
+  moments = scale_by_adam_quantized(
+      BlockFormat("dynamic", 8, True, block_size),
+      BlockFormat("dynamic", 8, False, block_size, nonzero=True),
+      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
+  )  # fmt: skip
+  return _adamw(moments, weight_decay, mask, learning_rate)
+
+
+def adamw_4bit(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    nesterov: bool = False,
+    block_size: int = BLOCK_4BIT,
+    min_size: int = MIN_QUANTIZED_SIZE,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.adamw`` with 4-bit block-wise moments, two codes per byte (torchao's 4-bit AdamW).
+
+  ``m`` uses the signed 4-bit dynamic map, ``v`` the linear map without zero (Li et al. 2023:
+  a second moment rounded to zero would blow the update up).
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in
+      ``optax.adamw``.
+    block_size: elements per block and scale (even; 128 as in Li et al. 2023 and torchao).
+    min_size: tensors with fewer elements keep float32 moments (4096).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+  """
+  _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
+  moments = scale_by_adam_quantized(
+      BlockFormat("dynamic", 4, True, block_size),
+      BlockFormat("linear", 4, False, block_size, nonzero=True),
+      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
+  )  # fmt: skip
+  return _adamw(moments, weight_decay, mask, learning_rate)
+
+
+def adamw_fp8(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    nesterov: bool = False,
+    v_dtype: Any = fp8.E4M3,
+    block_size: int = BLOCK_FP8,
+    min_size: int = MIN_QUANTIZED_SIZE,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.adamw`` with FP8 moments: e4m3 with a block scale ``amax / 448`` (torchao's FP8 AdamW).
+
+  ``v_dtype=jnp.float16`` gives MS-AMP's O2 optimizer: ``m`` e4m3, ``v`` float16 (block scale
+  ``amax / 65504``), which keeps the second moment's wide dynamic range: e4m3 spans only
+  ~2e5 between a block's largest and smallest nonzero value, and ``v ~ g^2`` squares the
+  range of the gradients.
+
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in
+      ``optax.adamw``.
+    v_dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float16`` (MS-AMP O2).
+    block_size: elements per block and scale (even; 256 as in torchao).
+    min_size: tensors with fewer elements keep float32 moments (4096).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+  """
+  _check_block(block_size, "adamw_fp8", BLOCK_FP8)
+  kinds = {jnp.dtype(fp8.E4M3): "e4m3", jnp.dtype(jnp.float16): "fp16"}
+  try:
+    v_kind = kinds[jnp.dtype(v_dtype)]
+  except (KeyError, TypeError):
+    raise TypeError(
+        f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
+    ) from None
+  moments = scale_by_adam_quantized(
+      BlockFormat("e4m3", block=block_size),
+      BlockFormat(v_kind, block=block_size, nonzero=True),
+      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
+  )  # fmt: skip
+  return _adamw(moments, weight_decay, mask, learning_rate)
+
+
+def adamw_fp8_o2(learning_rate: optax.ScalarOrSchedule, *args, **kwargs) -> optax.GradientTransformationExtraArgs:
+  """MS-AMP O2's optimizer: :func:`adamw_fp8` with ``v_dtype=jnp.float16`` (``m`` e4m3, ``v`` float16)."""
+  if "v_dtype" in kwargs:
+    raise TypeError("adamw_fp8_o2: v_dtype is float16 by definition; use adamw_fp8(v_dtype=...) to choose")
+  return adamw_fp8(learning_rate, *args, v_dtype=jnp.float16, **kwargs)
+
+
+# ----------------------------------------------------------------------------- bf16 weights
+
+
+def _leaf_keys(key: jax.Array, tree) -> Any:
+  """One independent key per leaf of ``tree`` (fold_in of the leaf's index)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [jax.random.fold_in(key, i) for i in range(len(leaves))])
+
+
+def _needs_rounding(p) -> bool:
+  return p is not None and jnp.dtype(p.dtype) == jnp.bfloat16
+
+
+def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: jax.Array) -> optax.Params:
+  """``optax.apply_updates`` that rounds bfloat16 parameters stochastically.
+
+  bf16 leaves become ``stochastic_round(float32(p) + float32(u))`` (unbiased: the expected new
+  weight is the exact sum), so a model trains in bf16 with no float32 master copy. Other
+  leaves are updated as ``optax.apply_updates`` does.
+
+  Args:
+    params: tree of arrays (any float dtypes).
+    updates: tree of the same structure (any float dtypes).
+    key: ``jax.random`` key; each leaf uses ``fold_in(key, leaf index)``.
+
+  Returns:
+    The new parameters, each in its old dtype.
+  """
+  keys = _leaf_keys(key, params)
+
+  def apply(p, u, k):
+    if p is None:
+      return None
+    if _needs_rounding(p):
+      return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k, jnp.bfloat16)
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+  return jax.tree.map(apply, params, updates, keys, is_leaf=lambda x: x is None)
+
+
+class StochasticRoundingState(NamedTuple):
+  """State of :func:`stochastic_rounding`: ``key`` is raw ``uint32`` key data (checkpointable)."""
+
+  key: jax.Array
+
+
+def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformation:
+  """Last transformation of a chain: makes ``optax.apply_updates`` round bf16 params stochastically.
+
+  For each bfloat16 parameter it returns the float32 update ``u' = stochastic_round(p + u) - p``.
+  Both terms are bf16 values, so ``u'`` is exact in float32 (unless ``p + u`` cancels to below
+  ``2^-24 |p|``, where the result is off by less than float32's resolution at ``p``), and
+  ``optax.apply_updates`` (which adds in float32 and casts back) lands on the stochastically
+  rounded value. Other parameters pass their updates through. Needs ``params`` in ``update``;
+  put nothing after it.
+
+  Args:
+    seed: int seed or a ``jax.random`` key; the state carries the key (as uint32 key data) and
+      advances it every step, so a restored checkpoint continues the same random stream.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+  """
+  if isinstance(seed, int):
+    seed = jax.random.key(seed)
+  elif not jnp.issubdtype(jnp.asarray(seed).dtype, jax.dtypes.prng_key):
+    raise TypeError(f"stochastic_rounding: seed must be an int or a typed jax.random.key, got {seed!r}")
+  key_data = jax.random.key_data(seed)
+  impl = jax.random.key_impl(seed)
+
+  def init_fn(params):
+    del params
+    return StochasticRoundingState(key=key_data)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("stochastic_rounding: update needs params (tx.update(grads, state, params))")
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
+    new = apply_updates_stochastic(params, updates, step_key)
+
+    def delta(p, u, n):
+      if not _needs_rounding(p):
+        return u
+      return n.astype(jnp.float32) - p.astype(jnp.float32)
+
+    out = jax.tree.map(delta, params, updates, new, is_leaf=lambda x: x is None)
+    return out, StochasticRoundingState(key=jax.random.key_data(key))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------- factory
+
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw": optax.adamw,
+    "adamw_8bit": adamw_8bit,
+    "adamw_4bit": adamw_4bit,
+    "adamw_fp8": adamw_fp8,
+    "adamw_fp8_o2": adamw_fp8_o2,
+}
+
+
+def make(
+    name: str, learning_rate: optax.ScalarOrSchedule, *, stochastic_rounding_seed: int | None = None, **kwargs
+) -> optax.GradientTransformation:
+  """An AdamW by name: ``adamw`` (optax), ``adamw_8bit``, ``adamw_4bit``, ``adamw_fp8``, ``adamw_fp8_o2``.
+
+  Args:
+    name: one of :data:`OPTIMIZERS`.
+    learning_rate: float or optax schedule.
+    stochastic_rounding_seed: if not None, chain :func:`stochastic_rounding` (bf16 params are
+      rounded stochastically by ``optax.apply_updates``).
+    **kwargs: the optimizer's other arguments (``b1``, ``b2``, ``weight_decay``, ``mask``, ...).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+  """
+  try:
+    factory = OPTIMIZERS[name]
+  except KeyError:
+    raise ValueError(f"jaxlowbit.optim.make: unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}") from None
+  tx = factory(learning_rate, **kwargs)
+  if stochastic_rounding_seed is not None:
+    tx = optax.chain(tx, stochastic_rounding(stochastic_rounding_seed))
+  return tx
+
+
+__all__ = [
+    "BLOCK_4BIT",
+    "BLOCK_8BIT",
+    "BLOCK_FP8",
+    "MIN_QUANTIZED_SIZE",
+    "OPTIMIZERS",
+    "ScaleByAdamQuantizedState",
+    "StochasticRoundingState",
+    "adamw_4bit",
+    "adamw_8bit",
+    "adamw_fp8",
+    "adamw_fp8_o2",
+    "apply_updates_stochastic",
+    "make",
+    "scale_by_adam_quantized",
+    "stochastic_rounding",
+]

@@ -1,0 +1,56 @@
+"""Tuning table for the Pallas kernels: which configuration runs which shape, and when
+the kernels are worth calling at all. Every number here comes from a recorded run of
+``benchmarks/matmul.py`` (``--tune``, ``--tune-quantize``, ``--sizes``) on the GPU runner;
+the JSON files are in ``benchmarks/results/`` (H200, jax 0.11.2, 2026-11-21).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.hopper_gemm import Dim, GemmConfig
+
+# 8192^3 sweep (gemm_tune_*_h200.json): int8 is best walking output tiles M-minor
+# (1483 TOP/s vs 1395 N-minor); FP8 best N-minor (1394). Both: 128x256 CTA tiles split
+# along N between the two compute warpgroups, 3 stages, no wgmma left in flight.
+INT8_CONFIG = GemmConfig(grid_minor_dim=Dim.M)
+FP8_CONFIG = GemmConfig(grid_minor_dim=Dim.N)
+
+# gemm_sizes_h200.json: with one scale per tensor, XLA's FP8 dot (cuBLASLt) beats the
+# kernel up to 2048^3 (548 vs 225 TOP/s at 2048^3); from 4096^3 the kernel is ahead.
+PER_TENSOR_MIN_OPS = 4096**3
+# Problems smaller than one CTA tile in M or N would be mostly padding.
+MIN_M, MIN_N = 128, 256
+
+# quantize_tune_h200.json (16384x8192 bf16): rows per program, columns per load, warps.
+QUANTIZE_ROWS = {"int8": (8, 2048, 8), "fp8": (8, 512, 8)}
+
+# (dtype kind, M bucket, N bucket, K bucket) -> config for shapes that tune differently.
+TABLE: dict[tuple[str, int, int, int], GemmConfig] = {}
+
+
+def _kind(dtype) -> str:
+  return "int8" if jnp.dtype(dtype) == jnp.int8 else "fp8"
+
+
+def _bucket(x: int) -> int:
+  return 1 << max(x.bit_length() - 1, 0)
+
+
+def config_for(m: int, n: int, k: int, dtype) -> GemmConfig:
+  """The tuned GEMM config for an ``[M, K] x [N, K]`` problem."""
+  kind = _kind(dtype)
+  default = INT8_CONFIG if kind == "int8" else FP8_CONFIG
+  return TABLE.get((kind, _bucket(m), _bucket(n), _bucket(k)), default)
+
+
+def gemm_worth_it(m: int, n: int, k: int, per_tensor: bool) -> bool:
+  """Whether the Pallas GEMM is expected to beat XLA for this problem (see the constants)."""
+  if m < MIN_M or n < MIN_N:
+    return False
+  return not (per_tensor and m * n * k < PER_TENSOR_MIN_OPS)
+
+
+def quantize_rows_config(dtype) -> tuple[int, int, int]:
+  """(rows per program, columns per load, warps) of the row-quantization kernel."""
+  return QUANTIZE_ROWS[_kind(dtype)]

@@ -1,0 +1,86 @@
+"""CPU guards for the Pallas kernels: quantizers in interpret mode, GEMM lowering for sm90.
+
+The Hopper GEMM cannot execute on CPU (Mosaic GPU's interpreter does not take K-major
+8-bit wgmma operands on jax 0.10.2), so CI lowers it for CUDA, which runs all of Mosaic
+GPU's Python-side checks (layouts, transforms, shared-memory budget). Its numerics are
+proven by tests/test_kernels_gpu.py on the GPU runner.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlowbit.formats import QuantSpec
+from pallas_kernels import quantize as qk
+from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
+from helpers import fresh_key
+
+SPECS = [QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True), QuantSpec("float8_e5m2")]
+
+
+def _same(got, want):
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
+def test_quantize_kernels_interpret_match_reference(spec, dtype):
+  x = (jax.random.normal(fresh_key(), (64, 192)) * 5).astype(dtype)
+  (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(x, spec, interpret=True)
+  rq, rs = quantize_rows_reference(x, spec)
+  cq, cs = quantize_cols_t_reference(x, spec)
+  _same(q, rq)
+  _same(qt, cq)
+  np.testing.assert_allclose(s, rs, rtol=1e-6)
+  np.testing.assert_allclose(st, cs, rtol=1e-6)
+  q1, _ = qk.quantize_rows_kernel(x, spec, interpret=True)
+  _same(q1, q)
+
+
+def test_quantize_cols_t_per_tensor_interpret():
+  x = jax.random.normal(fresh_key(), (128, 64))
+  spec = QuantSpec("float8_e5m2", per_tensor=True)
+  qt, st = qk.quantize_cols_t_kernel(x, spec, interpret=True)
+  rq, rs = quantize_cols_t_reference(x, spec)
+  _same(qt, rq)
+  np.testing.assert_allclose(st, rs, rtol=1e-6)
+
+
+def test_round_half_even_in_kernel():
+  # amax 127 -> scale 1: x/scale lands exactly on .5 ties.
+  row = jnp.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.0] * 8, jnp.float32)
+  x = jnp.tile(row, (64, 1))
+  q, _ = qk.quantize_rows_kernel(x, QuantSpec("int8"), interpret=True)
+  np.testing.assert_array_equal(np.asarray(q)[0, :8], [0, 2, 2, 0, -2, -2, 126, 127])
+
+
+def test_quantize_kernel_nan_row_interpret():
+  x = jax.random.normal(fresh_key(), (64, 128)).at[9, 3].set(jnp.nan)
+  q, s = qk.quantize_rows_kernel(x, QuantSpec("int8"), interpret=True)
+  with np.errstate(invalid="ignore"):
+    deq = np.asarray(q, np.float32) * np.asarray(s)
+  assert np.all(np.isnan(deq[9])) and np.all(np.isfinite(np.delete(deq, 9, axis=0)))
+
+
+def test_supported_shapes():
+  assert qk.supported(QuantSpec("int8"), 128, 256, transposed=False)
+  assert not qk.supported(QuantSpec("int8"), 100, 256, transposed=False)
+  assert not qk.supported(QuantSpec("int8", per_tensor=True), 128, 256, transposed=False)
+  assert qk.supported(QuantSpec("int8", per_tensor=True), 128, 256, transposed=True)
+  assert not qk.supported(QuantSpec("int8", per_tensor=True, ternary=True), 128, 256, transposed=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=str)
+def test_hopper_gemm_lowers_for_sm90(dtype):
+  from pallas_kernels import hopper_gemm
+
+  a = jax.ShapeDtypeStruct((512, 256), dtype)
+  b = jax.ShapeDtypeStruct((512, 256), dtype)
+  scale = jax.ShapeDtypeStruct((512,), jnp.float32)
+  fn = jax.jit(functools.partial(hopper_gemm.scaled_matmul_hopper, out_dtype=jnp.bfloat16, sms=132))
+  text = fn.trace(a, scale, b, scale).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text

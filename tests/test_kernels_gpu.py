@@ -1,0 +1,147 @@
+"""Pallas kernels on the GPU (marker ``gpu``; skipped on CPU): exactness and tolerances."""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
+from jaxlowbit.formats import QuantSpec
+from pallas_kernels import dispatch
+from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference, scaled_matmul_reference
+from helpers import fresh_key, rel_err, sqnr_db
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+  return dispatch.compute_capability() is not None and dispatch.compute_capability() >= 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper() if jax.devices()[0].platform == "gpu" else False,
+                                  reason="needs a Hopper GPU")
+
+
+def _int8(key, shape):
+  return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(jnp.int8)
+
+
+@needs_hopper
+@pytest.mark.parametrize("m,n,k", [(256, 256, 128), (512, 768, 1024), (1024, 256, 384), (200, 300, 100), (8, 64, 256)])
+def test_int8_gemm_exact_int32(m, n, k):
+  from pallas_kernels.hopper_gemm import scaled_matmul_hopper
+
+  ka, kb = jax.random.split(fresh_key())
+  a, b = _int8(ka, (m, k)), _int8(kb, (n, k))
+  one = jnp.ones((), jnp.float32)
+  # float32 output with unit scales: every int32 sum below 2**24 is represented exactly.
+  got = scaled_matmul_hopper(a, one, b, one, jnp.float32)
+  want = np.asarray(a, np.int64) @ np.asarray(b, np.int64).T
+  assert np.max(np.abs(want)) < 2**24
+  np.testing.assert_array_equal(np.asarray(got, np.int64), want)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtypes", [(jnp.int8, jnp.int8), (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
+                                    (jnp.float8_e4m3fn, jnp.float8_e5m2)], ids=str)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=str)
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_scaled_gemm_matches_reference(dtypes, out_dtype, per_tensor):
+  from pallas_kernels.hopper_gemm import scaled_matmul_hopper
+
+  ka, kb, ks, kt = jax.random.split(fresh_key(), 4)
+  m, n, k = 512, 384, 640
+  if dtypes[0] == jnp.int8:
+    a, b = _int8(ka, (m, k)), _int8(kb, (n, k))
+  else:
+    a = jax.random.normal(ka, (m, k)).astype(dtypes[0])
+    b = jax.random.normal(kb, (n, k)).astype(dtypes[1])
+  sa = jax.random.uniform(ks, () if per_tensor else (m, 1), minval=0.5, maxval=2.0)
+  sb = jax.random.uniform(kt, () if per_tensor else (n, 1), minval=0.5, maxval=2.0)
+  got = scaled_matmul_hopper(a, sa, b, sb, out_dtype)
+  want = scaled_matmul_reference(a, sa, b, sb, jnp.float32)
+  assert got.dtype == out_dtype and got.shape == (m, n)
+  # bf16 output rounds each element once (2**-9). int8 sums are exact; Hopper's FP8 wgmma
+  # accumulates with fewer than 23 mantissa bits, so FP8 float32 outputs differ at ~4e-4.
+  if out_dtype == jnp.bfloat16:
+    tol = 4e-3
+  else:
+    tol = 1e-6 if dtypes[0] == jnp.int8 else 2e-3
+  assert rel_err(got, want) <= tol
+
+
+@needs_hopper
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True),
+                                  QuantSpec("float8_e5m2")], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
+def test_quantize_kernels_match_reference(spec, dtype):
+  from pallas_kernels import quantize as qk
+
+  x = (jax.random.normal(fresh_key(), (256, 1536)) * 3).astype(dtype)
+  (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(x, spec)
+  rq, rs = quantize_rows_reference(x, spec)
+  cq, cs = quantize_cols_t_reference(x, spec)
+  for got, want in ((q, rq), (qt, cq)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    # Division rounding may flip an exact .5 tie; never more than one step, and rarely.
+    assert np.mean(got != want) < 1e-4
+  np.testing.assert_allclose(s, rs, rtol=1e-6)
+  np.testing.assert_allclose(st, cs, rtol=1e-6)
+  q1, s1 = qk.quantize_rows_kernel(x, spec)
+  np.testing.assert_array_equal(np.asarray(q1, np.float32), np.asarray(q, np.float32))
+  qt1, _ = qk.quantize_cols_t_kernel(x, spec)
+  np.testing.assert_array_equal(np.asarray(qt1, np.float32), np.asarray(qt, np.float32))
+
+
+@needs_hopper
+def test_quantize_kernel_nan_rows():
+  from pallas_kernels import quantize as qk
+
+  x = jax.random.normal(fresh_key(), (64, 256)).at[3, 17].set(jnp.nan)
+  for spec in (QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True)):
+    q, s = qk.quantize_rows_kernel(x, spec)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      deq = np.asarray(q, np.float32) * np.asarray(s)
+    assert np.all(np.isnan(deq[3])) and np.all(np.isfinite(np.delete(deq, 3, axis=0))), spec
+
+
+RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), Float8("rowwise_gw_hp"), BitNet(),
+           BitNet(True, True)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("shape", [(512, 1024, 768), (300, 200, 136)], ids=str)
+def test_all_three_matmuls_pallas_vs_xla(recipe, shape, monkeypatch):
+  m, k, n = shape
+  kx, kw, kg = jax.random.split(fresh_key(), 3)
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  g = jax.random.normal(kg, (m, n), jnp.bfloat16)
+
+  def run(backend):
+    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+    y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
+    return (y, *vjp(g))
+
+  pallas = jax.block_until_ready(run("pallas"))
+  xla = run("xla")
+  for name, p, r in zip(("output", "grad_input", "grad_weight"), pallas, xla):
+    # same quantization on both paths; only accumulation order and bf16 rounding differ
+    assert sqnr_db(p, r) > 35, name
+
+
+@needs_hopper
+def test_vmap_and_jit_of_kernel_path(monkeypatch):
+  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  kx, kw = jax.random.split(fresh_key())
+  xs = jax.random.normal(kx, (2, 256, 512), jnp.bfloat16)
+  w = jax.random.normal(kw, (512, 256), jnp.float32) / 20
+  f = jax.jit(jax.vmap(lambda x: quantized_matmul(x, w, Int8MixedPrecision())))
+  ys = f(xs)
+  for i in range(2):
+    assert sqnr_db(ys[i], quantized_matmul(xs[i], w, Int8MixedPrecision())) > 40

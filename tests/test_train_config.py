@@ -1,0 +1,149 @@
+"""train.config and configs/*.py: override parsing, recipe names, presets, optimizer construction."""
+
+import pathlib
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision
+from train import config as train_config
+from train import optimizer as train_optimizer
+from train.model import param_count
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+RECIPE_FILES = {"bf16": "bf16", "int8": "int8", "fp8": "fp8_tensorwise", "bitnet": "bitnet"}
+
+
+def _parse(argv):
+  flag_values = flags.FlagValues()
+  argv = ["prog", *argv]
+  holder = config_flags.DEFINE_config_file(
+      "config", None, "config file", flag_values=flag_values, lock_config=True, sys_argv=argv
+  )
+  flag_values(argv)
+  return holder.value
+
+
+def test_command_line_overrides_are_typed():
+  config = _parse([
+      f"--config={CONFIGS / 'tiny.py'}",
+      "--config.recipe=int8",
+      "--config.model.n_layers=3",
+      "--config.lr=0.01",
+      "--config.model.filter_fqns=attn.out,lm_head",
+      "--config.model.tie_embeddings=True",
+      "--config.peak_tflops=989",
+  ])
+  assert config.recipe == "int8" and config.model.n_layers == 3 and config.lr == 0.01
+  assert config.model.tie_embeddings is True and config.peak_tflops == 989.0
+  model = train_config.model_config(config)
+  assert model.recipe == Int8MixedPrecision() and model.filter_fqns == ("attn.out", "lm_head")
+  assert model.dtype == jnp.bfloat16 and model.param_dtype == jnp.float32
+
+
+def test_bad_overrides_are_rejected():
+  with pytest.raises(flags.IllegalFlagValueError):
+    _parse([f"--config={CONFIGS / 'tiny.py'}", "--config.steps=many"])
+  with pytest.raises((KeyError, AttributeError, flags.Error)):
+    _parse([f"--config={CONFIGS / 'tiny.py'}", "--config.no_such_field=1"])
+
+
+def test_recipe_names():
+  assert train_config.recipe_from_name("bf16") is None
+  assert train_config.recipe_from_name("fp8_rowwise") == Float8("rowwise")
+  assert train_config.recipe_from_name("fp8_rowwise_gw_hp") == Float8("rowwise_gw_hp")
+  assert train_config.recipe_from_name("bitnet_int8_bwd") == BitNet(grad_input=True, grad_weight=True)
+  with pytest.raises(ValueError, match="fp8_tensorwise"):  # the message lists the choices
+    train_config.recipe_from_name("fp4")
+  config = train_config.base_config()
+  config.model.dtype = "float64"
+  with pytest.raises(ValueError, match="bfloat16"):
+    train_config.model_config(config)
+
+
+def test_check_rejects_inconsistent_fields():
+  config = train_config.base_config()
+  config.grad_accum_steps = 3
+  with pytest.raises(ValueError, match="multiple of grad_accum_steps"):
+    train_config.check(config)
+  config = train_config.base_config()
+  config.warmup_steps = config.steps + 1
+  with pytest.raises(ValueError, match="warmup_steps"):
+    train_config.check(config)
+
+
+@pytest.mark.parametrize("size,low,high", [("1b", 0.9e9, 1.1e9), ("125m", 1.0e8, 1.5e8)])
+def test_presets_share_one_base_and_differ_only_in_recipe(size, low, high):
+  configs = {name: train_config.load_file(CONFIGS / f"{name}_{size}.py") for name in RECIPE_FILES}
+  base = configs["bf16"].to_dict()
+  for name, config in configs.items():
+    train_config.check(config)
+    assert config.recipe == RECIPE_FILES[name]
+    assert {**config.to_dict(), "recipe": "bf16"} == base
+  assert low < param_count(train_config.model_config(configs["bf16"]))["total"] < high
+
+
+def test_load_file_overrides():
+  config = train_config.load_file(CONFIGS / "tiny.py", {"model.d_model": 32, "steps": 3})
+  assert config.model.d_model == 32 and config.steps == 3
+  with pytest.raises(KeyError, match="model.width"):
+    train_config.load_file(CONFIGS / "tiny.py", {"model.width": 32})
+
+
+def test_config_json_round_trips():
+  config = train_config.load_file(CONFIGS / "tiny.py")
+  import json
+
+  assert json.loads(train_config.to_json(config))["model"]["d_model"] == config.model.d_model
+
+
+def test_optimizer_schedule_mask_and_clipping():
+  config = train_config.base_config()
+  config.update(lr=1e-3, warmup_steps=10, steps=110, min_lr_ratio=0.1)
+  schedule = train_optimizer.learning_rate_schedule(config)
+  np.testing.assert_allclose(float(schedule(0)), 1e-4, rtol=1e-6)  # the first step moves: lr / warmup
+  np.testing.assert_allclose(float(schedule(5)), 5.5e-4, rtol=1e-5)
+  np.testing.assert_allclose(float(schedule(10)), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(float(schedule(60)), 0.55e-3, rtol=1e-5)  # half-way down the cosine
+  np.testing.assert_allclose(float(schedule(110)), 1e-4, rtol=1e-5)
+
+  params = {"layers": {"attn_norm": {"scale": jnp.ones((2, 4))}, "qkv": {"kernel": jnp.ones((2, 4, 4))}},
+            "embed": {"embedding": jnp.ones((8, 4))}}
+  mask = train_optimizer.weight_decay_mask(params)
+  assert mask == {"layers": {"attn_norm": {"scale": False}, "qkv": {"kernel": True}}, "embed": {"embedding": True}}
+
+  # Only weight decay moves parameters when gradients are zero: norm scales must not move.
+  config.update(lr=1.0, warmup_steps=0, weight_decay=0.5, grad_clip=1.0)
+  opt = train_optimizer.make_optimizer(config)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = opt.update(zeros, opt.init(params), params)
+  assert float(jnp.abs(updates["layers"]["attn_norm"]["scale"]).max()) == 0.0
+  assert float(jnp.abs(updates["layers"]["qkv"]["kernel"]).max()) > 0.0
+  # Clipping: a huge gradient is scaled to global norm grad_clip before Adam (whose update is then ~lr).
+  huge = jax.tree.map(lambda p: 1e6 * jnp.ones_like(p), params)
+  clipped, _ = optax.clip_by_global_norm(1.0).update(huge, optax.EmptyState())
+  np.testing.assert_allclose(float(optax.tree.norm(clipped)), 1.0, rtol=1e-5)
+
+
+def test_optimizer_names_extend_through_jaxlowbit_optim(monkeypatch):
+  config = train_config.base_config()
+  calls = []
+
+  def adamw_8bit(**kwargs):
+    calls.append(kwargs)
+    return optax.adamw(**kwargs)
+
+  monkeypatch.setitem(sys.modules, "jaxlowbit.optim", types.SimpleNamespace(adamw_8bit=adamw_8bit))
+  config.optimizer = "adamw_8bit"
+  train_optimizer.make_optimizer(config)
+  assert calls and set(calls[0]) == {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"}
+  config.optimizer = "lion"
+  with pytest.raises(ValueError, match="lion"):
+    train_optimizer.make_optimizer(config)

@@ -1,0 +1,220 @@
+"""The training config: every field with its default, the recipe names, and model presets.
+
+Config files in ``configs/`` start from :func:`base_config` (or a preset built on it) and
+change what differs, so no field is copied between files. Every field can be overridden on
+the command line: ``--config.recipe=int8 --config.model.n_layers=8 --config.steps=500``.
+
+Recipe names (``config.recipe``) map to jaxlowbit recipes in :data:`RECIPES`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_dict
+
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision
+from train.model import ModelConfig
+
+RECIPES = {
+    "bf16": None,  # high precision: every matmul in config.model.dtype
+    "int8": Int8MixedPrecision(),
+    "fp8_tensorwise": Float8("tensorwise"),
+    "fp8_rowwise": Float8("rowwise"),
+    "fp8_rowwise_gw_hp": Float8("rowwise_gw_hp"),
+    "bitnet": BitNet(),  # ternary x int8 forward, straight-through high-precision backward
+    "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),  # backward on int8 tensor cores too
+}
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def recipe_from_name(name: str):
+  """The jaxlowbit recipe called ``name`` (None for ``"bf16"``); ValueError naming the choices."""
+  if name not in RECIPES:
+    raise ValueError(f"config.recipe={name!r} is not a known recipe; choose one of {', '.join(RECIPES)}")
+  return RECIPES[name]
+
+
+def _dtype(name: str, field: str):
+  if name not in DTYPES:
+    raise ValueError(f"config.model.{field}={name!r}; choose one of {', '.join(DTYPES)}")
+  return DTYPES[name]
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """All fields with defaults (a small model on the standard-library corpus)."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # parameter init, data order and the dropout key all derive from it
+  config.recipe = "bf16"  # a key of train.config.RECIPES
+  config.optimizer = "adamw"  # a key of train.optimizer.OPTIMIZERS or a jaxlowbit.optim function name
+
+  # Steps and batch: one step is one optimizer update on batch_size sequences of seq_len tokens.
+  config.steps = 1000
+  config.batch_size = 32  # sequences per optimizer step (global)
+  config.grad_accum_steps = 1  # the batch is split into this many microbatches
+  config.seq_len = 256
+
+  # AdamW with linear warmup and cosine decay to min_lr_ratio * lr; global-norm clipping.
+  config.lr = 3e-4
+  config.warmup_steps = 100
+  config.min_lr_ratio = 0.1
+  config.weight_decay = 0.1  # on matmul weights and embeddings only, not on norm scales
+  config.b1 = 0.9
+  config.b2 = 0.95
+  config.eps = 1e-8
+  config.grad_clip = 1.0  # max global gradient norm; 0 turns clipping off
+
+  config.model = ml_collections.ConfigDict()
+  model = config.model
+  model.vocab_size = 384  # byte tokens (259 ids) rounded up to a multiple of 128
+  model.d_model = 256
+  model.n_layers = 4
+  model.n_heads = 4
+  model.n_kv_heads = 2
+  model.d_ff = 768
+  model.rope_theta = 10_000.0
+  model.norm_eps = 1e-5
+  model.tie_embeddings = False
+  model.dtype = "bfloat16"  # compute dtype
+  model.param_dtype = "float32"  # master weights
+  model.init_std = 0.02
+  model.dropout_rate = 0.0
+  model.scan_layers = True
+  model.remat_policy = "none"  # none | full | dots | dots_no_batch (train/model.py REMAT_POLICIES)
+  model.attention_impl = "auto"  # auto (cuDNN on GPU) | xla | cudnn
+  model.fused_projections = True  # qkv and gate_up as one matmul each
+  model.quantize_attention = True
+  model.quantize_mlp = True
+  model.quantize_lm_head = False  # embeddings and LM head stay high precision by default
+  model.filter_fqns = ""  # comma-separated; projections whose path contains one stay high precision
+  model.bitnet_norms = True  # BitNet model surgery: RMSNorm before each BitNet projection
+
+  config.data = ml_collections.ConfigDict()
+  data = config.data
+  data.source = "text"  # text | tokens | synthetic | hf (train/data.py)
+  data.path = ""  # text: comma-separated files/folders ("" = Python stdlib sources); tokens: the .bin file
+  data.suffixes = ".py"  # text: comma-separated file endings searched in folders
+  data.val_path = ""  # tokens: a separate validation token file ("" = the tail of data.path)
+  data.val_fraction = 0.05
+  data.hf_name = ""
+  data.hf_config = ""
+  data.hf_split = "train"
+  data.hf_text_field = "text"
+  data.hf_max_docs = 100_000
+
+  # Logging, evaluation, checkpoints.
+  config.log_every = 10
+  config.eval_every = 200
+  config.eval_batches = 8  # fixed validation batches of batch_size sequences
+  config.checkpoint_every = 500
+  config.keep_checkpoints = 3
+  config.async_checkpointing = True
+  config.resume = False  # also --resume on the command line
+  config.peak_tflops = config_dict.placeholder(float)  # bf16 dense peak for MFU; None: look up the device
+  config.tensorboard = True  # write TensorBoard events when tensorboardX or torch's writer is importable
+
+  # Fault injection (tests, drills): the parameters turn NaN right before this step; -1 never.
+  config.inject_nan_at_step = -1
+  return config
+
+
+def llama_125m() -> ml_collections.ConfigDict:
+  """~122M parameters (d 768, 14 layers, GQA 12/4 heads, SwiGLU 3072), for convergence runs."""
+  config = base_config()
+  config.model.update(d_model=768, n_layers=14, n_heads=12, n_kv_heads=4, d_ff=3072)
+  config.update(steps=2000, batch_size=32, seq_len=1024, lr=1e-3, warmup_steps=200)
+  config.update(log_every=20, eval_every=250, eval_batches=16, checkpoint_every=500)
+  return config
+
+
+def llama_1b() -> ml_collections.ConfigDict:
+  """~0.97B parameters: Llama 3.2 1B's trunk (d 2048, 16 layers, 32/8 heads, SwiGLU 8192).
+
+  The vocabulary is the byte tokenizer's (384 rows instead of Llama's 128k), so the
+  parameters sit in the matmuls that the recipes quantize, which is what speed runs measure.
+  A step is 8 x 2048 tokens in two microbatches of 4 sequences, without rematerialization:
+  XLA's CPU memory estimate puts the GPU footprint near 35 GB for bf16 and 45 GB for BitNet
+  (its extra norms), under the 60 GB that JAX preallocates on an 80 GB H100.
+  """
+  config = base_config()
+  config.model.update(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, rope_theta=500_000.0)
+  config.update(steps=10_000, batch_size=8, grad_accum_steps=2, seq_len=2048, lr=3e-4, warmup_steps=500)
+  config.update(log_every=10, eval_every=500, eval_batches=8, checkpoint_every=1000)
+  return config
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The model's frozen :class:`ModelConfig` from ``config.model`` and ``config.recipe``."""
+  m = config.model
+  return ModelConfig(
+      vocab_size=m.vocab_size,
+      d_model=m.d_model,
+      n_layers=m.n_layers,
+      n_heads=m.n_heads,
+      n_kv_heads=m.n_kv_heads,
+      d_ff=m.d_ff,
+      rope_theta=m.rope_theta,
+      norm_eps=m.norm_eps,
+      tie_embeddings=m.tie_embeddings,
+      dtype=_dtype(m.dtype, "dtype"),
+      param_dtype=_dtype(m.param_dtype, "param_dtype"),
+      init_std=m.init_std,
+      dropout_rate=m.dropout_rate,
+      scan_layers=m.scan_layers,
+      remat_policy=m.remat_policy,
+      attention_impl=m.attention_impl,
+      fused_projections=m.fused_projections,
+      recipe=recipe_from_name(config.recipe),
+      quantize_attention=m.quantize_attention,
+      quantize_mlp=m.quantize_mlp,
+      quantize_lm_head=m.quantize_lm_head,
+      filter_fqns=tuple(f.strip() for f in m.filter_fqns.split(",") if f.strip()),
+      bitnet_norms=m.bitnet_norms,
+  )
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """ValueError for inconsistent fields (before anything is built)."""
+  recipe_from_name(config.recipe)
+  if config.batch_size % config.grad_accum_steps:
+    raise ValueError(
+        f"config.batch_size={config.batch_size} is not a multiple of grad_accum_steps={config.grad_accum_steps}"
+    )
+  for field in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    if config[field] < 1:
+      raise ValueError(f"config.{field} must be >= 1, got {config[field]}")
+  if config.warmup_steps < 0 or config.warmup_steps > config.steps:
+    raise ValueError(f"config.warmup_steps={config.warmup_steps} must lie in [0, steps={config.steps}]")
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+  """The config as indented JSON (what ``RUN_DIR/config.json`` holds)."""
+  return json.dumps(json.loads(config.to_json_best_effort()), indent=2, sort_keys=True) + "\n"
+
+
+def load_file(path: str | pathlib.Path, overrides: dict | None = None) -> ml_collections.ConfigDict:
+  """``get_config()`` of a config file, with ``overrides`` (dotted keys) applied.
+
+  For scripts that build several configs in one process (benchmarks); the command line
+  uses ``ml_collections.config_flags`` instead.
+  """
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+  if spec is None or spec.loader is None:
+    raise FileNotFoundError(f"no config file at {path}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for key, value in (overrides or {}).items():
+    parent = config
+    *parents, leaf = key.split(".")
+    for name in parents:
+      parent = parent[name]
+    if leaf not in parent:
+      raise KeyError(f"{path}: config has no field {key!r}")
+    parent[leaf] = value
+  return config

@@ -1,0 +1,459 @@
+"""The training loop, in the order it runs: data, model, step functions, state, loop, finish.
+
+``train(config, workdir)`` trains ``config`` in ``workdir`` and returns a :class:`TrainResult`.
+The step is a pure function ``train_step(state, batch) -> (state, metrics)``, jitted with the
+state donated (its buffers are reused for the new state), so sharding can wrap it later.
+
+Numerics: parameters and optimizer state are float32 master copies; the model computes in
+``config.model.dtype`` (bfloat16) and its linears follow ``config.recipe``; gradients arrive
+in float32. One optimizer step may accumulate ``grad_accum_steps`` microbatches.
+
+Robustness:
+
+- Loss or gradient norm not finite: the run stops with :class:`NonFiniteLossError` naming
+  the step. That state is never saved; the newest checkpoint on disk is the last good one.
+  (Metrics are fetched every ``log_every`` steps and before every save, so the run stops at
+  most ``log_every - 1`` steps after the bad one, and never saves past it.)
+- Ctrl-C (SIGINT): the loop finishes the step it is in, saves a checkpoint and returns with
+  ``status="interrupted"`` (``train.main`` exits 130). A second Ctrl-C stops at once; the
+  state is then saved only if it is still intact.
+- Resume: the checkpoint holds the state (params, optimizer state, step, rng) and the data
+  stream's position, so a resumed run reproduces an uninterrupted one exactly.
+- Drills: ``config.inject_nan_at_step = s`` turns the parameters NaN right before step ``s``
+  (in the loop, not in the jitted step), to exercise the non-finite path end to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from train import checkpoint, data, metrics
+from train import config as train_config
+from train.metrics import say
+from train.model import Transformer, param_count, train_flops_per_token
+from train.optimizer import learning_rate_schedule, make_optimizer
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradient norm became NaN/inf; nothing after the last good checkpoint was saved."""
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step reads and writes (a pytree; what a checkpoint stores).
+
+  Attributes:
+    step: int32 ``[]``, optimizer steps taken.
+    params: float32 master parameters (``Transformer`` tree).
+    opt_state: the optimizer's state.
+    rng: uint32 raw key data of the run's dropout key (``jax.random.key_data``); step ``s``
+      uses ``fold_in(rng, s)``, so resuming needs no extra RNG bookkeeping.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """How :func:`train` ended: ``status`` is ``"completed"`` or ``"interrupted"``."""
+
+  status: str
+  step: int
+  loss: float | None
+  val_loss: float | None
+  checkpoint_step: int | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions: loss, init, train step, eval step.
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy: ``logits [B, T, V]`` float32, ``targets [B, T]`` int32 -> ``[]``."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_init(model: Transformer, optimizer: optax.GradientTransformation, config) -> Callable[[], TrainState]:
+  """``init() -> TrainState`` at step 0, seeded by ``config.seed``."""
+
+  def init() -> TrainState:
+    params_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    params = model.init(params_key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(dropout_key),
+    )
+
+  return init
+
+
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config):
+  """``train_step(state, batch) -> (state, {"loss", "grad_norm"})``; batch is int32 ``[B, T + 1]``.
+
+  The batch is split into ``grad_accum_steps`` microbatches whose gradients are averaged
+  (a ``lax.scan``, so memory holds one microbatch's activations). ``grad_norm`` is the
+  global norm before clipping.
+  """
+  accum = config.grad_accum_steps
+  dropout = model.config.dropout_rate > 0  # without dropout no key is split (cheaper to compile and run)
+
+  def loss_fn(params, tokens: jax.Array, rng: jax.Array) -> jax.Array:
+    logits = model.apply({"params": params}, tokens[:, :-1], rngs={"dropout": rng} if dropout else {})
+    return cross_entropy(logits, tokens[:, 1:])
+
+  grad_fn = jax.value_and_grad(loss_fn)
+
+  def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    if accum == 1:
+      loss, grads = grad_fn(state.params, batch, rng)
+    else:
+      micro = batch.reshape(accum, batch.shape[0] // accum, batch.shape[1])
+
+      def add_microbatch(carry, xs):
+        index, tokens = xs
+        loss, grads = grad_fn(state.params, tokens, jax.random.fold_in(rng, index))
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+      (loss, grads), _ = jax.lax.scan(add_microbatch, zeros, (jnp.arange(accum), micro))
+      loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, {"loss": loss, "grad_norm": grad_norm}
+
+  return train_step
+
+
+def make_eval_step(model: Transformer):
+  """``eval_step(params, batch) -> loss []`` (no dropout)."""
+
+  def eval_step(params, batch: jax.Array) -> jax.Array:
+    return cross_entropy(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
+
+  return eval_step
+
+
+# Config fields that change nothing inside the jitted functions. Runs in one process whose
+# configs differ only in these reuse the functions compiled for an earlier run (a resume in a
+# notebook, tests, benchmarks); any other difference compiles afresh, so the cache is never stale.
+RUNTIME_ONLY_FIELDS = frozenset({
+    "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+    "async_checkpointing", "tensorboard", "peak_tflops", "data", "inject_nan_at_step",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """The model and the jitted ``init``, ``train_step`` (state donated) and ``eval_step`` of a config."""
+
+  model: Transformer
+  init: Callable[[], TrainState]
+  train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
+  eval_step: Callable[[Any, jax.Array], jax.Array]
+
+
+def step_functions(config: ml_collections.ConfigDict) -> StepFunctions:
+  """:class:`StepFunctions` for ``config`` (cached on every field not in :data:`RUNTIME_ONLY_FIELDS`)."""
+  compiled = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_ONLY_FIELDS}
+  return _step_functions(json.dumps(compiled, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _step_functions(key: str) -> StepFunctions:
+  config = ml_collections.ConfigDict(json.loads(key))
+  model = Transformer(train_config.model_config(config))
+  optimizer = make_optimizer(config)
+  return StepFunctions(
+      model=model,
+      init=jax.jit(make_init(model, optimizer, config)),
+      train_step=jax.jit(make_train_step(model, optimizer, config), donate_argnums=0),
+      eval_step=jax.jit(make_eval_step(model)),
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: the first SIGINT asks the loop to stop at the next step boundary.
+
+
+class StopRequest:
+  """Set by SIGINT while :meth:`installed` (main thread only); a second SIGINT raises KeyboardInterrupt."""
+
+  def __init__(self):
+    self.requested = False
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    say("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)")
+
+  @contextlib.contextmanager
+  def installed(self):
+    if threading.current_thread() is not threading.main_thread():
+      yield self
+      return
+    previous = signal.signal(signal.SIGINT, self._handle)
+    try:
+      yield self
+    finally:
+      signal.signal(signal.SIGINT, previous)
+
+
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> set[str]:
+  """Dotted names of the fields whose values differ between two config dicts."""
+  changed = set()
+  for key in old.keys() | new.keys():
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      changed |= _changed_fields(a, b, f"{prefix}{key}.")
+    elif a != b:
+      changed.add(prefix + key)
+  return changed
+
+
+def _finite(tree) -> bool:
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+def _alive(state: TrainState) -> bool:
+  """False when some buffer of ``state`` was donated to a step that never returned."""
+  return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+
+def train(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    should_stop: Callable[[int], bool] | None = None,
+) -> TrainResult:
+  """Train ``config`` with checkpoints, metrics and config in ``workdir``.
+
+  Args:
+    config: a config from ``configs/`` (see ``train/config.py`` for every field).
+    workdir: the run directory. Must hold no checkpoint unless ``config.resume``.
+    should_stop: called with the step count before each step; True stops the run like
+      Ctrl-C does (save, ``status="interrupted"``).
+
+  Returns:
+    A :class:`TrainResult`.
+
+  Raises:
+    NonFiniteLossError: the loss or gradient norm became NaN/inf (see the module docstring).
+  """
+  train_config.check(config)
+  run_dir = pathlib.Path(workdir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+
+  # 1. Data.
+  datasets = data.build(config.data, config.seq_len, config.batch_size, config.eval_batches, config.seed)
+  model_config = train_config.model_config(config)
+  if datasets.vocab_size > model_config.vocab_size:
+    raise ValueError(
+        f"data has {datasets.vocab_size} token ids but config.model.vocab_size={model_config.vocab_size}; raise it"
+    )
+  say(f"data: {datasets.description}")
+
+  # 2. Model, optimizer and the jitted pure functions.
+  functions = step_functions(config)
+  init, train_step, eval_step = functions.init, functions.train_step, functions.eval_step
+  schedule = learning_rate_schedule(config)
+
+  counts = param_count(model_config)
+  tokens_per_step = config.batch_size * config.seq_len
+  flops_per_step = train_flops_per_token(model_config, config.seq_len) * tokens_per_step
+  peak = config.peak_tflops or metrics.peak_tflops()
+  say(
+      f"model: {counts['total'] / 1e6:.1f}M parameters ({counts['matmul'] / 1e6:.1f}M in matmuls), "
+      f"recipe {config.recipe}, compute {config.model.dtype}, optimizer {config.optimizer}, "
+      f"{flops_per_step / tokens_per_step / 1e9:.2f} GFLOP/token, {jax.devices()[0].device_kind}"
+  )
+
+  # 3. State: the latest checkpoint when resuming, else a fresh init.
+  checkpointer = checkpoint.Checkpointer(run_dir, config.keep_checkpoints, config.async_checkpointing)
+  latest = checkpointer.latest_step()
+  if latest is not None and not config.resume:
+    checkpointer.close()
+    raise FileExistsError(
+        f"{run_dir} already holds checkpoints (latest step {latest}); pass --resume to continue that run "
+        "or choose another --workdir"
+    )
+  config_file = run_dir / checkpoint.CONFIG_FILE
+  if latest is not None:
+    if config_file.exists():
+      changed = _changed_fields(json.loads(config_file.read_text()), json.loads(train_config.to_json(config)))
+      if changed - {"resume"}:
+        say(f"warning: resuming with changed config fields {sorted(changed - {'resume'})}: expect a different run")
+    abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
+    state, data_state = checkpointer.restore(latest, abstract)
+    datasets.train.restore(data_state)
+    metrics.truncate_after(run_dir, latest)
+    say(f"resumed from {checkpointer.directory / str(latest)} (data position {datasets.train.position})")
+  else:
+    if config.resume:
+      say(f"no checkpoint in {checkpointer.directory}: starting from step 0")
+    state = init()
+    metrics.truncate_after(run_dir, -1)  # a fresh run starts a fresh metrics file
+  config_file.write_text(train_config.to_json(config))
+
+  start_step = int(state.step)
+  start_position = datasets.train.position
+
+  def data_state_at(step: int) -> dict[str, Any]:
+    """The stream's state after ``step`` (derived from the step, so it always matches the state)."""
+    return {**datasets.train.state(), "position": start_position + (step - start_step) * config.batch_size}
+
+  writer = metrics.MetricsWriter(run_dir, config.tensorboard)
+  writer.write({"step": start_step, "event": "start", "params": counts["total"], "matmul_params": counts["matmul"],
+                "flops_per_token": flops_per_step / tokens_per_step, "recipe": config.recipe,
+                "device": jax.devices()[0].device_kind, "peak_tflops": peak})
+
+  # 4. The loop. Step metrics stay on the device until a flush (log, eval, save, end) fetches
+  # them, so the host never waits for the device between steps.
+  step = start_step
+  pending: list[tuple[int, dict[str, jax.Array]]] = []
+  losses: list[float] = []  # host losses since the last log line
+  grad_norm = float("nan")
+  last_loss = val_loss = None
+  saved_step = latest  # the step whose checkpoint is on disk already (None for a fresh run)
+  status = "completed"
+  timer, timed_steps, excluded_s, compile_s = time.perf_counter(), 0, 0.0, None
+
+  def flush() -> None:
+    """Fetch pending step metrics; NonFiniteLossError at the first bad step."""
+    nonlocal grad_norm, last_loss
+    for s, values in jax.device_get(pending):
+      loss, norm = float(values["loss"]), float(values["grad_norm"])
+      if not (math.isfinite(loss) and math.isfinite(norm)):
+        last_good = checkpointer.latest_step()
+        raise NonFiniteLossError(
+            f"step {s}: loss {loss}, gradient norm {norm}. The run stopped and this state was not saved; "
+            f"the last good checkpoint is step {last_good} in {checkpointer.directory}. Lower config.lr or raise "
+            "warmup_steps, then continue with --resume (or start a new --workdir)"
+            if last_good is not None
+            else f"step {s}: loss {loss}, gradient norm {norm}. The run stopped before its first checkpoint; "
+            "lower config.lr or raise warmup_steps and start again"
+        )
+      losses.append(loss)
+      grad_norm, last_loss = norm, loss
+    pending.clear()
+
+  def save(step: int) -> None:
+    nonlocal saved_step
+    flush()  # never save a state whose step was not finite
+    checkpointer.save(step, state, data_state_at(step))
+    saved_step = step
+
+  def evaluate(step: int) -> float:
+    flush()
+    value = float(np.mean(jax.device_get([eval_step(state.params, batch) for batch in datasets.validation])))
+    writer.write({"step": step, "val_loss": value})
+    say(f"step {step}: validation loss {value:.4f}")
+    return value
+
+  stop = StopRequest()
+  try:
+    with stop.installed():
+      while step < config.steps:
+        if stop.requested or (should_stop is not None and should_stop(step)):
+          status = "interrupted"
+          break
+        batch = datasets.train.next()
+        if step + 1 == config.inject_nan_at_step:  # fault injection (tests, drills): the model diverges here
+          state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
+        state, step_metrics = train_step(state, batch)
+        step += 1
+        pending.append((step, step_metrics))
+
+        if compile_s is None:  # the first step compiles: keep it out of the throughput
+          jax.block_until_ready(step_metrics)
+          compile_s = time.perf_counter() - timer
+          say(f"compiled and ran the first step in {compile_s:.1f} s")
+          timer, timed_steps = time.perf_counter(), 0
+        else:
+          timed_steps += 1
+
+        if step % config.log_every == 0 or step == config.steps:
+          flush()
+          elapsed = time.perf_counter() - timer - excluded_s
+          step_time = elapsed / timed_steps if timed_steps else None  # None: only the compiling step ran
+          record = {
+              "step": step,
+              "loss": float(np.mean(losses)),
+              "grad_norm": grad_norm,
+              "lr": float(schedule(step - 1)),
+              "tokens_per_s": tokens_per_step / step_time if step_time else None,
+              "step_time_s": step_time,
+              "mfu": metrics.mfu(flops_per_step, step_time, peak) if step_time else None,
+              "tokens": step * tokens_per_step,
+              "compile_s": compile_s,
+          }
+          writer.write(record)
+          say(metrics.progress_line(record, config.steps))
+          losses.clear()
+          timer, timed_steps, excluded_s = time.perf_counter(), 0, 0.0
+
+        eval_due = step % config.eval_every == 0 or step == config.steps
+        save_due = step % config.checkpoint_every == 0 or step == config.steps
+        if eval_due or save_due:
+          flush()  # waiting for the training steps still counts as training time
+          paused = time.perf_counter()
+          if eval_due:
+            val_loss = evaluate(step)
+          if save_due:
+            save(step)
+          excluded_s += time.perf_counter() - paused
+  except KeyboardInterrupt:
+    status = "interrupted"
+  except NonFiniteLossError:
+    writer.close()
+    checkpointer.close()  # finishes saves of earlier, good steps
+    raise
+
+  # 5. Finish: on interruption, save where we are (if the state is intact and finite).
+  if status == "interrupted":
+    if not _alive(state):
+      say(f"interrupted mid-step; kept the last checkpoint (step {checkpointer.latest_step()})")
+    elif saved_step != int(state.step):
+      step = int(state.step)  # the state is the authority (an interrupt may land between two statements)
+      try:
+        if not _finite(state.params):
+          raise NonFiniteLossError(f"step {step}: parameters are not finite; kept the last checkpoint")
+        save(step)
+      except NonFiniteLossError:
+        writer.close()
+        checkpointer.close()
+        raise
+      say(f"interrupted at step {step}: saved a checkpoint; continue with --resume")
+  writer.close()
+  checkpointer.close()
+  last_checkpoint = checkpointer.latest_step() if saved_step is None else saved_step
+  return TrainResult(status, step, last_loss, val_loss, last_checkpoint)

@@ -1,0 +1,52 @@
+"""Command line: ``python -m train.main --config configs/tiny.py --workdir runs/tiny``.
+
+Flags:
+  --config      a config file (``configs/*.py``); override any field with
+                ``--config.key=value``, e.g. ``--config.recipe=int8 --config.model.n_layers=8``.
+  --workdir     the run directory (checkpoints, ``config.json``, ``metrics.jsonl``).
+  --resume      continue from the latest checkpoint in ``--workdir`` (= ``--config.resume=True``).
+
+Exit codes: 0 done; 130 interrupted by Ctrl-C after saving a checkpoint (128 + SIGINT, the
+shell's convention); 3 loss became NaN/inf (the last good checkpoint is kept); 1 other errors.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from train import loop
+
+EXIT_INTERRUPTED = 130
+EXIT_NONFINITE = 3
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, config.json, metrics.jsonl")
+_RESUME = flags.DEFINE_bool("resume", False, "continue from the latest checkpoint in --workdir")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows them
+  config = _CONFIG.value
+  if _RESUME.value:
+    config.resume = True
+  try:
+    result = loop.train(config, _WORKDIR.value)
+  except loop.NonFiniteLossError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_NONFINITE)
+  except FileExistsError as e:  # a workdir with checkpoints and no --resume
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  if result.status == "interrupted":
+    sys.exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+  app.run(main)

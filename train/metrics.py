@@ -1,0 +1,147 @@
+"""What a run records: ``metrics.jsonl``, TensorBoard (when installed), the progress line, MFU.
+
+``RUN_DIR/metrics.jsonl`` holds one JSON object per line:
+
+- training, every ``log_every`` steps: ``step``, ``loss`` (mean over the interval),
+  ``grad_norm`` (before clipping, last step), ``lr``, ``tokens_per_s``, ``step_time_s``,
+  ``mfu`` (None when the peak is unknown, e.g. on CPU), ``tokens`` (seen so far),
+  ``compile_s`` (the first step, compilation included); the timing fields are None for an
+  interval that held only the compiling step;
+- validation: ``step``, ``val_loss``;
+- once at start: ``step``, ``event: "start"`` with parameter count, FLOPs per token and
+  compile time.
+
+MFU is model FLOPs per second (``train.model.train_flops_per_token``) over the device's
+*bf16 dense* peak, for every recipe: INT8/FP8 runs can show an MFU that bf16 could not
+reach, which is the point.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+import jax
+
+METRICS_FILE = "metrics.jsonl"
+# Dense bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets (without sparsity),
+# matched against jax's ``device_kind`` in this order (first substring that matches wins).
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+)
+PROGRESS_BAR_WIDTH = 20
+
+
+def peak_tflops(device: jax.Device | None = None) -> float | None:
+  """bf16 dense peak of ``device`` (default: the first device) in TFLOP/s, or None if unknown."""
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  kind = device.device_kind
+  for name, tflops in PEAK_BF16_TFLOPS:
+    if name in kind:
+      return tflops
+  return None
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak: float | None, num_devices: int = 1) -> float | None:
+  """Model FLOPs utilization in [0, 1+): ``flops_per_step / step_time / (peak * devices)``."""
+  if peak is None or step_time_s <= 0:
+    return None
+  return flops_per_step / step_time_s / (peak * 1e12 * num_devices)
+
+
+def _tensorboard_writer(log_dir: pathlib.Path):
+  """A SummaryWriter from tensorboardX or torch, or None when neither is importable."""
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415  (optional dependency)
+  except ImportError:
+    try:
+      from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (needs the tensorboard package)
+    except ImportError:
+      return None
+  return SummaryWriter(str(log_dir))
+
+
+class MetricsWriter:
+  """Appends records to ``RUN_DIR/metrics.jsonl`` and, when available, TensorBoard."""
+
+  def __init__(self, run_dir: str | pathlib.Path, tensorboard: bool = True):
+    self.path = pathlib.Path(run_dir) / METRICS_FILE
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._file = self.path.open("a")
+    self._tb = _tensorboard_writer(pathlib.Path(run_dir) / "tensorboard") if tensorboard else None
+
+  def write(self, record: dict[str, Any]) -> None:
+    """One JSON line (flushed at once, so a killed run keeps its metrics)."""
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+          self._tb.add_scalar(key, value, record["step"])
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def truncate_after(run_dir: str | pathlib.Path, step: int) -> None:
+  """Drop records of steps after ``step`` (a resumed run rewrites them)."""
+  path = pathlib.Path(run_dir) / METRICS_FILE
+  if not path.exists():
+    return
+  kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+  path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
+  """Every record of ``RUN_DIR/metrics.jsonl`` in file order."""
+  path = pathlib.Path(run_dir) / METRICS_FILE
+  if not path.exists():
+    raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(seconds)
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def progress_line(record: dict[str, Any], total_steps: int) -> str:
+  """``[####......]  40% step 400/1000 | loss 2.1034 | 51.2k tok/s | ...`` for one training record."""
+  step = record["step"]
+  done = int(PROGRESS_BAR_WIDTH * step / total_steps)
+  parts = [
+      f"[{'#' * done}{'.' * (PROGRESS_BAR_WIDTH - done)}] {100 * step / total_steps:3.0f}%",
+      f"step {step}/{total_steps}",
+      f"loss {record['loss']:.4f}",
+      f"lr {record['lr']:.2e}",
+      f"gnorm {record['grad_norm']:.3f}",
+  ]
+  if record.get("step_time_s"):
+    parts.append(f"{record['tokens_per_s'] / 1e3:.1f}k tok/s")
+    parts.append(f"{record['step_time_s'] * 1e3:.0f} ms/step")
+    if record.get("mfu") is not None:
+      parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    parts.append(f"eta {_duration(record['step_time_s'] * (total_steps - step))}")
+  return " | ".join(parts)
+
+
+def say(message: str) -> None:
+  """One line to stdout, flushed (progress must show up in logs of piped runs too)."""
+  print(message, file=sys.stdout, flush=True)

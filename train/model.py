@@ -1,0 +1,384 @@
+"""A Llama-style decoder whose linears come from jaxlowbit.
+
+Structure (pre-norm, no biases)::
+
+    tokens [B, T] int32
+      -> embed                                (high precision, float32 table)
+      -> n_layers x Block:
+           x = x + attn(attn_norm(x))          RoPE, grouped-query causal attention
+           x = x + mlp(mlp_norm(x))            SwiGLU
+      -> final_norm -> lm_head                 (high precision by default; or the tied embedding)
+    logits [B, T, vocab] float32
+
+Precision: parameters are float32 master weights (``param_dtype``); activations and
+high-precision matmuls run in ``dtype`` (bfloat16 by default). Each projection
+(``attn.qkv``, ``attn.out``, ``mlp.gate_up``, ``mlp.down``, ``lm_head``) is built with
+``jaxlowbit.dense_for(recipe)`` where ``ModelConfig.recipe_for(path)`` chooses the recipe:
+``quantize_attention`` / ``quantize_mlp`` / ``quantize_lm_head`` and ``filter_fqns`` (keep
+a projection high precision when its path contains one of the strings, as in
+``jaxlowbit.convert``) decide which ones are low-bit.
+
+BitNet model surgery (BitNet b1.58; torchao ``bitnet``): every projection that runs with
+a :class:`jaxlowbit.BitNet` recipe gets its own RMSNorm right before it, named
+``<projection>_norm`` (``qkv_norm``, ``out_norm``, ``gate_up_norm``, ``down_norm``). The
+block's pre-norms stay, so a BitNet model is the bf16 model plus those norms. It is done
+here, in :func:`projection`, where a reader sees it, not hidden in the layer.
+
+Layers are stacked with ``nn.scan`` (one compiled block for all layers: a 1B model compiles
+in seconds) and optionally rematerialized with ``nn.remat`` under a named policy. Parameters
+of the scanned stack carry a leading ``[n_layers]`` axis: ``params["layers"]["attn"]["qkv"]
+["kernel"]`` is ``[n_layers, d_model, (n_heads + 2 n_kv_heads) head_dim]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import jaxlowbit
+from jaxlowbit import BitNet
+
+# Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
+# block at all; the others are ``jax.checkpoint_policies`` that say what the backward may
+# keep from the forward instead of recomputing it.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# cuDNN flash attention takes 16-bit inputs and head dims that are multiples of 8 up to 128
+# (jax.nn.dot_product_attention / cuDNN frontend limits); "auto" uses XLA otherwise.
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_HEAD_DIM_MULTIPLE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of the decoder (hashable: it is a Linen module attribute).
+
+  Attributes:
+    vocab_size: rows of the embedding and columns of the LM head.
+    d_model: residual width.
+    n_layers: number of blocks.
+    n_heads: query heads; ``head_dim = d_model // n_heads``.
+    n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
+    d_ff: hidden width of the SwiGLU MLP.
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: LM head is the transposed embedding (always high precision).
+    dtype: compute dtype of activations and high-precision matmuls.
+    param_dtype: dtype of the stored (master) parameters.
+    init_std: std of the normal init of embeddings and projections; the two projections
+      that write into the residual (``attn.out``, ``mlp.down``) use ``init_std /
+      sqrt(2 n_layers)`` (GPT-2) so the residual's variance does not grow with depth.
+    dropout_rate: residual dropout, active only when a ``"dropout"`` rng is passed.
+    scan_layers: stack blocks with ``nn.scan`` (else a Python loop, ``layers_0``...).
+    remat_policy: a key of :data:`REMAT_POLICIES`.
+    attention_impl: ``"auto"`` (cuDNN on GPU where it applies, XLA elsewhere), ``"xla"``
+      or ``"cudnn"``.
+    fused_projections: one ``qkv`` and one ``gate_up`` matmul instead of ``q, k, v`` and
+      ``gate, up`` (fewer, larger GEMMs and one activation quantization instead of three).
+    recipe: a jaxlowbit recipe, or None for a high-precision model.
+    quantize_attention, quantize_mlp, quantize_lm_head: which projections use ``recipe``.
+    filter_fqns: projections whose path contains any of these strings stay high precision.
+    bitnet_norms: insert the RMSNorm before each BitNet projection (BitNet model surgery).
+  """
+
+  vocab_size: int = 384
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  d_ff: int = 768
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  init_std: float = 0.02
+  dropout_rate: float = 0.0
+  scan_layers: bool = True
+  remat_policy: str = "none"
+  attention_impl: str = "auto"
+  fused_projections: bool = True
+  recipe: Any = None
+  quantize_attention: bool = True
+  quantize_mlp: bool = True
+  quantize_lm_head: bool = False
+  filter_fqns: tuple[str, ...] = ()
+  bitnet_norms: bool = True
+
+  def __post_init__(self):
+    jaxlowbit.recipes.check_recipe(self.recipe, "ModelConfig")
+    if self.d_model % self.n_heads:
+      raise ValueError(f"ModelConfig: d_model={self.d_model} is not a multiple of n_heads={self.n_heads}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig: remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig: attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+    if self.tie_embeddings and self.quantize_lm_head and self.recipe is not None:
+      raise ValueError("ModelConfig: a tied LM head is the embedding table and stays high precision; "
+                       "set quantize_lm_head=False or tie_embeddings=False")
+    if isinstance(self.filter_fqns, str):
+      raise TypeError("ModelConfig.filter_fqns must be a tuple of strings, e.g. ('attn.out',), not a string")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  def recipe_for(self, path: str):
+    """The recipe of the projection at ``path`` (e.g. ``"layers.mlp.down"``), or None."""
+    if self.recipe is None or any(f and f in path for f in self.filter_fqns):
+      return None
+    kind = path.split(".")[-2] if "." in path else path
+    wanted = {"attn": self.quantize_attention, "mlp": self.quantize_mlp, "lm_head": self.quantize_lm_head}
+    if kind not in wanted:
+      raise ValueError(f"recipe_for: unknown projection path {path!r}")
+    return self.recipe if wanted[kind] else None
+
+
+def projection_paths(config: ModelConfig) -> dict[str, tuple[int, int]]:
+  """Every projection's path -> ``(in_features, out_features)`` (one layer's; LM head included)."""
+  d, hd = config.d_model, config.head_dim
+  q, kv = config.n_heads * hd, config.n_kv_heads * hd
+  if config.fused_projections:
+    attn = {"layers.attn.qkv": (d, q + 2 * kv)}
+    mlp = {"layers.mlp.gate_up": (d, 2 * config.d_ff)}
+  else:
+    attn = {"layers.attn.q": (d, q), "layers.attn.k": (d, kv), "layers.attn.v": (d, kv)}
+    mlp = {"layers.mlp.gate": (d, config.d_ff), "layers.mlp.up": (d, config.d_ff)}
+  paths = {**attn, "layers.attn.out": (q, d), **mlp, "layers.mlp.down": (config.d_ff, d)}
+  if not config.tie_embeddings:
+    paths["lm_head"] = (d, config.vocab_size)
+  return paths
+
+
+def param_count(config: ModelConfig) -> dict[str, int]:
+  """Parameter counts from the config alone (tested against the real tree).
+
+  Returns:
+    ``{"total", "embedding", "matmul"}``: ``matmul`` counts the weights that take part in a
+    matmul per token (every projection, and the embedding table when it is the tied LM head);
+    it is the ``N`` of the ``6 N`` training-FLOPs rule.
+  """
+
+  def bitnet_norm(path: str) -> bool:
+    return config.bitnet_norms and isinstance(config.recipe_for(path), BitNet)
+
+  layer_linear = layer_norms = head_linear = head_norm = 0
+  for path, (k, n) in projection_paths(config).items():
+    if path == "lm_head":
+      head_linear, head_norm = k * n, k if bitnet_norm(path) else 0
+    else:
+      layer_linear += k * n
+      layer_norms += k if bitnet_norm(path) else 0
+  layer_norms += 2 * config.d_model  # attn_norm, mlp_norm
+  embedding = config.vocab_size * config.d_model
+  final_norm = config.d_model
+  total = embedding + config.n_layers * (layer_linear + layer_norms) + final_norm + head_linear + head_norm
+  matmul = config.n_layers * layer_linear + (embedding if config.tie_embeddings else head_linear)
+  return {"total": total, "embedding": embedding, "matmul": matmul}
+
+
+# Causal attention does QK^T and PV over half of the T x T score matrix: per token and layer
+# 2 matmuls x 2 FLOPs x T/2 keys x n_heads x head_dim in the forward, x3 for fwd + bwd.
+CAUSAL_ATTENTION_FRACTION = 0.5
+
+
+def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """Model FLOPs of one training token (forward + backward, no rematerialization).
+
+  ``6 N`` for the matmul weights (``param_count(...)["matmul"]``: 2 FLOPs per weight in the
+  forward, 4 in the backward) plus attention's score and value matmuls, ``6 * 2 * n_layers *
+  n_heads * head_dim * seq_len * 0.5`` (PaLM appendix B, halved for the causal mask, which
+  cuDNN skips). Recomputation under remat is not counted: this is *model* FLOPs, so MFU stays
+  comparable between remat policies.
+  """
+  matmul = 6 * param_count(config)["matmul"]
+  attention = 6 * 2 * config.n_layers * config.n_heads * config.head_dim * seq_len * CAUSAL_ATTENTION_FRACTION
+  return float(matmul + attention)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (rotate-half form).
+
+  Args:
+    x: ``[B, T, heads, head_dim]`` queries or keys (head_dim even).
+    positions: ``[T]`` int32 token positions.
+    theta: base frequency.
+
+  Returns:
+    ``x`` rotated, same shape and dtype (angles computed in float32).
+  """
+  half = x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, half]
+  sin = jnp.sin(angles)[None, :, None, :]
+  cos = jnp.cos(angles)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_impl(config: ModelConfig) -> str:
+  """The ``implementation=`` passed to ``jax.nn.dot_product_attention`` for this config.
+
+  ``"auto"`` picks cuDNN flash attention on GPU when dtype and head_dim allow it and XLA
+  everywhere else (``implementation=None`` in jax 0.10 means XLA, so it is never passed).
+  """
+  if config.attention_impl != "auto":
+    return config.attention_impl
+  on_gpu = jax.default_backend() == "gpu"
+  head_ok = config.head_dim <= CUDNN_MAX_HEAD_DIM and config.head_dim % CUDNN_HEAD_DIM_MULTIPLE == 0
+  return "cudnn" if on_gpu and jnp.dtype(config.dtype) in CUDNN_DTYPES and head_ok else "xla"
+
+
+def rms_norm(config: ModelConfig, name: str) -> nn.RMSNorm:
+  return nn.RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
+
+
+def projection(config: ModelConfig, x: jax.Array, path: str, features: int, std: float) -> jax.Array:
+  """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``.
+
+  Must be called inside a compact method (the layers attach to that module). Applies the
+  BitNet model surgery: with a BitNet recipe, ``x`` is first RMS-normalized by its own norm.
+  """
+  name = path.split(".")[-1]
+  recipe = config.recipe_for(path)
+  if isinstance(recipe, BitNet) and config.bitnet_norms:
+    x = rms_norm(config, f"{name}_norm")(x)
+  dense = jaxlowbit.dense_for(
+      recipe,
+      features=features,
+      use_bias=False,
+      dtype=config.dtype,
+      param_dtype=config.param_dtype,
+      kernel_init=nn.initializers.normal(std),
+      name=name,
+  )
+  return dense(x)
+
+
+class Attention(nn.Module):
+  """Grouped-query causal self-attention with RoPE."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """``x [B, T, d_model]`` (dtype), ``positions [T]`` -> ``[B, T, d_model]`` (dtype)."""
+    c = self.config
+    b, t, _ = x.shape
+    hd, q_dim, kv_dim = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    if c.fused_projections:
+      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std)
+      q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
+    else:
+      q = projection(c, x, "layers.attn.q", q_dim, c.init_std)
+      k = projection(c, x, "layers.attn.k", kv_dim, c.init_std)
+      v = projection(c, x, "layers.attn.v", kv_dim, c.init_std)
+    q = rope(q.reshape(b, t, c.n_heads, hd), positions, c.rope_theta)
+    k = rope(k.reshape(b, t, c.n_kv_heads, hd), positions, c.rope_theta)
+    v = v.reshape(b, t, c.n_kv_heads, hd)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
+    return projection(c, out.reshape(b, t, q_dim), "layers.attn.out", c.d_model, _residual_std(c))
+
+
+class Mlp(nn.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """``x [B, T, d_model]`` -> ``[B, T, d_model]``."""
+    c = self.config
+    if c.fused_projections:
+      gate, up = jnp.split(projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std), 2, axis=-1)
+    else:
+      gate = projection(c, x, "layers.mlp.gate", c.d_ff, c.init_std)
+      up = projection(c, x, "layers.mlp.up", c.d_ff, c.init_std)
+    return projection(c, nn.silu(gate) * up, "layers.mlp.down", c.d_model, _residual_std(c))
+
+
+def _residual_std(config: ModelConfig) -> float:
+  return config.init_std / math.sqrt(2 * config.n_layers)
+
+
+class Block(nn.Module):
+  """Pre-norm decoder block; ``(x, positions) -> (x, None)`` so it can be scanned."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+    c = self.config
+    dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
+    x = x + dropout(Attention(c, name="attn")(rms_norm(c, "attn_norm")(x), positions))
+    x = x + dropout(Mlp(c, name="mlp")(rms_norm(c, "mlp_norm")(x)))
+    return x, None
+
+
+class Transformer(nn.Module):
+  """The decoder: ``tokens [B, T] int32 -> logits [B, T, vocab_size] float32``."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
+    embed = nn.Embed(
+        c.vocab_size,
+        c.d_model,
+        embedding_init=nn.initializers.normal(c.init_std),
+        dtype=c.dtype,
+        param_dtype=c.param_dtype,
+        name="embed",
+    )
+    x = embed(tokens)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+
+    block = Block
+    policy = REMAT_POLICIES[c.remat_policy]
+    if c.remat_policy != "none":
+      block = nn.remat(Block, policy=policy, prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      stack = nn.scan(
+          block,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=nn.broadcast,
+          length=c.n_layers,
+      )
+      x, _ = stack(c, name="layers")(x, positions)
+    else:
+      for i in range(c.n_layers):
+        x, _ = block(c, name=f"layers_{i}")(x, positions)
+
+    x = rms_norm(c, "final_norm")(x)
+    if c.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std)
+    return logits.astype(jnp.float32)
+
+
+__all__ = [
+    "ModelConfig",
+    "Transformer",
+    "param_count",
+    "projection_paths",
+    "rope",
+    "train_flops_per_token",
+]

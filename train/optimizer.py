@@ -1,0 +1,70 @@
+"""The optimizer: AdamW (or a drop-in with its signature) with warmup + cosine and clipping.
+
+``config.optimizer`` names the AdamW variant. ``"adamw"`` is ``optax.adamw``; any other
+name is looked up as a function of ``jaxlowbit.optim`` (``adamw_8bit``, ``adamw_4bit``,
+``adamw_fp8``), which take ``optax.adamw``'s arguments. To add one, put it in
+:data:`OPTIMIZERS` or in ``jaxlowbit.optim``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import jax
+import optax
+
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": optax.adamw}
+# Parameters that get weight decay: matmul kernels and embedding tables, not norm scales or biases.
+DECAYED_PARAM_NAMES = ("kernel", "embedding")
+
+
+def learning_rate_schedule(config) -> optax.Schedule:
+  """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+
+  The first step already moves (``lr / warmup_steps``): warming up from exactly 0 wastes it.
+  """
+  return optax.warmup_cosine_decay_schedule(
+      init_value=config.lr / max(config.warmup_steps, 1),
+      peak_value=config.lr,
+      warmup_steps=config.warmup_steps,
+      decay_steps=config.steps,
+      end_value=config.lr * config.min_lr_ratio,
+  )
+
+
+def weight_decay_mask(params) -> object:
+  """A pytree of bools: True for leaves whose name is in :data:`DECAYED_PARAM_NAMES`."""
+
+  def decayed(path, _):
+    return getattr(path[-1], "key", None) in DECAYED_PARAM_NAMES
+
+  return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def adamw_factory(name: str) -> Callable[..., optax.GradientTransformation]:
+  """The function called ``name``: from :data:`OPTIMIZERS`, else from ``jaxlowbit.optim``."""
+  if name in OPTIMIZERS:
+    return OPTIMIZERS[name]
+  try:
+    optim = importlib.import_module("jaxlowbit.optim")
+  except ImportError as e:
+    raise ValueError(f"config.optimizer={name!r}: not in {sorted(OPTIMIZERS)} and jaxlowbit.optim is missing") from e
+  if not callable(getattr(optim, name, None)):
+    raise ValueError(f"config.optimizer={name!r}: neither in {sorted(OPTIMIZERS)} nor a function of jaxlowbit.optim")
+  return getattr(optim, name)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """``clip_by_global_norm(grad_clip)`` then AdamW named by ``config.optimizer`` on the schedule."""
+  adamw = adamw_factory(config.optimizer)(
+      learning_rate=learning_rate_schedule(config),
+      b1=config.b1,
+      b2=config.b2,
+      eps=config.eps,
+      weight_decay=config.weight_decay,
+      mask=weight_decay_mask,
+  )
+  if config.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+  return adamw
