@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -40,9 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxlowbit
-from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp
-from jaxlowbit.fsdp.hlo import collectives
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxlowbit  # noqa: E402
+from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.layer import sqnr  # noqa: E402
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp  # noqa: E402
+from jaxlowbit.fsdp.hlo import collectives  # noqa: E402
 
 # name -> (recipe, FsdpConfig fields)
 VARIANTS = {
@@ -86,14 +87,6 @@ class Stack(nn.Module):
   def __call__(self, x):
     stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
     return stack(self.recipe, self.dim, self.hidden, name="blocks")(x, None)[0]
-
-
-def _commit() -> str | None:
-  try:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
-    return out.stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return None
 
 
 def _summarize(found) -> dict:
@@ -169,12 +162,6 @@ def run_speed(args, mesh) -> list[dict]:
   return rows
 
 
-def _sqnr(a, ref) -> float:
-  a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-  noise = np.sum((a - ref) ** 2)
-  return float("inf") if noise == 0 else float(10 * np.log10(np.sum(ref**2) / noise))
-
-
 def run_accuracy(args) -> list[dict]:
   m, k, n = args.acc_shape
   kx, kw, kg, ks = jax.random.split(jax.random.key(args.seed), 4)
@@ -196,17 +183,9 @@ def run_accuracy(args) -> list[dict]:
     exact = {"output": x64 @ w64, "grad_input": g64 @ w64.T, "grad_weight": x64.T @ g64}
     for name, f in cases.items():
       outs = jax.jit(lambda x, w, g, f=f: (lambda y_vjp: (y_vjp[0], *y_vjp[1](g)))(jax.vjp(f, x, w)))(x, w, g)
-      sqnr = {key: round(_sqnr(o, exact[key]), 2) for key, o in zip(exact, outs)}
-      rows.append({"channel_spread": spread, "case": name, **sqnr})
+      db = {key: round(sqnr(o, exact[key]), 2) for key, o in zip(exact, outs)}
+      rows.append({"channel_spread": f"{spread:g}x", "case": name, **db})
   return rows
-
-
-def _print_table(title: str, header: list[str], rows: list[list]) -> None:
-  widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-  print(f"\n{title}")
-  print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
-  for row in rows:
-    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
 
 
 def main(argv=None) -> dict:
@@ -232,52 +211,42 @@ def main(argv=None) -> dict:
     parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
   sections = set(args.sections.split(","))
 
-  devices = jax.devices()
-  result = {
-      "benchmark": "fsdp",
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "commit": _commit(),
-      "jax": jax.__version__,
-      "device": devices[0].device_kind,
-      "device_count": len(devices),
-      "args": {k: v for k, v in vars(args).items() if k != "out"},
-  }
+  result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "accuracy": [], "speed": []}
   if "accuracy" in sections:
     result["accuracy"] = run_accuracy(args)
-    _print_table(
-        f"INT8 weight scaling, SQNR vs float64 in dB (M,K,N = {args.acc_shape})",
-        ["W channel spread", "case", "output", "grad_input", "grad_weight"],
-        [[f"{r['channel_spread']:g}x", r["case"], r["output"], r["grad_input"], r["grad_weight"]]
-         for r in result["accuracy"]],
-    )
+    print(f"\nINT8 weight scaling, SQNR vs float64 in dB (M,K,N = {args.acc_shape})")
+    print(table(result["accuracy"], ["channel_spread", "case", "output", "grad_input", "grad_weight"]))
   if "speed" in sections:
     mesh = fsdp.make_mesh(fsdp=-1, data=args.data)
-    print(f"\nspeed: {dict(mesh.shape)} mesh of {devices[0].device_kind}, {args.layers} blocks "
+    print(f"\nspeed: {dict(mesh.shape)} mesh of {jax.devices()[0].device_kind}, {args.layers} blocks "
           f"D={args.dim} H={args.hidden}, {args.batch}x{args.seq} tokens per device", flush=True)
     if mesh.shape["fsdp"] == 1:
       print("  (one device on the FSDP axis: nothing is sharded or gathered)")
     result["speed"] = run_speed(args, mesh)
     base = next((r for r in result["speed"] if r["variant"] == "bf16"), None)
-    rows = []
+    summary = []
     for r in result["speed"]:
-      gather = r["collectives"].get("all-gather", {"bytes": 0, "count": 0, "dtypes": []})
-      scatter = r["collectives"].get("reduce-scatter", {"bytes": 0})
-      reduce = r["collectives"].get("all-reduce", {"bytes": 0})
-      rel = f"{gather['bytes'] / base['collectives']['all-gather']['bytes']:.2f}" if base and gather["bytes"] else "-"
-      speed = f"{base['step_ms'] / r['step_ms']:.2f}" if base else "-"
-      rows.append([r["variant"], gather["count"], "/".join(gather["dtypes"]), f"{gather['bytes'] / 2**20:.1f}", rel,
-                   f"{scatter['bytes'] / 2**20:.1f}", f"{reduce['bytes'] / 2**20:.1f}", r["step_ms"], speed,
-                   r["tokens_per_s_per_device"]])
-    _print_table(
-        "FSDP per training step (all-gather MiB = what each device receives; x bf16 = relative to the bf16 row)",
-        ["variant", "gathers", "types", "all-gather MiB", "x bf16", "reduce-scatter MiB", "all-reduce MiB",
-         "step ms", "speed-up", "tokens/s/device"],
-        rows,
-    )
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"\nwrote {args.out}")
+      ops = {op: r["collectives"].get(op, {"bytes": 0, "count": 0, "dtypes": []})
+             for op in ("all-gather", "reduce-scatter", "all-reduce")}
+      gather_bytes = ops["all-gather"]["bytes"]
+      summary.append({
+          "variant": r["variant"],
+          "gathers": ops["all-gather"]["count"],
+          "types": "/".join(ops["all-gather"]["dtypes"]),
+          "all-gather MiB": gather_bytes / 2**20,
+          "x bf16": gather_bytes / base["collectives"]["all-gather"]["bytes"] if base and gather_bytes else None,
+          "reduce-scatter MiB": ops["reduce-scatter"]["bytes"] / 2**20,
+          "all-reduce MiB": ops["all-reduce"]["bytes"] / 2**20,
+          "step ms": r["step_ms"],
+          "speed-up": base["step_ms"] / r["step_ms"] if base else None,
+          "tokens/s/device": r["tokens_per_s_per_device"],
+      })
+    print("\nFSDP per training step (collectives per step, loops counted; all-gather MiB = what each "
+          "device receives; x bf16 = relative to the bf16 row)")
+    print(table(summary, list(summary[0])))
+  path = write_json("fsdp", result["speed"], out=args.out, accuracy=result["accuracy"], args=result["args"],
+                    device_count=jax.device_count())
+  print(f"\nwrote {path}")
   return result
 
 

@@ -9,14 +9,15 @@ forward
   2. pack payload + float32 scales into one ``uint8`` message (:mod:`jaxlowbit.fsdp.wire`;
      ternary packed 2 bits per value);
   3. ``all_gather`` the messages (the only collective of the weight), unpack to ``[K, N]``;
-  4. the recipe's low-bit forward through ``pallas_kernels.scaled_matmul``.
+  4. the recipe's low-bit forward through ``pallas_kernels.dispatch.scaled_matmul``.
 backward
   ``dx`` from the gathered low-bit weight (saved from the forward or gathered again, per
   ``FsdpConfig.remat``), ``dW`` per the recipe from the local tokens, then
   ``psum_scatter`` of ``dW`` back to the ``[K/n, N]`` shard.
 
-The activation and gradient quantizers are ``quantized_matmul``'s own (``jaxlowbit.matmul``),
-so only the weight's side can differ from it. Per recipe, against ``quantized_matmul`` run
+The activation and gradient quantizations are ``quantized_matmul``'s own (its specs and
+``pallas_kernels.dispatch`` quantizers, in the same order and layouts), so only the
+weight's side can differ from it. Per recipe, against ``quantized_matmul`` run
 on the full weight with the same tokens:
 
 ==============================  ==========  ======================================================
@@ -56,13 +57,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit import int8, ternary
+from jaxlowbit import ternary
 from jaxlowbit.fsdp import wire
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.scaling import Reduction, WeightScaling, weight_scaling
-from jaxlowbit.matmul import _bitnet_activations, _hp_dot, _lowbit, _match_varying_axes, _plan
+from jaxlowbit.matmul import _BITNET_ACTIVATIONS, _INT8_ROWS, _hp_dot, _match_varying_axes, _plan, _rows_and_cols_t
 from jaxlowbit.recipes import BitNet, Recipe, check_recipe
-from pallas_kernels import scaled_matmul
+from pallas_kernels import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,60 +149,74 @@ def _dequantize(q: jax.Array, d: jax.Array) -> jax.Array:
 # The recipe's three matmuls against the gathered weight.
 
 
-def _forward(x: jax.Array, w: jax.Array, d, layout: _Layout) -> jax.Array:
-  recipe = layout.recipe
-  if not layout.scaling.quantized:
-    return _hp_dot(x, w, x.dtype)
-  if isinstance(recipe, BitNet):
-    xq, sx = _bitnet_activations(x)
-  else:
-    xq, sx = _plan(recipe).output[0](x)
-  return scaled_matmul(xq, sx, w.T, d, x.dtype)
-
-
-def _saved_x(x: jax.Array, layout: _Layout):
-  """What grad_weight needs of x (as in quantized_matmul: the quantized x^T when low-bit)."""
+def _forward(x: jax.Array, w: jax.Array, d, layout: _Layout):
+  """``(y, what grad_weight keeps of x)``, as ``quantized_matmul``'s forward computes them."""
   recipe = layout.recipe
   if isinstance(recipe, BitNet):
-    return _bitnet_activations(x)
+    xq, sx = dispatch.quantize_rows(x, _BITNET_ACTIVATIONS)
+    # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
+    return dispatch.scaled_matmul(xq, sx, w.T, d, x.dtype), (xq, sx)
   plan = _plan(recipe) if recipe is not None else None
-  return plan.grad_weight[0](x.T) if plan and plan.grad_weight else x
+  if plan is None or not layout.scaling.quantized:  # W arrived in the compute dtype
+    y = _hp_dot(x, w, x.dtype)
+    x_rows, x_cols_t = None, None
+    if plan and plan.grad_weight:
+      x_cols_t = dispatch.quantize_cols_t(x, plan.grad_weight[0])
+  else:
+    # x per token for the forward and, for grad_weight, per input feature (transposed).
+    x_rows, x_cols_t = _rows_and_cols_t(x, plan.output[0], plan.grad_weight[0] if plan.grad_weight else None)
+    y = dispatch.scaled_matmul(*x_rows, w.T, d, x.dtype)
+  return y, (x_cols_t if plan and plan.grad_weight else x)
 
 
-def _grad_input(g: jax.Array, w: jax.Array, d, layout: _Layout) -> jax.Array:
+def _grad_input(g: jax.Array, g_rows, w: jax.Array, d, layout: _Layout) -> jax.Array:
   recipe, scaling = layout.recipe, layout.scaling
   if recipe is None:
     return _hp_dot(g, w.T, g.dtype)
   if isinstance(recipe, BitNet):
     if recipe.grad_input:
-      gq, sg = int8.quantize_int8(g, axis=-1)
-      return scaled_matmul(gq, sg, w, d, g.dtype)  # Wq is exact in int8
-    return (_hp_dot(g, w.T, jnp.float32) * d).astype(g.dtype)
+      return dispatch.scaled_matmul(*dispatch.quantize_rows(g, _INT8_ROWS), w, d, g.dtype)  # Wq is exact in int8
+    w_fake = (w.astype(jnp.float32) * d).astype(g.dtype)  # weight-sized: cheap
+    return _hp_dot(g, w_fake.T, g.dtype)
   plan = _plan(recipe)
-  if not scaling.quantized:  # INT8 with a high-precision forward: W arrived in the compute dtype
-    return _lowbit(g, w, plan.grad_input, g.dtype) if plan.grad_input else _hp_dot(g, w.T, g.dtype)
   if not plan.grad_input:
-    return _hp_dot(g, _dequantize(w, d).T, g.dtype)
-  if scaling in (WeightScaling.INT8_TENSOR, WeightScaling.FP8_TENSOR):
+    return _hp_dot(g, (_dequantize(w, d) if scaling.quantized else w).T, g.dtype)
+  if not scaling.quantized:  # INT8 with a high-precision forward: W arrived in the compute dtype
+    right = dispatch.quantize_rows(w, plan.grad_input[1])
+  elif scaling in (WeightScaling.INT8_TENSOR, WeightScaling.FP8_TENSOR):
     right = (w, d)  # one scale serves rows and columns alike: the gathered weight as it is
   else:
-    right = plan.grad_input[1](_dequantize(w, d))  # per input channel, from the gathered weight
-  return scaled_matmul(*plan.grad_input[0](g), *right, g.dtype)
+    right = dispatch.quantize_rows(_dequantize(w, d), plan.grad_input[1])  # per input channel, from the gathered weight
+  return dispatch.scaled_matmul(*g_rows, *right, g.dtype)
 
 
-def _grad_weight(saved_x, g: jax.Array, layout: _Layout) -> jax.Array:
+def _grad_weight(saved_x, g: jax.Array, g_cols_t, layout: _Layout) -> jax.Array:
   recipe, dtype = layout.recipe, layout.param_dtype
   if isinstance(recipe, BitNet):
     xq, sx = saved_x
+    # Both forms run in g's dtype, as quantized_matmul's straight-through backward does.
     if recipe.grad_weight:
-      qgt, sgt = int8.quantize_int8((g.astype(jnp.float32) * sx).T, axis=-1)
-      return scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, dtype)
-    return _hp_dot((xq.astype(jnp.float32) * sx).T, g.astype(jnp.float32), dtype)
-  plan = _plan(recipe) if recipe is not None else None
-  if plan and plan.grad_weight:
-    qxt, sxt = saved_x
-    return scaled_matmul(qxt, sxt, *plan.grad_weight[1](g.T), dtype)
+      # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
+      scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
+      qgt, sgt = dispatch.quantize_cols_t(scaled_g, _INT8_ROWS)
+      return dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, dtype)
+    x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
+    return _hp_dot(x_fake.T, g, dtype)
+  if g_cols_t is not None:
+    qxt, sxt = saved_x  # x^T [K, M], per input feature
+    return dispatch.scaled_matmul(qxt, sxt, *g_cols_t, dtype)
   return _hp_dot(saved_x.T, g, dtype)
+
+
+def _gradient_quantizations(g: jax.Array, layout: _Layout):
+  """g per token (grad_input) and per output feature, transposed (grad_weight), in one pass."""
+  recipe = layout.recipe
+  if recipe is None or isinstance(recipe, BitNet):
+    return None, None
+  plan = _plan(recipe)
+  return _rows_and_cols_t(
+      g, plan.grad_input[0] if plan.grad_input else None, plan.grad_weight[1] if plan.grad_weight else None
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,9 +232,9 @@ def _gathered_linear_fwd(x, w, scale, layout):
   message = _encode(w, scale, layout)
   gathered = _gather(message, layout)
   full, d = _decode(gathered, layout)
-  y = _forward(x, full, d, layout)
+  y, saved_x = _forward(x, full, d, layout)
   kept = message if layout.regather else gathered
-  return y, (_saved_x(x, layout), kept, scale)
+  return y, (saved_x, kept, scale)
 
 
 def _gathered_linear_bwd(layout, residuals, g):
@@ -231,8 +246,9 @@ def _gathered_linear_bwd(layout, residuals, g):
   else:
     gathered = kept
   full, d = _decode(gathered, layout)
-  dx = _grad_input(g, full, d, layout)
-  dw = _grad_weight(saved_x, g, layout)
+  g_rows, g_cols_t = _gradient_quantizations(g, layout)
+  dx = _grad_input(g, g_rows, full, d, layout)
+  dw = _grad_weight(saved_x, g, g_cols_t, layout)
   if layout.axis_name is not None:
     dw = lax.psum_scatter(dw, layout.axis_name, scatter_dimension=0, tiled=True)
   return dx, dw, jnp.zeros_like(scale)

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxlowbit import fp8, int8, ternary
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
+from jaxlowbit.stats import absmax
 
 INT8_WEIGHT_SCALINGS = ("tensor", "row")
 
@@ -79,12 +80,11 @@ class WeightScaling(enum.Enum):
   def statistic(self, w: jax.Array) -> jax.Array:
     """float32 statistic of a (local) ``[..., K', N]`` weight: amax ``[..., N]`` or ``[..., 1]``,
     abs-sum ``[..., 1]`` (leading dims: layers stacked by ``nn.scan``)."""
-    a = jnp.abs(w.astype(jnp.float32))
     if self.per_channel:
-      return jnp.max(a, axis=-2)
+      return absmax(w, axis=-2)[..., 0, :]
     if self is WeightScaling.TERNARY:
-      return jnp.sum(a, axis=(-2, -1))[..., None]
-    return jnp.max(a, axis=(-2, -1))[..., None]
+      return jnp.sum(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))[..., None]
+    return absmax(w, axis=(-2, -1))[..., 0]
 
   def scale(self, statistic: jax.Array, count: int) -> jax.Array:
     """The quantizer's scale ``[..., N]`` or ``[...]`` from the global statistic ``[..., S]``.
