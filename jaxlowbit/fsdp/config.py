@@ -24,6 +24,10 @@ class FsdpConfig:
       weight per input channel.
       ``"tensor"``: int8 with one global scale, reused as is by grad_input (no
       re-quantization, 4 scale bytes instead of 4 N).
+      SQNR against float64 (``benchmarks/fsdp.py``, CPU, M,K,N = 4096, 2048, 2048; output /
+      grad_input; grad_weight is 38.2 dB in every case): Gaussian W: row 38.6 / 36.9,
+      tensor 36.8 / 36.8, quantized_matmul 38.6 / 38.6; output channels spanning 100x:
+      row 38.6 / 33.3, tensor 29.7 / 29.7, quantized_matmul 38.6 / 34.0.
     remat: what the backward of a linear does for the weight.
       ``"save_gathered"`` (default): keep the gathered low-bit message from the forward
       (K x N bytes, a quarter of that for ternary) until the backward.
