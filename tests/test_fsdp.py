@@ -414,8 +414,13 @@ def test_dropout_draws_differ_per_device(mesh):
       lambda p, x, key: fsdp.apply(model, p, x, plan=plan, rngs={"dropout": key}),
       mesh=mesh, in_specs=(plan.specs(), plan.batch_spec(), P()), out_specs=plan.batch_spec(),
   )
-  kept = np.asarray(jax.jit(f)(fsdp.shard_params(params, plan), x, fresh_key()) != 0).reshape(8, 8, 32)
+  key = fresh_key()
+  kept = np.asarray(jax.jit(f)(fsdp.shard_params(params, plan), x, key) != 0).reshape(8, 8, 32)
   assert len({m.tobytes() for m in kept}) == 8  # eight devices, eight different masks
+  # The key reaches a training loss as a replicated extra argument.
+  loss_fn = lambda p, s, x, key: jnp.mean(fsdp.apply(model, p, x, plan=plan, scales=s, rngs={"dropout": key}))
+  loss, _ = jax.jit(fsdp.value_and_grad(loss_fn, plan))(fsdp.shard_params(params, plan), None, x, key)
+  np.testing.assert_allclose(loss, np.mean(np.asarray(jax.jit(f)(fsdp.shard_params(params, plan), x, key))), rtol=1e-6)
 
 
 def test_errors_say_what_to_do(mesh):

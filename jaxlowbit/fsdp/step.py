@@ -1,13 +1,13 @@
 """Training steps over an :class:`FsdpPlan`: loss and gradients in ``shard_map``, the update outside.
 
 The loss function is written for ONE device: it gets the local parameter shards, the
-step's scales and the local slice of the batch, and returns the mean loss over that
-slice (it calls :func:`jaxlowbit.fsdp.apply` to run the model). :func:`value_and_grad`
-wraps it in ``shard_map``: the loss is averaged over the batch axes, sharded parameters
-get their reduce-scattered gradient shard and replicated ones the all-reduced gradient.
-:func:`train_step` adds the optimizer update (plain ``jit`` over the sharded arrays:
-element-wise optimizers stay local, global norms get their collectives from XLA) and the
-next step's :func:`precompute_scales`.
+step's scales, the local slice of the batch and any replicated extras (e.g. a dropout
+key), and returns the mean loss over that slice (it calls :func:`jaxlowbit.fsdp.apply` to
+run the model). :func:`value_and_grad` wraps it in ``shard_map``: the loss is averaged over
+the batch axes, sharded parameters get their reduce-scattered gradient shard and
+replicated ones the all-reduced gradient. :func:`train_step` adds the optimizer update
+(plain ``jit`` over the sharded arrays: element-wise optimizers stay local, global norms
+get their collectives from XLA) and the next step's :func:`precompute_scales`.
 """
 
 from __future__ import annotations
@@ -22,17 +22,23 @@ from jax.sharding import PartitionSpec as P
 from jaxlowbit.fsdp.plan import FsdpPlan
 from jaxlowbit.fsdp.scales import Scales, precompute_scales
 
-# loss_fn(params, scales, batch) -> float32 scalar: mean loss over this device's batch slice.
+# loss_fn(params, scales, batch, *extras) -> float32 scalar: mean loss over this device's slice.
 LossFn = Callable[..., jax.Array]
 
 
+def _per_device(local: Callable, plan: FsdpPlan, num_extras: int, out_specs) -> Callable:
+  """``shard_map`` of ``local(params, scales, batch, *extras)`` with the plan's in_specs."""
+  in_specs = (plan.specs(), P(), plan.batch_spec(), *[P()] * num_extras)
+  return jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
 def value_and_grad(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
-  """``f(params, scales, batch) -> (loss, grads)`` over the plan's mesh.
+  """``f(params, scales, batch, *extras) -> (loss, grads)`` over the plan's mesh.
 
   Args:
-    loss_fn: ``loss_fn(params, scales, batch)`` for one device (see module docstring).
-    plan: the :class:`FsdpPlan`; ``params`` are sharded per it and every leaf of ``batch``
-      has its leading dimension sharded over ``plan.batch_axes``.
+    loss_fn: ``loss_fn(params, scales, batch, *extras)`` for one device (module docstring).
+    plan: the :class:`FsdpPlan`; ``params`` are sharded per it, every leaf of ``batch`` has
+      its leading dimension sharded over ``plan.batch_axes``, ``extras`` are replicated.
 
   Returns:
     A function of global arrays giving the mean loss over the whole batch (replicated)
@@ -43,23 +49,27 @@ def value_and_grad(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
     return jax.value_and_grad(loss_fn)
   axes = plan.batch_axes
 
-  def local(params, scales, batch):
-    return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, scales, batch), axes))(params)
+  def f(params, scales, batch, *extras):
+    def local(params, scales, batch, *extras):
+      mean_loss = lambda p: lax.pmean(loss_fn(p, scales, batch, *extras), axes)
+      return jax.value_and_grad(mean_loss)(params)
 
-  specs = plan.specs()
-  return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P(), plan.batch_spec()), out_specs=(P(), specs))
+    return _per_device(local, plan, len(extras), (P(), plan.specs()))(params, scales, batch, *extras)
+
+  return f
 
 
 def evaluate(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
-  """``f(params, scales, batch) -> loss`` averaged over the batch axes, without gradients (validation)."""
+  """``f(params, scales, batch, *extras) -> loss`` averaged over the batch axes, without gradients."""
   if plan.mesh is None:
     return loss_fn
   axes = plan.batch_axes
 
-  def local(params, scales, batch):
-    return lax.pmean(loss_fn(params, scales, batch), axes)
+  def f(params, scales, batch, *extras):
+    local = lambda *a: lax.pmean(loss_fn(*a), axes)
+    return _per_device(local, plan, len(extras), P())(params, scales, batch, *extras)
 
-  return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.specs(), P(), plan.batch_spec()), out_specs=P())
+  return f
 
 
 def _constrain(tree, plan: FsdpPlan):
@@ -84,7 +94,7 @@ def init_optimizer(optimizer: optax.GradientTransformation, params, plan: FsdpPl
 
 
 def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: FsdpPlan, donate: bool = True):
-  """A jitted ``step(params, opt_state, scales, batch) -> (params, opt_state, scales, loss)``.
+  """A jitted ``step(params, opt_state, scales, batch, *extras) -> (params, opt_state, scales, loss)``.
 
   ``scales`` are this step's (``precompute_scales(params, plan)`` before the first step);
   the step returns the next step's, computed after the update in one collective.
@@ -92,8 +102,8 @@ def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: F
   """
   grad_fn = value_and_grad(loss_fn, plan)
 
-  def step(params, opt_state, scales: Scales, batch):
-    loss, grads = grad_fn(params, scales, batch)
+  def step(params, opt_state, scales: Scales, batch, *extras):
+    loss, grads = grad_fn(params, scales, batch, *extras)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = _constrain(optax.apply_updates(params, updates), plan)
     return params, opt_state, precompute_scales(params, plan), loss
