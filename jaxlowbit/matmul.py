@@ -38,16 +38,18 @@ from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_
 from pallas_kernels import dispatch  # module import: pallas_kernels imports jaxlowbit's numerics
 
 # How each operand of each matmul is quantized (see the table in the module docstring).
-_INT8_ROWS = QuantSpec("int8")
-_E4M3_ROWS_POW2 = QuantSpec("float8_e4m3fn", power_of_two=True)
-_E4M3_TENSOR = QuantSpec("float8_e4m3fn", per_tensor=True)
-_E5M2_TENSOR = QuantSpec("float8_e5m2", per_tensor=True)
-_BITNET_ACTIVATIONS = QuantSpec("int8", eps=ternary.ACTIVATION_EPS)
-_TERNARY = QuantSpec("int8", per_tensor=True, ternary=True)
+# These specs and the helpers below are public because jaxlowbit.fsdp runs the same recipes
+# on gathered weights; keep the two in step by sharing them, not by copying.
+INT8_ROWS = QuantSpec("int8")
+E4M3_ROWS_POW2 = QuantSpec("float8_e4m3fn", power_of_two=True)
+E4M3_TENSOR = QuantSpec("float8_e4m3fn", per_tensor=True)
+E5M2_TENSOR = QuantSpec("float8_e5m2", per_tensor=True)
+BITNET_ACTIVATIONS = QuantSpec("int8", eps=ternary.ACTIVATION_EPS)
+TERNARY = QuantSpec("int8", per_tensor=True, ternary=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class OperandPlan:
   """(left, right) operand specs of each matmul; None runs that matmul in high precision."""
 
   output: tuple[QuantSpec, QuantSpec] | None
@@ -55,26 +57,26 @@ class _Plan:
   grad_weight: tuple[QuantSpec, QuantSpec] | None
 
 
-def _plan(recipe: Int8MixedPrecision | Float8) -> _Plan:
+def operand_plan(recipe: Int8MixedPrecision | Float8) -> OperandPlan:
   if isinstance(recipe, Int8MixedPrecision):
-    pair = (_INT8_ROWS, _INT8_ROWS)
-    return _Plan(
+    pair = (INT8_ROWS, INT8_ROWS)
+    return OperandPlan(
         output=pair if recipe.output else None,
         grad_input=pair if recipe.grad_input else None,
         grad_weight=pair if recipe.grad_weight else None,
     )
   if recipe.rowwise:
-    pair = (_E4M3_ROWS_POW2, _E4M3_ROWS_POW2)
-    return _Plan(pair, pair, pair if recipe.grad_weight else None)
+    pair = (E4M3_ROWS_POW2, E4M3_ROWS_POW2)
+    return OperandPlan(pair, pair, pair if recipe.grad_weight else None)
   # tensorwise: activations and weights e4m3, gradients e5m2 (more range, less precision).
-  return _Plan(
-      output=(_E4M3_TENSOR, _E4M3_TENSOR),
-      grad_input=(_E5M2_TENSOR, _E4M3_TENSOR),
-      grad_weight=(_E4M3_TENSOR, _E5M2_TENSOR),
+  return OperandPlan(
+      output=(E4M3_TENSOR, E4M3_TENSOR),
+      grad_input=(E5M2_TENSOR, E4M3_TENSOR),
+      grad_weight=(E4M3_TENSOR, E5M2_TENSOR),
   )
 
 
-def _hp_dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+def hp_dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
   """High-precision ``a @ b`` with float32 accumulation, computed in ``a``'s dtype."""
   return jnp.matmul(a, b.astype(a.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
@@ -88,7 +90,7 @@ def _scaled_linear(x: jax.Array, w: jax.Array, recipe: Int8MixedPrecision | Floa
   return _scaled_linear_fwd(x, w, recipe)[0]
 
 
-def _rows_and_cols_t(t: jax.Array, rows_spec: QuantSpec | None, cols_spec: QuantSpec | None):
+def rows_and_cols_t(t: jax.Array, rows_spec: QuantSpec | None, cols_spec: QuantSpec | None):
   """``t`` quantized per row and/or per column (transposed), from one fused pass when both."""
   if rows_spec is not None and rows_spec == cols_spec:
     return dispatch.quantize_rows_and_cols_t(t, rows_spec)
@@ -98,37 +100,37 @@ def _rows_and_cols_t(t: jax.Array, rows_spec: QuantSpec | None, cols_spec: Quant
 
 
 def _scaled_linear_fwd(x, w, recipe):
-  plan = _plan(recipe)
+  plan = operand_plan(recipe)
   # x per token for the forward and, for grad_weight, per input feature (transposed).
-  x_rows, x_cols_t = _rows_and_cols_t(
+  x_rows, x_cols_t = rows_and_cols_t(
       x, plan.output[0] if plan.output else None, plan.grad_weight[0] if plan.grad_weight else None
   )
   if plan.output:
     qwt, swt = dispatch.quantize_cols_t(w, plan.output[1])  # W^T [N, K], per output channel
     y = dispatch.scaled_matmul(*x_rows, qwt, swt, x.dtype)
   else:
-    y = _hp_dot(x, w, x.dtype)
+    y = hp_dot(x, w, x.dtype)
   # Keep only x's quantized transpose when grad_weight is low-bit.
   return y, (x_cols_t if plan.grad_weight else x, w)
 
 
 def _scaled_linear_bwd(recipe, residuals, g):
   saved_x, w = residuals
-  plan = _plan(recipe)
+  plan = operand_plan(recipe)
   # g per token for grad_input and, for grad_weight, per output feature (transposed).
-  g_rows, g_cols_t = _rows_and_cols_t(
+  g_rows, g_cols_t = rows_and_cols_t(
       g, plan.grad_input[0] if plan.grad_input else None, plan.grad_weight[1] if plan.grad_weight else None
   )
   if plan.grad_input:
     qw, sw = dispatch.quantize_rows(w, plan.grad_input[1])  # W [K, N], per input channel
     dx = dispatch.scaled_matmul(*g_rows, qw, sw, g.dtype)
   else:
-    dx = _hp_dot(g, w.T, g.dtype)
+    dx = hp_dot(g, w.T, g.dtype)
   if plan.grad_weight:
     qxt, sxt = saved_x  # x^T [K, M], per input feature
     dw = dispatch.scaled_matmul(qxt, sxt, *g_cols_t, w.dtype)
   else:
-    dw = _hp_dot(saved_x.T, g, w.dtype)
+    dw = hp_dot(saved_x.T, g, w.dtype)
   return dx, dw
 
 
@@ -146,8 +148,8 @@ def _bitnet_linear(x: jax.Array, w: jax.Array, recipe: BitNet) -> jax.Array:
 
 def _bitnet_linear_fwd(x, w, recipe):
   del recipe
-  xq, sx = dispatch.quantize_rows(x, _BITNET_ACTIVATIONS)
-  wqt, s = dispatch.quantize_cols_t(w, _TERNARY)  # Wq^T [N, K], one scale
+  xq, sx = dispatch.quantize_rows(x, BITNET_ACTIVATIONS)
+  wqt, s = dispatch.quantize_cols_t(w, TERNARY)  # Wq^T [N, K], one scale
   y = dispatch.scaled_matmul(xq, sx, wqt, s, x.dtype)
   # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
   return y, (xq, sx, w)
@@ -155,23 +157,23 @@ def _bitnet_linear_fwd(x, w, recipe):
 
 def _bitnet_linear_bwd(recipe, residuals, g):
   xq, sx, w = residuals
-  wq, s = dispatch.quantize_rows(w, _TERNARY)
+  wq, s = dispatch.quantize_rows(w, TERNARY)
   if recipe.grad_input:
-    gq, sg = dispatch.quantize_rows(g, _INT8_ROWS)
+    gq, sg = dispatch.quantize_rows(g, INT8_ROWS)
     dx = dispatch.scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
   else:
     w_fake = (wq.astype(jnp.float32) * s).astype(g.dtype)  # weight-sized: cheap
-    dx = _hp_dot(g, w_fake.T, g.dtype)
+    dx = hp_dot(g, w_fake.T, g.dtype)
   # Both forms below run in g's dtype (bf16 in training): the straight-through reference's
   # fake-quantized x, and sx * g, are exact enough there and an f32 GEMM would be ~3x slower.
   if recipe.grad_weight:
     # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
     scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
-    qgt, sgt = dispatch.quantize_cols_t(scaled_g, _INT8_ROWS)
+    qgt, sgt = dispatch.quantize_cols_t(scaled_g, INT8_ROWS)
     dw = dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, w.dtype)
   else:
     x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
-    dw = _hp_dot(x_fake.T, g, w.dtype)
+    dw = hp_dot(x_fake.T, g, w.dtype)
   return dx, dw
 
 
@@ -209,7 +211,7 @@ def _vma(a: jax.Array) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))
 
 
-def _match_varying_axes(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+def match_varying_axes(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Inside ``shard_map``, mark both operands varying over the union of their mesh axes.
 
   A custom_vjp must return cotangents of its inputs' exact type. When x varies over
@@ -248,7 +250,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | None = None) -
   check_linear_operands(x, w, "quantized_matmul")
   if recipe is None:
     return jnp.matmul(x, w.astype(x.dtype))
-  x, w = _match_varying_axes(x, w)
+  x, w = match_varying_axes(x, w)
   batch_shape, k = x.shape[:-1], x.shape[-1]
   x2 = x.reshape(math.prod(batch_shape), k)
   if isinstance(recipe, BitNet):

@@ -61,7 +61,7 @@ from jaxlowbit import ternary
 from jaxlowbit.fsdp import wire
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.scaling import Reduction, WeightScaling, weight_scaling
-from jaxlowbit.matmul import _BITNET_ACTIVATIONS, _INT8_ROWS, _hp_dot, _match_varying_axes, _plan, _rows_and_cols_t
+from jaxlowbit.matmul import BITNET_ACTIVATIONS, INT8_ROWS, hp_dot, match_varying_axes, operand_plan, rows_and_cols_t
 from jaxlowbit.recipes import BitNet, Recipe, check_recipe
 from pallas_kernels import dispatch
 
@@ -153,18 +153,18 @@ def _forward(x: jax.Array, w: jax.Array, d, layout: _Layout):
   """``(y, what grad_weight keeps of x)``, as ``quantized_matmul``'s forward computes them."""
   recipe = layout.recipe
   if isinstance(recipe, BitNet):
-    xq, sx = dispatch.quantize_rows(x, _BITNET_ACTIVATIONS)
+    xq, sx = dispatch.quantize_rows(x, BITNET_ACTIVATIONS)
     # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
     return dispatch.scaled_matmul(xq, sx, w.T, d, x.dtype), (xq, sx)
-  plan = _plan(recipe) if recipe is not None else None
+  plan = operand_plan(recipe) if recipe is not None else None
   if plan is None or not layout.scaling.quantized:  # W arrived in the compute dtype
-    y = _hp_dot(x, w, x.dtype)
+    y = hp_dot(x, w, x.dtype)
     x_rows, x_cols_t = None, None
     if plan and plan.grad_weight:
       x_cols_t = dispatch.quantize_cols_t(x, plan.grad_weight[0])
   else:
     # x per token for the forward and, for grad_weight, per input feature (transposed).
-    x_rows, x_cols_t = _rows_and_cols_t(x, plan.output[0], plan.grad_weight[0] if plan.grad_weight else None)
+    x_rows, x_cols_t = rows_and_cols_t(x, plan.output[0], plan.grad_weight[0] if plan.grad_weight else None)
     y = dispatch.scaled_matmul(*x_rows, w.T, d, x.dtype)
   return y, (x_cols_t if plan and plan.grad_weight else x)
 
@@ -172,15 +172,15 @@ def _forward(x: jax.Array, w: jax.Array, d, layout: _Layout):
 def _grad_input(g: jax.Array, g_rows, w: jax.Array, d, layout: _Layout) -> jax.Array:
   recipe, scaling = layout.recipe, layout.scaling
   if recipe is None:
-    return _hp_dot(g, w.T, g.dtype)
+    return hp_dot(g, w.T, g.dtype)
   if isinstance(recipe, BitNet):
     if recipe.grad_input:
-      return dispatch.scaled_matmul(*dispatch.quantize_rows(g, _INT8_ROWS), w, d, g.dtype)  # Wq is exact in int8
+      return dispatch.scaled_matmul(*dispatch.quantize_rows(g, INT8_ROWS), w, d, g.dtype)  # Wq is exact in int8
     w_fake = (w.astype(jnp.float32) * d).astype(g.dtype)  # weight-sized: cheap
-    return _hp_dot(g, w_fake.T, g.dtype)
-  plan = _plan(recipe)
+    return hp_dot(g, w_fake.T, g.dtype)
+  plan = operand_plan(recipe)
   if not plan.grad_input:
-    return _hp_dot(g, (_dequantize(w, d) if scaling.quantized else w).T, g.dtype)
+    return hp_dot(g, (_dequantize(w, d) if scaling.quantized else w).T, g.dtype)
   if not scaling.quantized:  # INT8 with a high-precision forward: W arrived in the compute dtype
     right = dispatch.quantize_rows(w, plan.grad_input[1])
   elif scaling in (WeightScaling.INT8_TENSOR, WeightScaling.FP8_TENSOR):
@@ -198,14 +198,14 @@ def _grad_weight(saved_x, g: jax.Array, g_cols_t, layout: _Layout) -> jax.Array:
     if recipe.grad_weight:
       # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
       scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
-      qgt, sgt = dispatch.quantize_cols_t(scaled_g, _INT8_ROWS)
+      qgt, sgt = dispatch.quantize_cols_t(scaled_g, INT8_ROWS)
       return dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, dtype)
     x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
-    return _hp_dot(x_fake.T, g, dtype)
+    return hp_dot(x_fake.T, g, dtype)
   if g_cols_t is not None:
     qxt, sxt = saved_x  # x^T [K, M], per input feature
     return dispatch.scaled_matmul(qxt, sxt, *g_cols_t, dtype)
-  return _hp_dot(saved_x.T, g, dtype)
+  return hp_dot(saved_x.T, g, dtype)
 
 
 def _gradient_quantizations(g: jax.Array, layout: _Layout):
@@ -213,8 +213,8 @@ def _gradient_quantizations(g: jax.Array, layout: _Layout):
   recipe = layout.recipe
   if recipe is None or isinstance(recipe, BitNet):
     return None, None
-  plan = _plan(recipe)
-  return _rows_and_cols_t(
+  plan = operand_plan(recipe)
+  return rows_and_cols_t(
       g, plan.grad_input[0] if plan.grad_input else None, plan.grad_weight[1] if plan.grad_weight else None
   )
 
@@ -342,7 +342,7 @@ def fsdp_linear(
       pack_axis=ternary_pack_axis(tuple(w.shape)) if scaling is WeightScaling.TERNARY else None,
       regather=config.remat == "regather",
   )
-  x, w = _match_varying_axes(x, w)
+  x, w = match_varying_axes(x, w)
   batch_shape = x.shape[:-1]
   y = _gathered_linear(x.reshape(math.prod(batch_shape), k), w, scale, layout)
   return y.reshape(*batch_shape, w.shape[1])
