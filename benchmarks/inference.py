@@ -80,41 +80,53 @@ class Backend:
       os.environ[BACKEND_ENV] = self.saved
 
 
-def bench_linears(shapes, ms, variants, iters: int, reps: int) -> list[dict]:
+def chain(fn):
+  """``run(xs, ws) = [fn(x, w) for x, w in zip(xs, ws)]`` jitted: ``len(ws)`` distinct layers per call, so the
+  device runs them back to back (no host dispatch between layers, as in a model) and the weights, together
+  larger than L2, stream from HBM as they would in decode."""
+  return jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
+
+
+def bench_linears(shapes, ms, variants, iters: int, reps: int, layers: int) -> list[dict]:
+  """Per (K, N), M and variant: microseconds per linear, averaged over a chain of ``layers`` distinct weights."""
   rows = []
   for k, n in shapes:
     kw, kx = jax.random.split(jax.random.key(k * 31 + n))
-    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k))
-    weights = {"bf16": w.astype(jnp.bfloat16)}
-    for scheme in inference.SCHEMES:
-      weights[scheme] = jax.jit(inference.quantize_weight, static_argnums=1)(w, scheme)
-    del w
-    mem = {name: inference.weight_bytes(v) for name, v in weights.items()}
+    weights = {name: [] for name in ("bf16", *inference.SCHEMES)}
+    convert = jax.jit(inference.quantize_weight, static_argnums=1)
+    for i in range(layers):
+      w = jax.random.normal(jax.random.fold_in(kw, i), (k, n), jnp.float32) / np.sqrt(k)
+      weights["bf16"].append(w.astype(jnp.bfloat16))
+      for scheme in inference.SCHEMES:
+        weights[scheme].append(convert(w, scheme))
+      del w
+    mem = {name: inference.weight_bytes(v[0]) for name, v in weights.items()}
     for m in ms:
-      x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.float32).astype(jnp.bfloat16)
-      base_ms, xla_out = None, {}
+      xs = [jax.random.normal(jax.random.fold_in(kx, m * 1000 + i), (m, k), jnp.float32).astype(jnp.bfloat16)
+            for i in range(layers)]
+      base_us, xla_out = None, {}
       for variant in variants:
         scheme, backend = VARIANTS[variant]
+        ws = weights[scheme or "bf16"]
         row = {"k": k, "n": n, "m": m, "variant": variant, "weight_mib": mem[scheme or "bf16"] / 2**20}
         try:
+          fn = (lambda x, w: x @ w) if scheme is None else (lambda x, w, s=scheme: inference.quantized_linear(x, w, s))
           with Backend(backend):
-            fn = jax.jit(lambda x, v, s=scheme: x @ v if s is None else inference.quantized_linear(x, v, s))
-            compiled = fn.lower(x, weights[scheme or "bf16"]).compile()
-          out = compiled(x, weights[scheme or "bf16"])
+            compiled = chain(fn).lower(xs, ws).compile()
+          out = compiled(xs, ws)[0]
           if scheme is not None:
             if scheme not in xla_out:
               with Backend("xla"):
-                xla_out[scheme] = jax.jit(lambda x, v, s=scheme: inference.quantized_linear(x, v, s))(
-                    x, weights[scheme])
+                xla_out[scheme] = jax.jit(fn)(xs[0], ws[0])
             row["rel_err_vs_xla"] = rel_err(out, xla_out[scheme])
             row["ok"] = row["rel_err_vs_xla"] <= CHECK_REL_ERR[scheme]
-          ms_ = time_ms(compiled, x, weights[scheme or "bf16"], iters=iters, reps=reps)
-          row.update(ms=ms_, us=ms_ * 1e3)
+          us = time_ms(compiled, xs, ws, iters=iters, reps=reps) * 1e3 / layers
+          row["us"] = us
           if variant == "bf16":
-            base_ms = ms_
-          if base_ms:
-            row["speedup"] = base_ms / ms_
-          row["weight_gbps"] = mem[scheme or "bf16"] / (ms_ * 1e-3) / 1e9
+            base_us = us
+          if base_us:
+            row["speedup"] = base_us / us
+          row["weight_gbps"] = mem[scheme or "bf16"] / (us * 1e-6) / 1e9
         except Exception as e:  # keep going: one failing variant must not lose the run
           row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
           traceback.print_exc()
@@ -123,7 +135,68 @@ def bench_linears(shapes, ms, variants, iters: int, reps: int) -> list[dict]:
   return rows
 
 
-def bench_decode(config_files, schemes, batch: int, prompt_len: int, new_tokens: int, reps: int) -> list[dict]:
+# Kernel tilings tried by --sweep at M = 1 (decode pads rows to 16, so M <= 16 runs the same tiles):
+# (block_n, block_k, split_k); split_k None = the automatic split. block_k counts weight bytes.
+SWEEP = {
+    "w8a16": [(16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1), (16, 256, None), (32, 256, None),
+              (64, 256, None), (128, 128, None)],
+    "a8w8": [(32, 256, 1), (32, 512, 1), (64, 256, 1), (64, 256, None), (128, 128, None)],
+    "a8w2": [(16, 128, 1), (32, 128, 1), (64, 64, 1), (32, 64, None), (64, 128, None), (128, 64, None),
+             (128, 32, None)],
+}
+
+
+def bench_kernel_sweep(shapes, iters: int, reps: int, layers: int) -> list[dict]:
+  """The Pallas kernels alone at M = 1 for each tiling in :data:`SWEEP` (chained like the linears)."""
+  from pallas_kernels import int8_gemv, w8a16
+
+  rows = []
+  for k, n in shapes:
+    key = jax.random.key(k + n)
+    x = [jax.random.normal(jax.random.fold_in(key, i), (1, k)).astype(jnp.bfloat16) for i in range(layers)]
+    xq = [jnp.ones((1, k), jnp.int8) for _ in range(layers)]
+    sx = jnp.ones((1, 1), jnp.float32)
+    wq = [jax.random.randint(jax.random.fold_in(key, 100 + i), (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+          for i in range(layers)]
+    wp = [w[:, : k // 4] for w in wq]
+    sw = jnp.ones((n,), jnp.float32)
+    for kernel, grid in SWEEP.items():
+      for block_n, block_k, split in grid:
+        row = {"k": k, "n": n, "kernel": kernel, "block_n": block_n, "block_k": block_k}
+        try:
+          if kernel == "w8a16":
+            auto = w8a16.config_for(1, n, k)
+            config = dataclasses.replace(auto, block_n=block_n, block_k=block_k, split_k=1)
+            if split is None:
+              config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k, block_k,
+                                                                                 w8a16.num_sms()))
+            fn = chain(lambda a, w, c=config: w8a16.w8a16_matmul_kernel(a, w, sw, config=c))
+            args, nbytes = (x, wq), n * k
+          else:
+            packed = kernel == "a8w2"
+            k_bytes = k // 4 if packed else k
+            base = int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE
+            config = dataclasses.replace(int8_gemv.config_for(1, n, k_bytes, base), block_n=block_n, block_k=block_k,
+                                         split_k=1)
+            if split is None:
+              config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k_bytes, block_k,
+                                                                                 w8a16.num_sms()))
+            call = int8_gemv.a8w2_matmul_kernel if packed else int8_gemv.a8w8_matmul_kernel
+            fn = chain(lambda a, w, c=config, f=call: f(a, sx, w, sw, config=c))
+            args, nbytes = (xq, wp if packed else wq), n * k_bytes
+          row["split_k"] = config.split_k
+          compiled = fn.lower(*args).compile()
+          us = time_ms(compiled, *args, iters=iters, reps=reps) * 1e3 / layers
+          row.update(us=us, weight_gbps=nbytes / (us * 1e-6) / 1e9)
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+  return rows
+
+
+def bench_decode(config_files, schemes, batch: int, prompt_len: int, new_tokens: int, reps: int,
+                 scan_layers: bool = False) -> list[dict]:
   from train import config as train_config
   from train.generate import init_cache, make_generator, prepare
   from train.model import Transformer
@@ -131,13 +204,14 @@ def bench_decode(config_files, schemes, batch: int, prompt_len: int, new_tokens:
   rows = []
   for scheme in schemes:
     path = config_files[1] if scheme == "ternary" else config_files[0]
-    row = {"config": path, "scheme": scheme, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
+    row = {"config": path, "scheme": scheme, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
+           "scan_layers": scan_layers}
     try:
       config = train_config.load_file(path)
       model_config = train_config.model_config(config)
       start = time.perf_counter()
       params = jax.jit(Transformer(model_config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-      model, params = prepare(model_config, params, scheme)
+      model, params = prepare(model_config, params, scheme, scan_layers=scan_layers)
       row["params_gib"] = inference.weight_bytes(params) / 2**30
       gen = make_generator(model, new_tokens)
       prompt = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, 256)
@@ -176,7 +250,7 @@ def summary(rows: list[dict]) -> list[dict]:
     for m in sorted({r["m"] for r in rows if (r["k"], r["n"]) == (k, n)}):
       cell = {"k": k, "n": n, "m": m}
       for r in rows:
-        if (r["k"], r["n"], r["m"]) == (k, n, m) and "ms" in r:
+        if (r["k"], r["n"], r["m"]) == (k, n, m) and "us" in r:
           cell[f"{r['variant']}_us"] = r["us"]
           if r["variant"] in ("w8a16", "w8a8", "ternary"):
             cell[f"{r['variant']}_x"] = r.get("speedup")
@@ -221,7 +295,10 @@ def main(argv=None):
   parser.add_argument("--shapes", nargs="*", default=[f"{k},{n}" for k, n in SHAPES], help="K,N")
   parser.add_argument("--m", type=int, nargs="*", default=list(MS))
   parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--layers", type=int, default=8, help="distinct weights chained in one call (> L2 in total)")
+  parser.add_argument("--sweep", action="store_true", help="also time the kernels' tilings at M = 1")
+  parser.add_argument("--decode-scan", action="store_true", help="decode with nn.scan over layers (default: unrolled)")
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS), help="'' or none to skip")
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
@@ -236,25 +313,29 @@ def main(argv=None):
 
   shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
   start = time.perf_counter()
-  linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.reps)
+  linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.reps, args.layers)
+  sweep_rows = bench_kernel_sweep(shapes, args.iters, args.reps, args.layers) if args.sweep else []
   decode_rows = []
   if not args.skip_decode:
     decode_rows = bench_decode(DECODE_CONFIGS[args.decode_config], args.decode_schemes, args.decode_batch,
-                               args.prompt_len, args.new_tokens, args.reps)
+                               args.prompt_len, args.new_tokens, args.reps, args.decode_scan)
   memory = [{"k": k, "n": n, **{s: r["weight_mib"] for s in ("bf16", *inference.SCHEMES)
                                 for r in linear_rows if (r["k"], r["n"]) == (k, n) and r["variant"] == s}}
             for k, n in shapes]
   cells = summary(linear_rows)
-  path = write_json("inference", linear_rows, args.out, decode=decode_rows, memory=memory, summary=cells,
+  path = write_json("inference", linear_rows, args.out, decode=decode_rows, memory=memory, summary=cells, sweep=sweep_rows,
                     seconds=time.perf_counter() - start)
   png = plot(linear_rows, os.path.splitext(path)[0] + ".png")
 
   failed = [r for r in linear_rows if "error" in r or r.get("ok") is False]
   print("\nweight memory of one linear (MiB):")
   print(table(memory, ["k", "n", "bf16", "w8a16", "w8a8", "ternary"]))
+  if sweep_rows:
+    print("\nkernel tilings at M = 1:")
+    print(table(sweep_rows, ["k", "n", "kernel", "block_n", "block_k", "split_k", "us", "weight_gbps", "error"]))
   if decode_rows:
     print("\ndecode (random weights):")
-    print(table(decode_rows, ["config", "scheme", "batch", "params_gib", "decode_ms_per_token", "tokens_per_s",
+    print(table(decode_rows, ["config", "scheme", "batch", "scan_layers", "params_gib", "decode_ms_per_token", "tokens_per_s",
                               "speedup", "error"]))
   if failed:
     print(f"\n{len(failed)} linear rows failed or disagreed with XLA:")

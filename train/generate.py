@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from jaxlowbit import inference
 from train import checkpoint, data
@@ -96,21 +97,37 @@ def cast_floating(tree: Any, dtype) -> Any:
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def prepare(model_config: ModelConfig, params: Any, scheme: str, filter_fqns=inference.params.DEFAULT_FILTER_FQNS):
+def unstack_layers(params: Any, n_layers: int) -> Any:
+  """Scanned parameters (``layers`` with a leading ``[n_layers]`` axis) as ``layers_0`` ... ``layers_{n-1}``."""
+  if "layers" not in params:
+    return params
+  out = {name: value for name, value in params.items() if name != "layers"}
+  for i in range(n_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+  return out
+
+
+def prepare(model_config: ModelConfig, params: Any, scheme: str, filter_fqns=inference.params.DEFAULT_FILTER_FQNS,
+            scan_layers: bool = False):
   """``(decode-mode model, inference params)`` for ``scheme``; the input params may be donated.
 
   The converted linears' int8/packed leaves replace their kernels; every floating leaf left
   (embedding, norms, LM head) is cast to the compute dtype once, as the bf16 baseline's are.
+  With ``scan_layers=False`` (the default) the layers are unrolled: each one's weights are
+  their own buffers, where a scan would slice them out of the stacked arrays every step (XLA
+  copies such a slice before a library or Pallas GEMM: a second pass over every weight).
   """
   if scheme not in SCHEMES:
     raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-  model = Transformer(model_config, decode=True)
   if scheme != "bf16":
     params = inference.quantize_params(params, scheme, filter_fqns=filter_fqns)
+  if model_config.scan_layers and not scan_layers:
+    params = unstack_layers(params, model_config.n_layers)
+    model_config = dataclasses.replace(model_config, scan_layers=False)
+  model = Transformer(model_config, decode=True)
+  if scheme != "bf16":
     model = inference.convert_for_inference(model, scheme)
   keep_f32 = {inference.weights.KERNEL_SCALE, inference.weights.SMOOTH}
-  from flax import traverse_util
-
   flat = traverse_util.flatten_dict(params)
   flat = {p: v if p[-1] in keep_f32 else cast_floating(v, model_config.dtype) for p, v in flat.items()}
   return model, traverse_util.unflatten_dict(flat)
@@ -234,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--batch_size", type=int, default=1, help="copies of the prompt decoded together")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  parser.add_argument("--scan_layers", action="store_true",
+                      help="keep nn.scan over the layers (default: unrolled, faster decode on GPU)")
   parser.add_argument("--filter_fqns", default="lm_head",
                       help="comma-separated layer paths kept high precision (default: lm_head)")
   return parser.parse_args(argv)
@@ -250,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print(note, file=sys.stderr)
   linear_bytes = inference.weight_bytes(params)
   filter_fqns = tuple(f.strip() for f in args.filter_fqns.split(",") if f.strip())
-  model, params = prepare(model_config, params, args.scheme, filter_fqns)
+  model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers)
   prompt = np.tile(np.concatenate([[data.BOS_ID], data.encode(args.prompt)]).astype(np.int32), (args.batch_size, 1))
   result = generate(model, params, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
   print(args.prompt + data.decode(until_eos(result.tokens[0])))
