@@ -64,12 +64,19 @@ def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
 
 
 @needs_sm80
-@pytest.mark.parametrize("m", [1, 16, 256])
-def test_dispatch_takes_the_kernels_at_decode_sizes(m):
-  leaves = inference.quantize_weight(jax.random.normal(fresh_key(), (2048, 1024)), "w8a16")
-  x = jnp.ones((m, 2048), jnp.bfloat16)
-  hlo = jax.jit(lambda x: inference.quantized_linear(x, leaves, "w8a16")).lower(x).as_text()
-  assert ("jaxlowbit_w8a16_matmul" in hlo) == (m <= 64)
+@pytest.mark.parametrize("m", [1, 4, 16, 48, 256])
+def test_dispatch_takes_the_kernels_where_the_table_says(m):
+  from pallas_kernels import inference_dispatch as d
+
+  for scheme, name, takes in (
+      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in d.W8A16_KERNEL_M)),
+      ("ternary", "jaxlowbit_a8w2_matmul", m <= d.TERNARY_KERNEL_MAX_M),
+      ("w8a8", "jaxlowbit_a8w8_matmul", m <= d.W8A8_KERNEL_MAX_M),
+  ):
+    leaves = inference.quantize_weight(jax.random.normal(fresh_key(), (2048, 1024)), scheme)
+    x = jnp.ones((m, 2048), jnp.bfloat16)
+    hlo = jax.jit(lambda x: inference.quantized_linear(x, leaves, scheme)).lower(x).as_text()
+    assert (name in hlo) == takes, (scheme, m)
 
 
 @needs_sm80
