@@ -323,8 +323,8 @@ def main(argv=None):
                                 for r in linear_rows if (r["k"], r["n"]) == (k, n) and r["variant"] == s}}
             for k, n in shapes]
   cells = summary(linear_rows)
-  path = write_json("inference", linear_rows, args.out, decode=decode_rows, memory=memory, summary=cells, sweep=sweep_rows,
-                    seconds=time.perf_counter() - start)
+  path = write_json("inference", linear_rows, args.out, decode=decode_rows, memory=memory, summary=cells,
+                    sweep=sweep_rows, seconds=time.perf_counter() - start)
   png = plot(linear_rows, os.path.splitext(path)[0] + ".png")
 
   failed = [r for r in linear_rows if "error" in r or r.get("ok") is False]
@@ -335,8 +335,8 @@ def main(argv=None):
     print(table(sweep_rows, ["k", "n", "kernel", "block_n", "block_k", "split_k", "us", "weight_gbps", "error"]))
   if decode_rows:
     print("\ndecode (random weights):")
-    print(table(decode_rows, ["config", "scheme", "batch", "scan_layers", "params_gib", "decode_ms_per_token", "tokens_per_s",
-                              "speedup", "error"]))
+    print(table(decode_rows, ["config", "scheme", "batch", "scan_layers", "params_gib", "decode_ms_per_token",
+                              "tokens_per_s", "speedup", "error"]))
   if failed:
     print(f"\n{len(failed)} linear rows failed or disagreed with XLA:")
     print(table(failed, ["k", "n", "m", "variant", "rel_err_vs_xla", "error"]))

@@ -114,7 +114,8 @@ def test_gemv_configs_fill_the_gpu():
 def test_dispatch_errors_and_reference_on_cpu(monkeypatch):
   x = jnp.ones((2, 64), jnp.bfloat16)
   wq, scale = jnp.ones((32, 64), jnp.int8), jnp.ones((32,), jnp.float32)
-  np.testing.assert_array_equal(inference_dispatch.w8a16_matmul(x, wq, scale), w8a16.w8a16_matmul_reference(x, wq, scale))
+  np.testing.assert_array_equal(inference_dispatch.w8a16_matmul(x, wq, scale),
+                                w8a16.w8a16_matmul_reference(x, wq, scale))
   monkeypatch.setenv("JAXLOWBIT_BACKEND", "pallas")
   with pytest.raises(NotImplementedError, match="sm80"):
     inference_dispatch.w8a16_matmul(x, wq, scale)

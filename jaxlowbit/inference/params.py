@@ -39,7 +39,10 @@ PARAMS_COLLECTION = "params"
 
 
 def path_fqn(path: Sequence[str]) -> str:
-  """Module path of a flattened parameter path: ``("params", "layers", "mlp", "down", "kernel")`` -> ``"layers.mlp.down"``."""
+  """Module path of a flattened parameter path.
+
+  ``("params", "layers", "mlp", "down", "kernel")`` -> ``"layers.mlp.down"``.
+  """
   keys = [str(p) for p in path[:-1]]
   if keys and keys[0] == PARAMS_COLLECTION:
     keys = keys[1:]
