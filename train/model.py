@@ -271,9 +271,10 @@ def projection(config: ModelConfig, x: jax.Array, path: str, features: int, std:
 
 
 class Attention(nn.Module):
-  """Grouped-query causal self-attention with RoPE."""
+  """Grouped-query causal self-attention with RoPE (``decode``: keys and values from a KV cache)."""
 
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -291,8 +292,38 @@ class Attention(nn.Module):
     q = rope(q.reshape(b, t, c.n_heads, hd), positions, c.rope_theta)
     k = rope(k.reshape(b, t, c.n_kv_heads, hd), positions, c.rope_theta)
     v = v.reshape(b, t, c.n_kv_heads, hd)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
+    mask = None
+    if self.decode:  # the mask is None while initializing (that allocates the cache)
+      k, v, mask = kv_cache_update(self, k, v, positions)
+    if mask is None:
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
+    else:
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
     return projection(c, out.reshape(b, t, q_dim), "layers.attn.out", c.d_model, _residual_std(c))
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (decode mode, used by train/generate.py). The cache is the "cache" collection:
+# ``key``/``value`` ``[B, max_len, n_kv_heads, head_dim]`` per layer (stacked ``[n_layers, ...]``
+# under nn.scan) and ``index`` (tokens written so far) on the Transformer. Its size is the
+# token length the decode-mode model is initialized with.
+
+
+def kv_cache_update(module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array):
+  """Write ``k``, ``v`` ``[B, T, kv_heads, head_dim]`` at ``positions [T]`` into the cache of ``module``.
+
+  Returns ``(keys, values, mask)``: the whole cache ``[B, S, kv_heads, head_dim]`` and a bool
+  mask ``[1, 1, T, S]`` letting query ``t`` see cached positions ``<= positions[t]``.
+  """
+  cached_k = module.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
+  cached_v = module.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+  if module.is_initializing():
+    return k, v, None
+  start = positions[0]
+  cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, start, 0, 0))
+  cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, start, 0, 0))
+  mask = jnp.arange(cached_k.value.shape[1])[None, :] <= positions[:, None]
+  return cached_k.value, cached_v.value, mask[None, None]
 
 
 class Mlp(nn.Module):
@@ -320,20 +351,27 @@ class Block(nn.Module):
   """Pre-norm decoder block; ``(x, positions) -> (x, None)`` so it can be scanned."""
 
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
     c = self.config
     dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
-    x = x + dropout(Attention(c, name="attn")(rms_norm(c, "attn_norm")(x), positions))
+    x = x + dropout(Attention(c, self.decode, name="attn")(rms_norm(c, "attn_norm")(x), positions))
     x = x + dropout(Mlp(c, name="mlp")(rms_norm(c, "mlp_norm")(x)))
     return x, None
 
 
 class Transformer(nn.Module):
-  """The decoder: ``tokens [B, T] int32 -> logits [B, T, vocab_size] float32``."""
+  """The decoder: ``tokens [B, T] int32 -> logits [B, T, vocab_size] float32``.
+
+  ``decode=True`` runs incrementally from a KV cache (the ``"cache"`` collection, see
+  :func:`kv_cache_update`): initializing with ``[B, max_len]`` tokens sizes the cache, and each
+  apply with ``mutable=["cache"]`` appends its tokens at the positions after those already seen.
+  """
 
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -348,6 +386,11 @@ class Transformer(nn.Module):
     )
     x = embed(tokens)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    if self.decode:
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      if not self.is_initializing():
+        positions = positions + index.value
+        index.value = index.value + tokens.shape[1]
 
     block = Block
     policy = REMAT_POLICIES[c.remat_policy]
@@ -356,15 +399,15 @@ class Transformer(nn.Module):
     if c.scan_layers:
       stack = nn.scan(
           block,
-          variable_axes={"params": 0},
+          variable_axes={"params": 0, "cache": 0, "intermediates": 0},  # cache: decode; intermediates: sow
           split_rngs={"params": True, "dropout": True},
           in_axes=nn.broadcast,
           length=c.n_layers,
       )
-      x, _ = stack(c, name="layers")(x, positions)
+      x, _ = stack(c, self.decode, name="layers")(x, positions)
     else:
       for i in range(c.n_layers):
-        x, _ = block(c, name=f"layers_{i}")(x, positions)
+        x, _ = block(c, self.decode, name=f"layers_{i}")(x, positions)
 
     x = rms_norm(c, "final_norm")(x)
     if c.tie_embeddings:
@@ -377,6 +420,7 @@ class Transformer(nn.Module):
 __all__ = [
     "ModelConfig",
     "Transformer",
+    "kv_cache_update",
     "param_count",
     "projection_paths",
     "rope",

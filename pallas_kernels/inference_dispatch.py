@@ -1,0 +1,140 @@
+"""The one place that picks an implementation for the inference (weight-quantized) GEMMs.
+
+``jaxlowbit.inference`` sends every converted linear through one of three functions:
+
+- :func:`w8a16_matmul`  bf16 ``x [M, K]`` x int8 ``wq [N, K]`` (+ per-channel scale)
+- :func:`w8a8_matmul`   int8 ``xq [M, K]`` x int8 ``wq [N, K]`` (+ per-token and per-channel scales)
+- :func:`ternary_matmul` int8 ``xq [M, K]`` x packed 2-bit ``[N, K/4]`` (+ per-token scales, one weight scale)
+
+Implementations under ``auto``, by M (from the H200 sweep in ``benchmarks/results/inference_h200.json``;
+the constants below say which row decided what):
+
+============  ===========================================  ==========================================
+scheme        decode-sized M                               larger M
+============  ===========================================  ==========================================
+w8a16         ``pallas_kernels.w8a16`` (Triton, split-K)   XLA: its GEMM fusion converts int8 -> bf16
+              at M = 1 and 16..32; XLA at M = 2..15        on the fly (no bf16 weight in memory)
+w8a8          XLA int8 dot (ties the A8W8 kernel)          Hopper wgmma (``dispatch.scaled_matmul``)
+                                                           once the output fills the GPU, else XLA
+ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
+              weights unpacked in registers), M <= 32
+============  ===========================================  ==========================================
+
+Everywhere else (CPU, GPUs older than sm80, shapes a kernel does not tile) the XLA
+references run, with the same numerics. ``JAXLOWBIT_BACKEND`` (see ``dispatch``) applies:
+``xla`` forces the references, ``pallas`` forces the kernels for every M (the GEMV kernels,
+then wgmma for w8a8/ternary above ``*_KERNEL_MAX_M``) and raises a clear error where they
+cannot run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlowbit.ternary import unpack_2bit
+from pallas_kernels import dispatch
+from pallas_kernels.int8_gemv import A8W2_BASE, A8W8_BASE, check_a8w2, check_a8w8
+from pallas_kernels.int8_gemv import config_for as gemv_config_for
+from pallas_kernels.int8_gemv import supports as gemv_supports
+from pallas_kernels.reference import scaled_matmul_reference
+from pallas_kernels.w8a16 import ACTIVATION_DTYPES, check_operands, w8a16_matmul_reference
+from pallas_kernels.w8a16 import config_for as w8a16_config_for
+from pallas_kernels.w8a16 import supports as w8a16_supports
+
+# The Triton-backend kernels need int8/bf16 mma: Ampere (sm80) or newer.
+MIN_KERNEL_CAPABILITY = 8
+# Chained-layer timings on an H200 (us per linear, 4096x14336 / 14336x4096 weights, one run):
+# W8A16: kernel 28/30 vs XLA 35/31 at M=1; XLA 20-21 vs kernel 24-27 at M=2..8 (XLA's split-K GEMM
+# fusion); kernel 23-24 vs XLA 26-28 at M=16 and 26-30 vs 29-31 at M=32; XLA from M=64.
+W8A16_KERNEL_M = ((1, 1), (16, 32))  # inclusive M ranges that take the kernel
+# W8A8: XLA's int8 dot matched or beat the A8W8 kernel at every M <= 64 (22-31 vs 25-36 us), so
+# auto never takes it (JAXLOWBIT_BACKEND=pallas does).
+W8A8_KERNEL_MAX_M = 0
+# Under JAXLOWBIT_BACKEND=pallas the GEMV kernels take M up to this; wgmma takes larger M.
+GEMV_MAX_M = 64
+# Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
+TERNARY_KERNEL_MAX_M = 32
+# Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
+# M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
+WGMMA_TILE_M, WGMMA_TILE_N = 128, 256
+WGMMA_MIN_TILES = 64
+
+
+def _wgmma_fills_gpu(m: int, n: int) -> bool:
+  return (-(-m // WGMMA_TILE_M)) * (-(-n // WGMMA_TILE_N)) >= WGMMA_MIN_TILES
+
+
+def _in_ranges(m: int, ranges) -> bool:
+  return any(lo <= m <= hi for lo, hi in ranges)
+
+
+def _use_kernel(who: str, wanted: bool, fits: bool) -> bool:
+  """True to run the Pallas kernel, False for the reference; raises where a forced kernel cannot run."""
+  requested = dispatch.requested_backend()
+  if requested == "xla":
+    return False
+  major = dispatch.compute_capability()
+  if major is None or major < MIN_KERNEL_CAPABILITY:
+    if requested == "pallas":
+      where = "a CPU" if major is None else f"an sm{major}x GPU"
+      raise NotImplementedError(
+          f"{dispatch.BACKEND_ENV}=pallas: the {who} kernel needs an NVIDIA GPU with sm80+ (Ampere or newer), "
+          f"this is {where}; unset {dispatch.BACKEND_ENV} (or set it to xla) to use the XLA path"
+      )
+    return False
+  if not fits:
+    if requested == "pallas":
+      raise ValueError(f"{dispatch.BACKEND_ENV}=pallas: the {who} kernel cannot tile this weight (see its supports()); "
+                       "unset the variable to let the XLA path take it")
+    return False
+  return requested == "pallas" or wanted
+
+
+def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None) -> jax.Array:
+  """``(x @ wq.T) * w_scale``: x ``[M, K]`` float, wq ``[N, K]`` int8, w_scale ``[N]`` float32 -> ``[M, N]``."""
+  check_operands(x, wq, w_scale)
+  m, k = x.shape
+  n = wq.shape[0]
+  fits = jnp.dtype(x.dtype) in ACTIVATION_DTYPES and w8a16_supports(n, k, w8a16_config_for(m, n, k))
+  if _use_kernel("W8A16", _in_ranges(m, W8A16_KERNEL_M), fits):
+    from pallas_kernels.w8a16 import w8a16_matmul_kernel
+
+    return w8a16_matmul_kernel(x, wq, w_scale, out_dtype)
+  return w8a16_matmul_reference(x, wq, w_scale, out_dtype)
+
+
+def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype) -> jax.Array:
+  """Large-M int8 GEMM: wgmma (``dispatch.scaled_matmul``) when it fills the GPU or is forced, else XLA."""
+  if dispatch.requested_backend() == "pallas" or _wgmma_fills_gpu(xq.shape[0], wq.shape[0]):
+    return dispatch.scaled_matmul(xq, x_scale, wq, w_scale.reshape(-1), out_dtype)
+  return scaled_matmul_reference(xq, x_scale, wq, w_scale.reshape(-1), out_dtype)
+
+
+def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+  """``(xq @ wq.T) * x_scale * w_scale``: int8 ``[M, K]`` x int8 ``[N, K]`` -> ``[M, N]`` (int32 exact)."""
+  check_a8w8(xq, x_scale, wq, w_scale)
+  m = xq.shape[0]
+  n, k = wq.shape
+  small = m <= max(W8A8_KERNEL_MAX_M, GEMV_MAX_M if dispatch.requested_backend() == "pallas" else 0)
+  fits = gemv_supports(n, k, gemv_config_for(m, n, k, A8W8_BASE))
+  if small and _use_kernel("W8A8", m <= W8A8_KERNEL_MAX_M, fits):
+    from pallas_kernels.int8_gemv import a8w8_matmul_kernel
+
+    return a8w8_matmul_kernel(xq, x_scale, wq, w_scale, out_dtype)
+  return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype)
+
+
+def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+  """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
+  check_a8w2(xq, x_scale, w_packed, w_scale)
+  m = xq.shape[0]
+  n, k_bytes = w_packed.shape
+  small = m <= max(TERNARY_KERNEL_MAX_M, GEMV_MAX_M if dispatch.requested_backend() == "pallas" else 0)
+  fits = gemv_supports(n, k_bytes, gemv_config_for(m, n, k_bytes, A8W2_BASE))
+  if small and _use_kernel("ternary A8W2", m <= TERNARY_KERNEL_MAX_M, fits):
+    from pallas_kernels.int8_gemv import a8w2_matmul_kernel
+
+    return a8w2_matmul_kernel(xq, x_scale, w_packed, w_scale, out_dtype)
+  # Larger M is compute-bound: one unpack pass (N*K/4 bytes in, N*K out) buys int8 tensor-core speed.
+  return _int8_gemm(xq, x_scale, unpack_2bit(w_packed, axis=-1), w_scale, out_dtype)

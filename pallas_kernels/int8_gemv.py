@@ -1,0 +1,245 @@
+"""Int8-activation GEMMs for decode-sized M (Pallas, Triton backend): int8 or packed 2-bit weights.
+
+- :func:`a8w8_matmul_kernel`: ``xq [M, K]`` int8 x ``wq [N, K]`` int8 (W8A8 inference).
+- :func:`a8w2_matmul_kernel`: ``xq [M, K]`` int8 x ternary weights packed four to a byte,
+  ``w_packed [N, K/4]`` (``jaxlowbit.ternary.pack_2bit`` along K), unpacked in registers:
+  the weight crosses HBM at 2 bits per value, a quarter of int8 and an eighth of bf16.
+
+Both compute ``out[m, n] = (sum_k xq[m, k] * w[n, k]) * x_scale[m] * w_scale[n]`` with exact
+int32 accumulation on int8 tensor cores and the epilogue in float32 in that order, exactly
+as :func:`pallas_kernels.reference.scaled_matmul_reference` does, so results are
+bit-identical to the reference (and to BitNet's training forward).
+
+Decode is memory-bound on the weight: rows are padded to 16 (the smallest tensor-core M)
+and K is split across programs (split-K) so every SM streams weights; the int32 partial
+sums (``split x M x N``) are added by XLA, which is exact. These kernels are for small M;
+large M belongs on the Hopper wgmma GEMM (``pallas_kernels.dispatch.scaled_matmul``).
+
+Unpacking without an interleave: byte ``i`` of a packed row holds ``w[4i + j]`` in bits
+``7-2j .. 6-2j``. Instead of interleaving the four decoded ``[block_n, block_k/4]`` tiles back
+into K order, the activations are permuted once outside the kernel (``x_perm[j, m, i] =
+xq[m, 4i + j]``, M x K bytes, negligible for decode), and the kernel runs four int8 dots, one per
+bit position.
+
+References: :func:`a8w8_matmul_reference`, :func:`a8w2_matmul_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxlowbit.ternary import VALUES_PER_BYTE, unpack_2bit
+from pallas_kernels.reference import scaled_matmul_reference
+from pallas_kernels.w8a16 import MIN_BLOCK_M, choose_split_k, fit_block, num_sms
+
+# int8 mma is m16n8k32: the K step must be at least 32 bytes.
+MIN_BLOCK_K = 32
+MIN_BLOCK_N = 16
+# Bits per ternary code and the shift that brings code j of a byte (held in an int32) to the top.
+CODE_BITS = 2
+BYTE_TOP_SHIFT = 24  # a byte's bit 7 moves to bit 31 of an int32
+INT32_TOP_SHIFT = 32 - CODE_BITS
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+  """Tiling of one kernel instance (powers of two).
+
+  Attributes:
+    block_m, block_n: output tile. block_k: K step in *bytes of the weight* (int8 values for
+      A8W8, packed bytes = 4 values for A8W2).
+    split_k: programs that share an output tile, each summing ``1 / split_k`` of K.
+    num_warps, num_stages: Triton launch parameters.
+  """
+
+  block_m: int = 16
+  block_n: int = 64
+  block_k: int = 256
+  split_k: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+# A8W8: x and w tiles are both int8, so a [16, 256] x tile costs a quarter of a [64, 256] w tile.
+A8W8_BASE = GemvConfig(block_m=16, block_n=64, block_k=256)
+# A8W2: one packed byte meets four activation bytes; wider N tiles keep the activation reads
+# (served from L2) at half the weight reads.
+A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64)
+
+
+def config_for(m: int, n: int, k_bytes: int, base: GemvConfig, sms: int | None = None) -> GemvConfig:
+  """Tiling for M rows, an ``[N, k_bytes]`` weight: rows padded to a power of two (16..64), split-K."""
+  block_m = max(MIN_BLOCK_M, min(1 << max(m - 1, 0).bit_length(), 64))
+  block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
+  tiles = (-(-m // block_m)) * max(n // block_n, 1)
+  split = choose_split_k(tiles, k_bytes, block_k, sms or num_sms())
+  return dataclasses.replace(base, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split)
+
+
+def supports(n: int, k_bytes: int, config: GemvConfig) -> bool:
+  """Whether the kernel takes an ``[N, k_bytes]`` weight with this tiling (weights are never padded)."""
+  return (
+      n % config.block_n == 0
+      and k_bytes % (config.block_k * config.split_k) == 0
+      and config.block_k >= MIN_BLOCK_K
+      and config.block_n >= MIN_BLOCK_N
+  )
+
+
+def _check(xq, x_scale, w, w_scale, k_of_w: int, who: str) -> None:
+  if xq.ndim != 2 or w.ndim != 2:
+    raise ValueError(f"{who}: xq and the weight must be 2-D, got {xq.shape} and {w.shape}")
+  if xq.dtype != jnp.int8 or w.dtype != jnp.int8:
+    raise TypeError(f"{who}: xq and the weight must be int8, got {xq.dtype} and {w.dtype}")
+  if xq.shape[1] != k_of_w:
+    raise ValueError(f"{who}: xq has K={xq.shape[1]} but the weight {w.shape} holds K={k_of_w}")
+  if x_scale.size not in (1, xq.shape[0]):
+    raise ValueError(f"{who}: x_scale has shape {x_scale.shape}; expected one scale per row of xq or one in all")
+  if w_scale.size not in (1, w.shape[0]):
+    raise ValueError(f"{who}: w_scale has shape {w_scale.shape}; expected one scale per weight row or one in all")
+
+
+def check_a8w8(xq, x_scale, wq, w_scale) -> None:
+  _check(xq, x_scale, wq, w_scale, wq.shape[1] if wq.ndim == 2 else -1, "a8w8_matmul")
+
+
+def check_a8w2(xq, x_scale, w_packed, w_scale) -> None:
+  k = w_packed.shape[1] * VALUES_PER_BYTE if w_packed.ndim == 2 else -1
+  _check(xq, x_scale, w_packed, w_scale, k, "a8w2_matmul")
+
+
+def a8w8_matmul_reference(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+  """XLA: ``scaled_matmul_reference`` (int32 dot, then ``* x_scale * w_scale`` in float32)."""
+  check_a8w8(xq, x_scale, wq, w_scale)
+  return scaled_matmul_reference(xq, x_scale, wq, w_scale, out_dtype)
+
+
+def a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+  """XLA: unpack the ``[N, K/4]`` bytes to int8 ``[N, K]``, then ``scaled_matmul_reference``."""
+  check_a8w2(xq, x_scale, w_packed, w_scale)
+  return scaled_matmul_reference(xq, x_scale, unpack_2bit(w_packed, axis=-1), w_scale, out_dtype)
+
+
+def _epilogue(acc, sx, sw, out_dtype):
+  # Same operations in the same order as scaled_matmul_reference: bit-identical results.
+  return (acc.astype(jnp.float32) * sx[:, None] * sw[None, :]).astype(out_dtype)
+
+
+def _dot_i32(a, b):
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+
+
+def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_split: int, m_pad: int, packed: bool):
+  """One ``[block_m, block_n]`` output tile over one K split.
+
+  ``x_ref``: int8 ``[m_pad, K]`` (A8W8) or the permuted ``[4 * m_pad, K / 4]`` (A8W2).
+  ``w_ref``: int8 ``[N, K]`` or packed ``[N, K / 4]``; ``k_per_split`` counts weight bytes.
+  """
+  i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
+  k0 = i_s * k_per_split
+
+  def x_rows(j):
+    return pl.ds(pl.multiple_of(j * m_pad + i_m * bm, bm), bm)
+
+  def step(t, acc):
+    ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
+    if not packed:
+      return acc + _dot_i32(x_ref[x_rows(0), ks], w_ref[cols, ks])
+    p = w_ref[cols, ks].astype(jnp.int32)
+    for j in range(VALUES_PER_BYTE):
+      # Code j sits in bits 7-2j..6-2j: shift it to the top of the int32, then an arithmetic
+      # right shift sign-extends it (0b11 -> -1, 0b01 -> 1, 0b00 -> 0).
+      w = lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
+      acc = acc + _dot_i32(x_ref[x_rows(j), ks], w.astype(jnp.int8))
+    return acc
+
+  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.int32))
+  rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
+  if config.split_k == 1:
+    o_ref[rows, cols] = _epilogue(acc, sx_ref[rows], sw_ref[cols], o_ref.dtype)
+  else:  # int32 partial sums of split i_s at rows [i_s * m_pad, (i_s + 1) * m_pad)
+    o_ref[pl.ds(pl.multiple_of(i_s * m_pad + i_m * bm, bm), bm), cols] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "packed", "interpret"))
+def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: bool, interpret: bool):
+  m = xq.shape[0]
+  n, k_bytes = w.shape
+  m_pad = -(-m // config.block_m) * config.block_m
+  sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
+  sw = jnp.broadcast_to(w_scale.astype(jnp.float32).reshape(-1), (n,))
+  if m_pad != m:
+    xq = jnp.pad(xq, ((0, m_pad - m), (0, 0)))
+    sx = jnp.pad(sx, (0, m_pad - m))
+  if packed:  # x_perm[j * m_pad + r, i] = xq[r, 4 i + j]
+    xq = xq.reshape(m_pad, k_bytes, VALUES_PER_BYTE).transpose(2, 0, 1).reshape(VALUES_PER_BYTE * m_pad, k_bytes)
+  split = config.split_k
+  out_shape = (jax.ShapeDtypeStruct((m_pad, n), out_dtype) if split == 1
+               else jax.ShapeDtypeStruct((split * m_pad, n), jnp.int32))
+  out = pl.pallas_call(
+      functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m_pad=m_pad, packed=packed),
+      out_shape=out_shape,
+      grid=(n // config.block_n, m_pad // config.block_m, split),
+      compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="jaxlowbit_a8w2_matmul" if packed else "jaxlowbit_a8w8_matmul",
+  )(xq, w, sx, sw)
+  if split > 1:
+    out = _epilogue(out.reshape(split, m_pad, n).sum(axis=0), sx, sw, out_dtype)
+  return out[:m] if m_pad != m else out
+
+
+def _run(xq, x_scale, w, w_scale, out_dtype, config, interpret, packed, who, base):
+  m = xq.shape[0]
+  n, k_bytes = w.shape
+  config = config or config_for(m, n, k_bytes, base)
+  if not supports(n, k_bytes, config):
+    raise ValueError(
+        f"{who}: weight [N={n}, {k_bytes} bytes of K] does not fit the tiling {config} (N a multiple of "
+        f"{config.block_n}, K bytes of {config.block_k * config.split_k}); use the reference path"
+    )
+  return _call(xq, x_scale, w, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, packed=packed,
+               interpret=interpret)
+
+
+def a8w8_matmul_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: GemvConfig | None = None,
+                       interpret: bool = False) -> jax.Array:
+  """Int8 x int8 GEMM for small M with the scale epilogue fused.
+
+  Args:
+    xq: ``[M, K]`` int8 activations, x_scale: float32 ``[M]``/``[M, 1]`` (or one) dequant scales.
+    wq: ``[N, K]`` int8 weight (K-major), w_scale: float32 ``[N]``/``[N, 1]`` (or one).
+    out_dtype: result dtype. config: tiling (default :func:`config_for` with ``A8W8_BASE``).
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`a8w8_matmul_reference`.
+  """
+  check_a8w8(xq, x_scale, wq, w_scale)
+  return _run(xq, x_scale, wq, w_scale, out_dtype, config, interpret, False, "a8w8_matmul_kernel", A8W8_BASE)
+
+
+def a8w2_matmul_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, config: GemvConfig | None = None,
+                       interpret: bool = False) -> jax.Array:
+  """Int8 x packed-ternary GEMM for small M, unpacking 2-bit weights in registers.
+
+  Args:
+    xq: ``[M, K]`` int8 activations, x_scale: float32 ``[M]``/``[M, 1]`` (or one).
+    w_packed: ``[N, K / 4]`` int8 bytes from ``pack_2bit(w_ternary [N, K], axis=-1)``.
+    w_scale: float32 ``[N]`` or one (the BitNet absmean scale).
+    out_dtype, config, interpret: as :func:`a8w8_matmul_kernel` (``block_k`` in packed bytes).
+
+  Returns:
+    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`a8w2_matmul_reference`.
+  """
+  check_a8w2(xq, x_scale, w_packed, w_scale)
+  return _run(xq, x_scale, w_packed, w_scale, out_dtype, config, interpret, True, "a8w2_matmul_kernel", A8W2_BASE)

@@ -1,0 +1,217 @@
+"""W8A16 GEMM with the int8 weight dequantized inside the kernel (Pallas, Triton backend).
+
+``w8a16_matmul_kernel(x, wq, w_scale)`` computes
+
+    out[m, n] = (sum_k x[m, k] * wq[n, k]) * w_scale[n]
+
+for 16-bit activations ``x [M, K]`` and an int8 weight stored K-major as ``wq [N, K]``
+with one float32 scale per output channel. Each program loads ``[block_n, block_k]`` int8
+tiles of the weight, converts them to the activations' dtype in registers (int8 values are
+exact in bf16/f16) and feeds the tensor cores; nothing weight-sized is ever written in 16 bits,
+so the weight traffic is half of a bf16 GEMM's. The scale is applied once, to the float32
+accumulator.
+
+For decode (``M <= 16``) the GEMM is a GEMV in disguise: memory-bound on the weight. The
+row tile is then 16 (the smallest tensor-core M) and K is split across programs (split-K) so
+that even a ``[4096, 14336]`` weight with only 32 column tiles keeps every SM streaming;
+the float32 partial sums (``split x M x N``, tiny) are added by XLA. Larger M uses bigger
+row tiles and no split: it runs at Triton's tensor-core speed, not wgmma's.
+
+Reference: :func:`w8a16_matmul_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# SMs of an H100 SXM / H200; only used to size split-K when no GPU is attached (tests).
+DEFAULT_NUM_SMS = 132
+# Split K until the grid holds about this many programs per SM: a memory-bound GEMV needs
+# several CTAs resident per SM to keep enough loads in flight to saturate HBM.
+PROGRAMS_PER_SM = 4
+# Smallest tensor-core tile in M (mma m16n8k16); decode rows are padded up to it.
+MIN_BLOCK_M = 16
+# Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
+MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
+ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A16Config:
+  """Tiling of one kernel instance (all powers of two, as Triton requires).
+
+  Attributes:
+    block_m, block_n, block_k: tile of the output rows, output columns and the K step.
+    split_k: programs that share one output tile, each summing ``K / split_k`` of K.
+    num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the K loop).
+  """
+
+  block_m: int = 16
+  block_n: int = 64
+  block_k: int = 256
+  split_k: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(x - 1, 0).bit_length()
+
+
+def num_sms() -> int:
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return DEFAULT_NUM_SMS
+  return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
+
+
+def choose_split_k(tiles: int, k: int, block_k: int, sms: int) -> int:
+  """Largest power-of-two split of K (each part a multiple of ``block_k``) up to the program target."""
+  split = 1
+  while tiles * split * 2 <= PROGRAMS_PER_SM * sms and k % (split * 2 * block_k) == 0:
+    split *= 2
+  return split
+
+
+def fit_block(dim: int, block: int, minimum: int) -> int:
+  """``block`` halved until it divides ``dim`` (not below ``minimum``; the caller checks the fit)."""
+  while block > minimum and dim % block:
+    block //= 2
+  return block
+
+
+def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
+  """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
+  if m <= MIN_BLOCK_M:
+    base = W8A16Config(block_m=MIN_BLOCK_M, block_n=64, block_k=256, num_warps=4, num_stages=3)
+  elif m <= 64:
+    base = W8A16Config(block_m=_next_pow2(m), block_n=64, block_k=128, num_warps=4, num_stages=3)
+  else:
+    base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+  block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k, base.block_k, MIN_BLOCK_K)
+  tiles = (-(-m // base.block_m)) * max(n // block_n, 1)
+  split = choose_split_k(tiles, k, block_k, sms or num_sms()) if m <= 64 else 1
+  return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
+
+
+def supports(n: int, k: int, config: W8A16Config) -> bool:
+  """Whether the kernel takes an ``[N, K]`` weight with this tiling (no weight padding, ever)."""
+  return n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0
+
+
+def check_operands(x: jax.Array, wq: jax.Array, w_scale: jax.Array) -> None:
+  """TypeError/ValueError for operands that no W8A16 path accepts."""
+  if x.ndim != 2 or wq.ndim != 2:
+    raise ValueError(f"w8a16_matmul: x and wq must be 2-D ([M, K] and [N, K]), got {x.shape} and {wq.shape}")
+  if x.shape[1] != wq.shape[1]:
+    raise ValueError(f"w8a16_matmul: contraction sizes differ: x {x.shape} vs wq {wq.shape} (wq is [N, K])")
+  if wq.dtype != jnp.int8:
+    raise TypeError(f"w8a16_matmul: wq must be int8, got {wq.dtype}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"w8a16_matmul: x must be floating point, got {x.dtype}")
+  if w_scale.size != wq.shape[0]:
+    raise ValueError(f"w8a16_matmul: w_scale has shape {w_scale.shape}; expected one float32 scale per row of wq "
+                     f"({wq.shape[0]})")
+
+
+def w8a16_matmul_reference(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None) -> jax.Array:
+  """Plain XLA: ``(x @ wq.T) * w_scale`` with float32 accumulation.
+
+  Args:
+    x: ``[M, K]`` bfloat16, float16 or float32. wq: ``[N, K]`` int8. w_scale: ``[N]`` (or
+      ``[N, 1]``) float32 per-output-channel dequantization scale.
+    out_dtype: result dtype (default ``x.dtype``).
+
+  Returns:
+    ``[M, N]``. The int8 weight is converted to ``x``'s dtype inside the dot (exact), which
+    XLA's GPU GEMM fusion applies on the fly.
+  """
+  check_operands(x, wq, w_scale)
+  acc = lax.dot_general(x, wq.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return (acc * w_scale.astype(jnp.float32).reshape(1, -1)).astype(out_dtype or x.dtype)
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m_pad: int, apply_scale: bool):
+  i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
+  cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
+  k0 = i_s * k_per_split
+
+  def step(t, acc):
+    ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
+    x = x_ref[rows, ks]
+    w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
+    return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.float32))
+  if apply_scale:
+    o_ref[rows, cols] = (acc * s_ref[cols][None, :]).astype(o_ref.dtype)
+  else:  # split-K partial sum: rows of split i_s live at [i_s * m_pad, (i_s + 1) * m_pad)
+    o_ref[pl.ds(pl.multiple_of(i_s * m_pad + i_m * bm, bm), bm), cols] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool):
+  m, k = x.shape
+  n = wq.shape[0]
+  m_pad = -(-m // config.block_m) * config.block_m
+  if m_pad != m:
+    x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+  split = config.split_k
+  scale = w_scale.astype(jnp.float32).reshape(n)
+  out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype) if split == 1 else jax.ShapeDtypeStruct(
+      (split * m_pad, n), jnp.float32)
+  out = pl.pallas_call(
+      functools.partial(_kernel, config=config, k_per_split=k // split, m_pad=m_pad, apply_scale=split == 1),
+      out_shape=out_shape,
+      grid=(n // config.block_n, m_pad // config.block_m, split),
+      compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="jaxlowbit_w8a16_matmul",
+  )(x, wq, scale)
+  if split > 1:
+    out = (out.reshape(split, m_pad, n).sum(axis=0) * scale[None, :]).astype(out_dtype)
+  return out[:m] if m_pad != m else out
+
+
+def w8a16_matmul_kernel(
+    x: jax.Array,
+    wq: jax.Array,
+    w_scale: jax.Array,
+    out_dtype=None,
+    config: W8A16Config | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """W8A16 GEMM with in-kernel dequantization (see the module docstring).
+
+  Args:
+    x: ``[M, K]`` bfloat16 or float16 activations (any M >= 1; rows are padded to the tile).
+    wq: ``[N, K]`` int8 weight, K-major. w_scale: ``[N]`` or ``[N, 1]`` float32.
+    out_dtype: result dtype (default ``x.dtype``).
+    config: tiling; default :func:`config_for`. N must be a multiple of ``block_n`` and K
+      of ``block_k * split_k`` (:func:`supports`); the weight is never padded.
+    interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+  Returns:
+    ``[M, N]`` of ``out_dtype``.
+  """
+  check_operands(x, wq, w_scale)
+  if jnp.dtype(x.dtype) not in ACTIVATION_DTYPES:
+    raise TypeError(f"w8a16_matmul_kernel: x must be bfloat16 or float16, got {x.dtype} (float32: use the reference)")
+  m, k = x.shape
+  n = wq.shape[0]
+  config = config or config_for(m, n, k)
+  if not supports(n, k, config):
+    raise ValueError(
+        f"w8a16_matmul_kernel: weight [N={n}, K={k}] does not fit the tiling {config} (N a multiple of "
+        f"{config.block_n}, K of {config.block_k * config.split_k}); use the reference path"
+    )
+  return _w8a16_call(x, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret)
