@@ -10,7 +10,7 @@ Swap a layer::
 NNX layers live in ``jaxlowbit.nnx``.
 """
 
-from jaxlowbit import fsdp, optim, qstate, quantized_training
+from jaxlowbit import fsdp, inference, optim, qstate, quantized_training
 from jaxlowbit.convert import convert, worth_quantizing
 from jaxlowbit.fp8 import dequantize_fp8, quantize_fp8
 from jaxlowbit.int8 import dequantize_int8, quantize_int8
@@ -39,6 +39,7 @@ __all__ = [
     "dequantize_int8",
     "dequantize_ternary",
     "fsdp",
+    "inference",
     "optim",
     "pack_2bit",
     "quantize_fp8",

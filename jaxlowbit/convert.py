@@ -83,6 +83,35 @@ def _interceptor(recipe: Recipe, filter_fqns: Sequence[str], auto_filter_small_k
   return intercept
 
 
+def intercepted_copy(module: nn.Module, interceptor: Callable, who: str, **class_attrs) -> nn.Module:
+  """A copy of unbound ``module`` whose public methods run under ``nn.intercept_methods(interceptor)``.
+
+  The copy is an instance of a subclass of ``type(module)`` (same name, same fields, same
+  parameter tree); ``class_attrs`` become attributes of that subclass. Shared by
+  :func:`convert` and ``jaxlowbit.inference.convert_for_inference``.
+  """
+  if module.scope is not None:
+    raise ValueError(
+        f"{who}: got a module already bound to a parent (built inside a compact method); convert the "
+        f"model definition outside (model = {who}(Model(...), ...)) and pass it in as an attribute"
+    )
+  cls = type(module)
+
+  def wrap(method: Callable) -> Callable:
+    def run_intercepted(self, *args, **kwargs):
+      with nn.intercept_methods(interceptor):
+        return method(self, *args, **kwargs)
+
+    # Copy name and doc only: copying __dict__ would mark the wrapper @compact too.
+    return functools.update_wrapper(run_intercepted, method, updated=())
+
+  namespace = {name: wrap(getattr(cls, name)) for name in _public_methods(cls)}
+  namespace.update(class_attrs, __module__=cls.__module__)
+  converted_cls = type(cls.__name__, (cls,), namespace)
+  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init and f.name != "parent"}
+  return converted_cls(**fields)
+
+
 def _public_methods(cls: type) -> list[str]:
   names = []
   for klass in cls.__mro__:
@@ -124,29 +153,8 @@ def convert(
     raise TypeError("convert: recipe must be Int8MixedPrecision, Float8 or BitNet (None converts nothing)")
   if isinstance(filter_fqns, str):
     raise TypeError("convert: filter_fqns must be a sequence of strings, e.g. ('lm_head',), not a string")
-  if module.scope is not None:
-    raise ValueError(
-        "convert: got a module already bound to a parent (built inside a compact method); convert the "
-        "model definition outside (model = convert(Model(...), recipe)) and pass it in as an attribute"
-    )
+  return intercepted_copy(
+      module, _interceptor(recipe, tuple(filter_fqns), auto_filter_small_kn), "convert", jaxlowbit_recipe=recipe
+  )
 
-  intercept = _interceptor(recipe, tuple(filter_fqns), auto_filter_small_kn)
-  cls = type(module)
-
-  def wrap(method: Callable) -> Callable:
-    def run_quantized(self, *args, **kwargs):
-      with nn.intercept_methods(intercept):
-        return method(self, *args, **kwargs)
-
-    # Copy name and doc only: copying __dict__ would mark the wrapper @compact too.
-    return functools.update_wrapper(run_quantized, method, updated=())
-
-  namespace = {name: wrap(getattr(cls, name)) for name in _public_methods(cls)}
-  namespace["__module__"] = cls.__module__
-  namespace["jaxlowbit_recipe"] = recipe
-  converted_cls = type(cls.__name__, (cls,), namespace)
-  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init and f.name != "parent"}
-  return converted_cls(**fields)
-
-
-__all__ = ["convert", "module_fqn", "worth_quantizing"]
+__all__ = ["convert", "intercepted_copy", "module_fqn", "worth_quantizing"]

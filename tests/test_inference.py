@@ -12,8 +12,6 @@ Numerics checked here:
   ternary; KV-cache decode equals the full forward; the generate CLI runs on its checkpoint.
 """
 
-import dataclasses
-import functools
 import sysconfig
 
 import flax.linen as nn
@@ -28,7 +26,6 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit import nnx as lbnnx
-from jaxlowbit.inference import weights as iw
 from jaxlowbit.int8 import quantize_int8
 from jaxlowbit.ternary import pack_2bit, quantize_ternary
 from pallas_kernels import inference_dispatch, int8_gemv, w8a16

@@ -1,8 +1,5 @@
 """Pallas kernels on the GPU (marker ``gpu``; skipped on CPU): exactness and tolerances."""
 
-import functools
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -35,7 +35,8 @@ def test_int8_matches_numpy_contract(axis):
   assert q.dtype == jnp.int8 and scale.dtype == jnp.float32 and scale.shape == ref_scale.shape
   np.testing.assert_array_equal(scale, ref_scale)
   np.testing.assert_array_equal(q, ref_q)
-  assert np.all(np.abs(int8.dequantize_int8(q, scale) - xn) <= ref_scale / 2 * (1 + 1e-6))
+  # half a step, up to float32 rounding of x / scale and of q * scale
+  assert np.all(np.abs(int8.dequantize_int8(q, scale) - xn) <= ref_scale / 2 * (1 + 1e-5))
 
 
 def test_int8_rounds_half_to_even():

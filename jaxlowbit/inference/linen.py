@@ -12,15 +12,12 @@ the conversion and the model.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.convert import _public_methods  # the methods jaxlowbit.convert wraps, same rule here
+from jaxlowbit.convert import intercepted_copy
 from jaxlowbit.inference.weights import CONVERTED_NAMES, check_scheme, quantized_linear, scheme_of
 
 PARAMS = "params"
@@ -85,22 +82,4 @@ def _interceptor(scheme: str):
 def convert_linen(module: nn.Module, scheme: str) -> nn.Module:
   """See :func:`jaxlowbit.inference.convert_for_inference` (Linen branch)."""
   check_scheme(scheme, "convert_for_inference")
-  if module.scope is not None:
-    raise ValueError("convert_for_inference: got a Linen module already bound to a parent; convert the model "
-                     "definition outside (model = convert_for_inference(Model(...), scheme))")
-  intercept = _interceptor(scheme)
-  cls = type(module)
-
-  def wrap(method: Callable) -> Callable:
-    def run_converted(self, *args, **kwargs):
-      with nn.intercept_methods(intercept):
-        return method(self, *args, **kwargs)
-
-    return functools.update_wrapper(run_converted, method, updated=())
-
-  namespace = {name: wrap(getattr(cls, name)) for name in _public_methods(cls)}
-  namespace["__module__"] = cls.__module__
-  namespace["jaxlowbit_inference_scheme"] = scheme
-  converted_cls = type(cls.__name__, (cls,), namespace)
-  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init and f.name != "parent"}
-  return converted_cls(**fields)
+  return intercepted_copy(module, _interceptor(scheme), "convert_for_inference", jaxlowbit_inference_scheme=scheme)
