@@ -11,6 +11,9 @@ device's bf16 dense peak for every recipe, so low-bit rows can pass what bf16 re
 
 Prints a table last and writes JSON to ``--out``. Needs no network (synthetic data). On CPU,
 ``--configs configs/tiny.py --extra_recipes int8,bitnet --steps 2`` checks that it runs.
+
+One device by default (``mesh.fsdp=1``); ``--set mesh.fsdp=0`` times the FSDP step over every
+visible device (``train.main``'s default there), MFU then counting all of their peaks.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
   model_config = train_config.model_config(config)
   functions = loop.step_functions(config)
   stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
-  batches = [stream.next() for _ in range(warmup + steps)]
+  batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps)]
 
   state = functions.init()
   started = time.perf_counter()
@@ -94,7 +97,8 @@ def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
       "remat_policy": config.model.remat_policy,
       "tokens_per_s": tokens_per_step / step_time,
       "step_time_s": step_time,
-      "mfu": metrics.mfu(flops_per_step, step_time, peak),
+      "mfu": metrics.mfu(flops_per_step, step_time, peak, 1 if functions.plan is None else functions.plan.mesh.size),
+      "devices": 1 if functions.plan is None else functions.plan.mesh.size,
       "compile_s": compile_s,
       "temp_gib": temp_gib,
       "last_loss": loss,
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args(argv)
 
-  overrides = {"data.source": "synthetic", **parse_overrides(args.set)}
+  overrides = {"data.source": "synthetic", "mesh.fsdp": 1, **parse_overrides(args.set)}
   runs = [(path, None) for path in args.configs.split(",") if path]
   runs += [(runs[0][0], recipe) for recipe in args.extra_recipes.split(",") if recipe]
   peak = args.peak_tflops or metrics.peak_tflops()

@@ -47,6 +47,7 @@ def micro_config(corpus: str, **overrides):
   config.data.update(path=corpus, val_fraction=0.2)
   config.update(steps=12, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2, log_every=1, eval_every=5,
                 eval_batches=2, checkpoint_every=4, keep_checkpoints=5, tensorboard=False)
+  config.mesh.fsdp = 1  # the single-device loop (with 8 virtual devices, auto would shard); see test_train_fsdp.py
   for key, value in overrides.items():
     parent = config
     *parents, leaf = key.split("__")

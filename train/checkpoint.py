@@ -4,9 +4,17 @@ Layout of a run directory::
 
     RUN_DIR/config.json           the config of the run (written at start)
     RUN_DIR/checkpoints/<step>/   one orbax checkpoint per saved step, items:
-        state/                    TrainState pytree (step, params, opt_state, rng)
+        state/                    TrainState fields step, params, opt_state, rng
+        scales/                   FSDP runs only: TrainState.scales (the next step's weight scales)
         data/                     JSON: the data stream's state (position, seed, ...)
     RUN_DIR/metrics.jsonl         see train/metrics.py
+
+Sharded arrays are saved as shards (each process writes its own; orbax coordinates the
+processes of a multi-host run, so the run directory must be on a filesystem every host
+sees) and restored into whatever shardings the restore target names, so a checkpoint of
+one mesh resumes on another. The scales are an item of their own so that an unsharded
+run's checkpoint is the same with or without FSDP: an FSDP run resuming from it computes
+them from the parameters, an unsharded run resuming from an FSDP checkpoint ignores them.
 
 Saves are asynchronous (orbax copies the arrays off the device before ``save`` returns and
 writes in a background thread) and only the last ``keep`` checkpoints are kept. A
@@ -16,6 +24,7 @@ leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -24,15 +33,21 @@ import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
+SCALES = "scales"  # the TrainState field saved as an item of its own
+
+
+def _fields(state: Any) -> dict[str, Any]:
+  """A TrainState's fields except the scales, as a dict (what the ``state`` item holds)."""
+  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != SCALES}
 
 
 class Checkpointer:
-  """Save and restore ``(state, data_state)`` pairs under ``RUN_DIR/checkpoints``."""
+  """Save and restore ``(TrainState, data_state)`` pairs under ``RUN_DIR/checkpoints``."""
 
   def __init__(self, run_dir: str | pathlib.Path, keep: int, async_save: bool = True):
     self.directory = pathlib.Path(run_dir).absolute() / CHECKPOINT_DIR
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", SCALES, "data"))
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None."""
@@ -42,21 +57,35 @@ class Checkpointer:
     return list(self.manager.all_steps())
 
   def save(self, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    """Start saving ``state`` (a pytree of arrays) and ``data_state`` (JSON) as ``step``."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
-    self.manager.save(step, args=args, force=True)
+    """Start saving ``state`` (a ``TrainState`` of arrays) and ``data_state`` (JSON) as ``step``."""
+    items = {"state": ocp.args.StandardSave(_fields(state)), "data": ocp.args.JsonSave(data_state)}
+    if jax.tree.leaves(state.scales):  # FSDP with quantized linears
+      items[SCALES] = ocp.args.StandardSave(state.scales)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def has_scales(self, step: int) -> bool:
+    """Whether checkpoint ``step`` was written by an FSDP run (it holds the weight scales)."""
+    return (self.directory / str(step) / SCALES).is_dir()
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """``(state, data_state)`` of checkpoint ``step``.
 
     Args:
       step: a step from :meth:`all_steps`.
-      abstract_state: the state's structure with ``jax.ShapeDtypeStruct`` leaves that carry
-        the target ``sharding`` (see :func:`abstract_on_device`).
+      abstract_state: a ``TrainState`` with ``jax.ShapeDtypeStruct`` leaves that carry the
+        target ``sharding`` (see :func:`abstract_on_device`).
+
+    Returns:
+      The state (its ``scales`` None when the target or the checkpoint holds none: the
+      caller computes them) and the data stream's state.
     """
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
-    restored = self.manager.restore(step, args=args)
-    return restored.state, restored.data
+    items = {"state": ocp.args.StandardRestore(_fields(abstract_state)), "data": ocp.args.JsonRestore()}
+    with_scales = bool(jax.tree.leaves(abstract_state.scales)) and self.has_scales(step)
+    if with_scales:
+      items[SCALES] = ocp.args.StandardRestore(abstract_state.scales)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    state = abstract_state.replace(**restored.state, scales=restored[SCALES] if with_scales else None)
+    return state, restored.data
 
   def wait(self) -> None:
     """Block until every started save is on disk."""

@@ -5,6 +5,8 @@ change what differs, so no field is copied between files. Every field can be ove
 the command line: ``--config.recipe=int8 --config.model.n_layers=8 --config.steps=500``.
 
 Recipe names (``config.recipe``) map to jaxlowbit recipes in :data:`RECIPES`.
+Devices: ``config.mesh`` lays the run over a ``(data, fsdp)`` mesh (:func:`mesh_shape`) and
+``config.fsdp`` holds the options of ``jaxlowbit.fsdp`` (:func:`fsdp_config`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import importlib.util
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from jaxlowbit import BitNet, Float8, Int8MixedPrecision
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp
+from jaxlowbit.fsdp.scaling import INT8_WEIGHT_SCALINGS
 from train.model import ModelConfig
 
 RECIPES = {
@@ -30,6 +34,7 @@ RECIPES = {
     "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),  # backward on int8 tensor cores too
 }
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+MESH_AUTO = 0  # config.mesh.fsdp: every visible device not used by mesh.data
 
 
 def recipe_from_name(name: str):
@@ -106,6 +111,16 @@ def base_config() -> ml_collections.ConfigDict:
   data.hf_text_field = "text"
   data.hf_max_docs = 100_000
 
+  # Devices (jaxlowbit.fsdp): a (data, fsdp) mesh. Parameters and optimizer state are sharded
+  # over `fsdp` and replicated over `data`; every (micro)batch is split over all mesh devices.
+  # data x fsdp = 1 is the unsharded run (one device, the plain jitted step).
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.fsdp = MESH_AUTO  # devices per FSDP group: 0 = all visible devices / mesh.data; 1 = off
+  config.mesh.data = 1  # FSDP groups (data-parallel replicas)
+  config.fsdp = ml_collections.ConfigDict()
+  config.fsdp.int8_weight_scaling = "row"  # row | tensor: INT8 weight gathers (jaxlowbit.fsdp.FsdpConfig)
+  config.fsdp.remat = "save_gathered"  # save_gathered | regather: gathered weight kept for the backward or not
+
   # Logging, evaluation, checkpoints.
   config.log_every = 10
   config.eval_every = 200
@@ -178,7 +193,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """ValueError for inconsistent fields (before anything is built)."""
+  """ValueError for inconsistent fields (before anything is built; the devices: :func:`mesh_shape`)."""
   recipe_from_name(config.recipe)
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(
@@ -189,6 +204,71 @@ def check(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.{field} must be >= 1, got {config[field]}")
   if config.warmup_steps < 0 or config.warmup_steps > config.steps:
     raise ValueError(f"config.warmup_steps={config.warmup_steps} must lie in [0, steps={config.steps}]")
+  if config.mesh.data < 1 or config.mesh.fsdp < 0:
+    raise ValueError(
+        f"config.mesh.data={config.mesh.data} must be >= 1 and config.mesh.fsdp={config.mesh.fsdp} >= 0 "
+        "(0: all devices, 1: no FSDP)"
+    )
+  fsdp_config(config)
+
+
+def mesh_shape(
+    config: ml_collections.ConfigDict, device_count: int | None = None, process_count: int | None = None
+) -> tuple[int, int]:
+  """``(data, fsdp)``: the run's mesh, ``config.mesh`` resolved against the visible devices.
+
+  ``mesh.fsdp=0`` (auto) takes every device not used by ``mesh.data``: FSDP over all devices
+  as soon as more than one is visible, and ``(1, 1)``, the unsharded run, on one device. A
+  single process may use the first ``data x fsdp`` of its devices; a multi-process run uses
+  all of them.
+
+  Args:
+    config: the training config.
+    device_count, process_count: default ``jax.device_count()``, ``jax.process_count()``.
+
+  Raises:
+    ValueError: sizes that do not fit the devices, or a microbatch (``batch_size /
+      grad_accum_steps`` sequences) that does not split evenly over the mesh's devices.
+  """
+  devices = jax.device_count() if device_count is None else device_count
+  processes = jax.process_count() if process_count is None else process_count
+  check(config)
+  data, size = config.mesh.data, config.mesh.fsdp
+  if size == MESH_AUTO:
+    if devices % data:
+      raise ValueError(f"config.mesh.data={data} does not divide the {devices} visible devices")
+    size = devices // data
+  if data * size > devices:
+    raise ValueError(
+        f"config.mesh: data={data} x fsdp={size} needs {data * size} devices but {devices} are visible; "
+        "lower them, or set --config.mesh.fsdp=0 to use every device"
+    )
+  if processes > 1 and data * size != devices:
+    raise ValueError(
+        f"config.mesh: data={data} x fsdp={size} uses {data * size} of the {devices} devices of this "
+        f"{processes}-process run; a multi-process run must use all of them (--config.mesh.fsdp=0)"
+    )
+  micro = config.batch_size // config.grad_accum_steps
+  if micro % (data * size):
+    raise ValueError(
+        f"config.batch_size={config.batch_size} makes microbatches of {micro} sequences "
+        f"(grad_accum_steps={config.grad_accum_steps}), which do not split over the {data * size} devices of the "
+        f"mesh (data={data} x fsdp={size}); make batch_size a multiple of "
+        f"{config.grad_accum_steps * data * size} or change config.mesh"
+    )
+  return data, size
+
+
+def fsdp_config(config: ml_collections.ConfigDict) -> fsdp.FsdpConfig:
+  """``jaxlowbit.fsdp.FsdpConfig`` from ``config.fsdp`` (ValueError naming the field and its choices)."""
+  options = config.fsdp
+  if options.int8_weight_scaling not in INT8_WEIGHT_SCALINGS:
+    raise ValueError(
+        f"config.fsdp.int8_weight_scaling={options.int8_weight_scaling!r}; choose one of {INT8_WEIGHT_SCALINGS}"
+    )
+  if options.remat not in fsdp.REMAT_MODES:
+    raise ValueError(f"config.fsdp.remat={options.remat!r}; choose one of {fsdp.REMAT_MODES}")
+  return fsdp.FsdpConfig(int8_weight_scaling=options.int8_weight_scaling, remat=options.remat)
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

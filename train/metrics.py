@@ -75,16 +75,24 @@ def _tensorboard_writer(log_dir: pathlib.Path):
 
 
 class MetricsWriter:
-  """Appends records to ``RUN_DIR/metrics.jsonl`` and, when available, TensorBoard."""
+  """Appends records to ``RUN_DIR/metrics.jsonl`` and, when available, TensorBoard.
 
-  def __init__(self, run_dir: str | pathlib.Path, tensorboard: bool = True):
+  ``enabled=False`` writes nothing (the processes other than 0 of a multi-host run).
+  """
+
+  def __init__(self, run_dir: str | pathlib.Path, tensorboard: bool = True, enabled: bool = True):
     self.path = pathlib.Path(run_dir) / METRICS_FILE
+    self._file = self._tb = None
+    if not enabled:
+      return
     self.path.parent.mkdir(parents=True, exist_ok=True)
     self._file = self.path.open("a")
     self._tb = _tensorboard_writer(pathlib.Path(run_dir) / "tensorboard") if tensorboard else None
 
   def write(self, record: dict[str, Any]) -> None:
     """One JSON line (flushed at once, so a killed run keeps its metrics)."""
+    if self._file is None:
+      return
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     if self._tb is not None:
@@ -93,7 +101,8 @@ class MetricsWriter:
           self._tb.add_scalar(key, value, record["step"])
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
 
@@ -143,5 +152,6 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
 
 
 def say(message: str) -> None:
-  """One line to stdout, flushed (progress must show up in logs of piped runs too)."""
-  print(message, file=sys.stdout, flush=True)
+  """One line to stdout, flushed (progress must show up in logs of piped runs too); process 0 only."""
+  if jax.process_index() == 0:
+    print(message, file=sys.stdout, flush=True)
