@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.reference import accumulator_dtype, check_operands
+from pallas_kernels.vma import out_struct
 
 # SMs of an H100 SXM / H200; used only when no GPU is attached (lowering tests on CPU).
 DEFAULT_NUM_SMS = 132
@@ -201,7 +202,7 @@ def _scaled_matmul_hopper(a, a_scale, b, b_scale, *, out_dtype, config: GemmConf
   n = b.shape[0]
   call = plgpu.kernel(
       functools.partial(_kernel, config=config),
-      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      out_type=out_struct((m, n), out_dtype, a, a_scale, b, b_scale),
       grid=(sms,),
       grid_names=("cluster_grid",),
       cluster=(1,),

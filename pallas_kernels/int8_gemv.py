@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxlowbit.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels.reference import scaled_matmul_reference
+from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import MIN_BLOCK_M, choose_split_k, fit_block, num_sms
 
 # int8 mma is m16n8k32: the K step must be at least 32 bytes.
@@ -183,8 +184,8 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
   if packed:  # x_perm[j * m_pad + r, i] = xq[r, 4 i + j]
     xq = xq.reshape(m_pad, k_bytes, VALUES_PER_BYTE).transpose(2, 0, 1).reshape(VALUES_PER_BYTE * m_pad, k_bytes)
   split = config.split_k
-  out_shape = (jax.ShapeDtypeStruct((m_pad, n), out_dtype) if split == 1
-               else jax.ShapeDtypeStruct((split * m_pad, n), jnp.int32))
+  out_shape = (out_struct((m_pad, n), out_dtype, xq, w, sx, sw) if split == 1
+               else out_struct((split * m_pad, n), jnp.int32, xq, w, sx, sw))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m_pad=m_pad, packed=packed),
       out_shape=out_shape,

@@ -30,6 +30,7 @@ from jaxlowbit import fp8, int8
 from jaxlowbit.formats import QuantSpec
 from jaxlowbit.stats import absmax
 from pallas_kernels import tuning
+from pallas_kernels.vma import out_struct
 
 TILE = 64  # square tile of the transposing kernel
 TILE_WARPS = 4
@@ -119,9 +120,9 @@ def _cols_t_kernel(x_ref, param_ref, q_ref, *, spec: QuantSpec):
 def _rows_call(x, spec: QuantSpec, with_colmax: bool, interpret: bool):
   r, c = x.shape
   block_rows, chunk, warps = tuning.quantize_rows_config(spec.jnp_dtype)
-  outs = [jax.ShapeDtypeStruct((r, c), spec.jnp_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)]
+  outs = [out_struct((r, c), spec.jnp_dtype, x), out_struct((r,), jnp.float32, x)]
   if with_colmax:
-    outs.append(jax.ShapeDtypeStruct((r // block_rows, c), jnp.float32))
+    outs.append(out_struct((r // block_rows, c), jnp.float32, x))
   return pl.pallas_call(
       functools.partial(_rows_kernel, spec=spec, block_rows=block_rows, chunk=_col_chunk(c, chunk)),
       out_shape=tuple(outs),
@@ -136,7 +137,7 @@ def _cols_t_call(x, param, spec: QuantSpec, interpret: bool):
   r, c = x.shape
   return pl.pallas_call(
       functools.partial(_cols_t_kernel, spec=spec),
-      out_shape=jax.ShapeDtypeStruct((c, r), spec.jnp_dtype),
+      out_shape=out_struct((c, r), spec.jnp_dtype, x, param),
       grid=(r // TILE, c // TILE),
       compiler_params=plt.CompilerParams(num_warps=TILE_WARPS, num_stages=2),
       interpret=interpret,

@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.vma import out_struct
+
 # SMs of an H100 SXM / H200; only used to size split-K when no GPU is attached (tests).
 DEFAULT_NUM_SMS = 132
 # Split K until the grid holds about this many programs per SM: a memory-bound GEMV needs
@@ -167,8 +169,8 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
     x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
   split = config.split_k
   scale = w_scale.astype(jnp.float32).reshape(n)
-  out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype) if split == 1 else jax.ShapeDtypeStruct(
-      (split * m_pad, n), jnp.float32)
+  out_shape = (out_struct((m_pad, n), out_dtype, x, wq, scale) if split == 1
+               else out_struct((split * m_pad, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k // split, m_pad=m_pad, apply_scale=split == 1),
       out_shape=out_shape,

@@ -84,3 +84,38 @@ def test_hopper_gemm_lowers_for_sm90(dtype):
   fn = jax.jit(functools.partial(hopper_gemm.scaled_matmul_hopper, out_dtype=jnp.bfloat16, sms=132))
   text = fn.trace(a, scale, b, scale).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+
+@pytest.mark.timeout(300)
+def test_kernels_trace_and_lower_inside_shard_map():
+  """Under shard_map (check_vma on, as jaxlowbit.fsdp runs the model) every kernel traces and lowers for sm90.
+
+  pallas_call needs its outputs' varying mesh axes there (pallas_kernels/vma.py); the
+  interpreter cannot run under check_vma in jax 0.10.2, so this lowers for CUDA instead.
+  """
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from pallas_kernels import hopper_gemm, int8_gemv, w8a16
+
+  if jax.default_backend() != "cpu":
+    pytest.skip("lowers for CUDA from a CPU host; on a GPU tests/test_kernels_gpu.py runs the kernels under shard_map")
+  mesh = jax.make_mesh((2,), ("x",))
+  rows, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=rows)
+  sx = jax.ShapeDtypeStruct((512,), jnp.float32, sharding=rows)
+  wq = jax.ShapeDtypeStruct((256, 256), jnp.int8, sharding=replicated)  # [N, K]
+  sw = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=replicated)
+  spec = QuantSpec("int8")
+
+  def local(x, sx, wq, sw):
+    (q, s), (qt, _) = qk.quantize_rows_and_cols_t_kernel(x, spec)
+    y16 = w8a16.w8a16_matmul_kernel(x, wq, sw, jnp.float32)
+    y8 = int8_gemv.a8w8_matmul_kernel(q[:8], s[:8], wq, sw, jnp.float32)
+    y = hopper_gemm.scaled_matmul_hopper(q, s, wq, sw, out_dtype=jnp.bfloat16, sms=132)
+    return q, qt.T, y16, y8, y
+
+  sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x"), P(), P()), out_specs=P("x")))
+  text = sharded.trace(x, sx, wq, sw).lower(lowering_platforms=("cuda",)).as_text()
+  for kernel in ("jaxlowbit_quantize_rows", "jaxlowbit_w8a16_matmul", "jaxlowbit_a8w8_matmul", "mosaic_gpu"):
+    assert kernel in text, kernel

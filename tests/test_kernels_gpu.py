@@ -142,3 +142,33 @@ def test_vmap_and_jit_of_kernel_path(monkeypatch):
   ys = f(xs)
   for i in range(2):
     assert sqnr_db(ys[i], quantized_matmul(xs[i], w, Int8MixedPrecision())) > 40
+
+
+@needs_hopper
+@pytest.mark.parametrize("recipe", [Int8MixedPrecision(), Float8("rowwise"), BitNet(True, True)], ids=str)
+def test_kernel_path_under_shard_map(recipe, monkeypatch):
+  """All three matmuls on the Pallas path inside shard_map (check_vma on, as in jaxlowbit.fsdp) match XLA."""
+  from jax.sharding import PartitionSpec as P
+
+  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  devices = jax.devices()
+  mesh = jax.make_mesh((len(devices),), ("b",))
+  kx, kw, kg = jax.random.split(fresh_key(), 3)
+  x = jax.random.normal(kx, (512 * len(devices), 1024), jnp.bfloat16)
+  w = jax.random.normal(kw, (1024, 768), jnp.float32) / 32
+  g = jax.random.normal(kg, (512 * len(devices), 768), jnp.bfloat16)
+
+  def local(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
+    dx, dw = vjp(g)
+    return y, dx, jax.lax.psum(dw, "b")
+
+  def run():  # traced afresh for each backend (the environment variable is read at trace time)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("b"), P(), P("b")), out_specs=(P("b"), P("b"), P()))
+    return jax.block_until_ready(jax.jit(sharded)(x, w, g))
+
+  pallas = run()
+  monkeypatch.setenv(dispatch.BACKEND_ENV, "xla")
+  xla = run()
+  for name, p, r in zip(("output", "grad_input", "grad_weight"), pallas, xla):
+    assert sqnr_db(p, r) > 35, name  # same quantization on both paths, as in test_all_three_matmuls_pallas_vs_xla
