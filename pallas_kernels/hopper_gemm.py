@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.reference import accumulator_dtype, check_operands
-from pallas_kernels.vma import out_struct
+from pallas_kernels.vma import out_struct, vary_like
 
 # SMs of an H100 SXM / H200; used only when no GPU is attached (lowering tests on CPU).
 DEFAULT_NUM_SMS = 132
@@ -211,7 +211,7 @@ def _scaled_matmul_hopper(a, a_scale, b, b_scale, *, out_dtype, config: GemmConf
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return call(a, b, a_scale, b_scale)
+  return vary_like(call(a, b, a_scale, b_scale), a, a_scale, b, b_scale)
 
 
 def _per_row(scale: jax.Array, rows: int) -> jax.Array:

@@ -10,6 +10,7 @@ operand's set is empty and so is the output's.
 from __future__ import annotations
 
 import jax
+from jax import lax
 
 
 def out_struct(shape: tuple[int, ...], dtype, *operands: jax.Array) -> jax.ShapeDtypeStruct:
@@ -17,3 +18,15 @@ def out_struct(shape: tuple[int, ...], dtype, *operands: jax.Array) -> jax.Shape
   mats = [jax.typeof(operand).mat for operand in operands]
   varying = frozenset().union(*(mat.varying for mat in mats))
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+
+
+def vary_like(out: jax.Array, *operands: jax.Array) -> jax.Array:
+  """``out`` marked varying along every manual axis any operand varies along.
+
+  For kernels whose wrapper traces with the check off (Mosaic GPU's ``plgpu.kernel``): their
+  outputs come back invariant, which a ``custom_vjp`` backward then fails to match against
+  its varying primal inputs.
+  """
+  varying = frozenset().union(*(jax.typeof(operand).mat.varying for operand in operands))
+  missing = varying - jax.typeof(out).mat.varying
+  return lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out

@@ -113,6 +113,8 @@ def test_kernels_trace_and_lower_inside_shard_map():
     y16 = w8a16.w8a16_matmul_kernel(x, wq, sw, jnp.float32)
     y8 = int8_gemv.a8w8_matmul_kernel(q[:8], s[:8], wq, sw, jnp.float32)
     y = hopper_gemm.scaled_matmul_hopper(q, s, wq, sw, out_dtype=jnp.bfloat16, sms=132)
+    for out in (q, s, qt, y16, y8, y):  # a custom_vjp backward must match its varying primal inputs
+      assert jax.typeof(out).mat.varying == {"x"}, jax.typeof(out)
     return q, qt.T, y16, y8, y
 
   sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x"), P(), P()), out_specs=P("x")))
