@@ -10,7 +10,9 @@ is the same, so the two runs compute the same function up to the order of floati
 reductions (and, for quantized recipes, the rounding ties that order can flip). Reports per
 recipe the largest relative difference of the per-step training loss, the relative
 difference of the final validation loss, and the median step time of each run; prints a
-table last and writes everything as JSON to ``--out``.
+table last and writes everything as JSON to ``--out``. The learning rate warms up over all
+``--steps``: at full rate within a few steps a fresh model's loss jumps around, and those
+jumps amplify any difference into a meaningless comparison.
 
 Needs no network: the default corpus is the Python standard library's sources.
 """
@@ -41,7 +43,7 @@ def run(config: str, recipe: str, mesh_fsdp: int, run_dir: pathlib.Path, steps: 
       sys.executable, "-m", "train.main", f"--config={config}", f"--workdir={run_dir}",
       f"--config.recipe={recipe}", f"--config.steps={steps}", f"--config.mesh.fsdp={mesh_fsdp}",
       f"--config.eval_every={steps}", f"--config.checkpoint_every={steps}", "--config.log_every=1",
-      f"--config.warmup_steps={steps // 5}", "--config.tensorboard=False", *[f"--config.{o}" for o in overrides],
+      f"--config.warmup_steps={steps}", "--config.tensorboard=False", *[f"--config.{o}" for o in overrides],
   ]
   print("$ " + " ".join(command), flush=True)
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -154,9 +154,10 @@ def test_kernel_path_under_shard_map(recipe, monkeypatch):
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("b",))
   kx, kw, kg = jax.random.split(fresh_key(), 3)
-  x = jax.random.normal(kx, (512 * len(devices), 1024), jnp.bfloat16)
+  rows = jax.sharding.NamedSharding(mesh, P("b"))
+  x = jax.device_put(jax.random.normal(kx, (512 * len(devices), 1024), jnp.bfloat16), rows)
   w = jax.random.normal(kw, (1024, 768), jnp.float32) / 32
-  g = jax.random.normal(kg, (512 * len(devices), 768), jnp.bfloat16)
+  g = jax.device_put(jax.random.normal(kg, (512 * len(devices), 768), jnp.bfloat16), rows)
 
   def local(x, w, g):
     y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
