@@ -113,6 +113,10 @@ def test_optimizer_schedule_mask_and_clipping():
   np.testing.assert_allclose(float(schedule(10)), 1e-3, rtol=1e-6)
   np.testing.assert_allclose(float(schedule(60)), 0.55e-3, rtol=1e-5)  # half-way down the cosine
   np.testing.assert_allclose(float(schedule(110)), 1e-4, rtol=1e-5)
+  config.update(warmup_steps=110)  # warm-up over the whole run: no cosine phase (optax refuses an empty one)
+  warm_only = train_optimizer.learning_rate_schedule(config)
+  for step in (0, 55, 109):  # the same ramp as with a cosine phase: lr / warmup + (lr - lr / warmup) * step / warmup
+    np.testing.assert_allclose(float(warm_only(step)), 1e-3 / 110 + (1e-3 - 1e-3 / 110) * step / 110, rtol=1e-5)
 
   params = {"layers": {"attn_norm": {"scale": jnp.ones((2, 4))}, "qkv": {"kernel": jnp.ones((2, 4, 4))}},
             "embed": {"embedding": jnp.ones((8, 4))}}

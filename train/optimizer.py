@@ -23,7 +23,10 @@ def learning_rate_schedule(config) -> optax.Schedule:
   """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
 
   The first step already moves (``lr / warmup_steps``): warming up from exactly 0 wastes it.
+  A run that warms up over all its steps (``warmup_steps == steps``) has no decay phase.
   """
+  if config.warmup_steps == config.steps:  # optax's cosine phase needs at least one step
+    return optax.linear_schedule(config.lr / config.warmup_steps, config.lr, config.warmup_steps)
   return optax.warmup_cosine_decay_schedule(
       init_value=config.lr / max(config.warmup_steps, 1),
       peak_value=config.lr,
