@@ -7,9 +7,12 @@ For each recipe, two ``python -m train.main`` subprocesses train the same config
 data: one with ``--config.mesh.fsdp=1`` (one device, the plain jitted step) and one with
 ``--config.mesh.fsdp=0`` (FSDP over all visible devices, the default there). The global batch
 is the same, so the two runs compute the same function up to the order of floating-point
-reductions (and, for quantized recipes, the rounding ties that order can flip). Reports per
-recipe the largest relative difference of the per-step training loss, the relative
-difference of the final validation loss, and the median step time of each run; prints a
+reductions (and, for quantized recipes, the rounding ties that order can flip). Such
+differences grow over training (Adam's normalized steps amplify them), so a third run, the
+control, trains on one device with two microbatches per step: the same function summed in
+another order. Reports per recipe the largest relative difference of the per-step training
+loss, the relative difference of the final validation loss (FSDP and control, each against
+the one-device run), and the median step time of each run; prints a
 table last and writes everything as JSON to ``--out``. The learning rate warms up over all
 ``--steps``: at full rate within a few steps a fresh model's loss jumps around, and those
 jumps amplify any difference into a meaningless comparison.
@@ -34,7 +37,10 @@ from benchmarks.common import table, write_json  # noqa: E402
 from train.metrics import read_metrics  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-MESHES = {"one": 1, "fsdp": 0}  # --config.mesh.fsdp: 1 = one device, 0 = every visible device
+# name -> (--config.mesh.fsdp: 1 = one device, 0 = every visible device; extra overrides). The
+# control computes the one-device run's function with another summation order (two
+# microbatches): how far two runs drift apart from reordering alone.
+RUNS = {"one": (1, []), "fsdp": (0, []), "control": (1, ["grad_accum_steps=2"])}
 
 
 def run(config: str, recipe: str, mesh_fsdp: int, run_dir: pathlib.Path, steps: int, overrides: list[str]) -> None:
@@ -95,25 +101,39 @@ def main(argv: list[str] | None = None) -> None:
   results = []
   for recipe in args.recipes.split(","):
     runs = {}
-    for name, mesh_fsdp in MESHES.items():
+    for name, (mesh_fsdp, extra) in RUNS.items():
       run_dir = pathlib.Path(args.workdir) / f"{recipe}_{name}"
       if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-      run(args.config, recipe, mesh_fsdp, run_dir, args.steps, args.set)
+      run(args.config, recipe, mesh_fsdp, run_dir, args.steps, args.set + extra)
       runs[name] = summarize(run_dir)
+    control = compare(runs["one"], runs["control"])
     results.append({"recipe": recipe, **compare(runs["one"], runs["fsdp"]),
+                    "control_max_rel_loss_diff": control["max_rel_loss_diff"],
+                    "control_val_rel_diff": control["val_rel_diff"],
                     "step_time_one_s": runs["one"]["step_time_s"], "step_time_fsdp_s": runs["fsdp"]["step_time_s"],
                     "devices": runs["fsdp"]["devices"], "val_loss_one": runs["one"]["val_loss"],
                     "val_loss_fsdp": runs["fsdp"]["val_loss"], "runs": runs})
+    save(args, results)  # after every recipe: a run cut short keeps what it measured
+  print(table(results_rows(results), COLUMNS))
 
+
+COLUMNS = ["recipe", "devices", "steps", "max_rel_loss_diff", "first_step_rel_loss_diff", "val_loss_one",
+           "val_loss_fsdp", "val_rel_diff", "control_val_rel_diff", "ms/step one", "ms/step fsdp"]
+
+
+def results_rows(results: list[dict]) -> list[dict]:
   rows = [{k: v for k, v in r.items() if k != "runs"} for r in results]
-  write_json("fsdp_train", rows, out=args.out, config=args.config, steps=args.steps, overrides=args.set,
-             runs={r["recipe"]: r["runs"] for r in results})
   for row in rows:
     row["ms/step one"] = row["step_time_one_s"] and row["step_time_one_s"] * 1e3
     row["ms/step fsdp"] = row["step_time_fsdp_s"] and row["step_time_fsdp_s"] * 1e3
-  print(table(rows, ["recipe", "devices", "steps", "max_rel_loss_diff", "first_step_rel_loss_diff", "val_loss_one",
-                     "val_loss_fsdp", "val_rel_diff", "ms/step one", "ms/step fsdp"]))
+  return rows
+
+
+def save(args, results: list[dict]) -> None:
+  write_json("fsdp_train", results_rows(results), out=args.out, config=args.config, steps=args.steps, overrides=args.set,
+             runs={r["recipe"]: r["runs"] for r in results})
+
 
 if __name__ == "__main__":
   main()
