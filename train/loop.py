@@ -380,6 +380,16 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> set[str]:
   return changed
 
 
+def _field_change(old: dict, new: dict, field: str) -> str:
+  """``"mesh.fsdp 4 -> 2"``: a dotted field's value in two config dicts (None where absent)."""
+  values = []
+  for config in (old, new):
+    for key in field.split("."):
+      config = config.get(key) if isinstance(config, dict) else None
+    values.append(config)
+  return f"{field} {values[0]} -> {values[1]}"
+
+
 def _finite(tree) -> bool:
   return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
 
@@ -462,9 +472,15 @@ def train(
   config_file = run_dir / checkpoint.CONFIG_FILE
   if latest is not None:
     if config_file.exists():
-      changed = _changed_fields(json.loads(config_file.read_text()), json.loads(train_config.to_json(config)))
-      if changed - {"resume"}:
-        say(f"warning: resuming with changed config fields {sorted(changed - {'resume'})}: expect a different run")
+      old, new = json.loads(config_file.read_text()), json.loads(train_config.to_json(config))
+      changed = _changed_fields(old, new) - {"resume"}
+      # Another mesh only places the same run differently (the checkpoint is resharded).
+      moved = sorted(field for field in changed if field.split(".")[0] == "mesh")
+      if changed - set(moved):
+        say(f"warning: resuming with changed config fields {sorted(changed - set(moved))}: expect a different run")
+      if moved:
+        say(f"config.mesh changed ({', '.join(_field_change(old, new, field) for field in moved)}): "
+            "the checkpoint is resharded onto this run's devices")
     state, data_state = checkpointer.restore(latest, functions.restore_target())  # orbax reshards to this mesh
     if plan is not None and state.scales is None:  # an unsharded run's checkpoint
       state = functions.with_scales(state)
