@@ -448,6 +448,10 @@ def train(
   schedule = learning_rate_schedule(config)
   main_process = jax.process_index() == 0  # the one that writes metrics and config.json
   num_devices = 1 if plan is None else plan.mesh.size
+  # XLA:CPU runs the collectives of its virtual devices on one shared thread pool: with several
+  # sharded steps queued, the devices' threads can wait in different steps' rendezvous and the
+  # runtime aborts after 40 s (seen on 2 cores, 8 devices). Such runs wait for each step.
+  sync_each_step = plan is not None and plan.mesh.devices.flat[0].platform == "cpu"
 
   counts = param_count(model_config)
   tokens_per_step = config.batch_size * config.seq_len
@@ -569,6 +573,8 @@ def train(
         if step + 1 == config.inject_nan_at_step:  # fault injection (tests, drills): the model diverges here
           state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
         state, step_metrics = train_step(state, batch)
+        if sync_each_step:
+          jax.block_until_ready(step_metrics)
         step += 1
         pending.append((step, step_metrics))
 
