@@ -104,6 +104,19 @@ def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None
   return w8a16_matmul_reference(x, wq, w_scale, out_dtype)
 
 
+def _use_gemv(who: str, m: int, n: int, k_bytes: int, kernel_max_m: int, base) -> bool:
+  """Whether an int8-activation GEMV kernel (``pallas_kernels.int8_gemv``) takes ``[M, K] x [N, K_bytes]``.
+
+  Under ``auto`` up to ``kernel_max_m`` rows; forced (``pallas``) up to :data:`GEMV_MAX_M`,
+  above which the wgmma GEMM takes over.
+  """
+  forced = dispatch.requested_backend() == "pallas"
+  if m > max(kernel_max_m, GEMV_MAX_M if forced else 0):
+    return False
+  fits = gemv_supports(n, k_bytes, gemv_config_for(m, n, k_bytes, base))
+  return _use_kernel(who, m <= kernel_max_m, fits)
+
+
 def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype) -> jax.Array:
   """Large-M int8 GEMM: wgmma (``dispatch.scaled_matmul``) when it fills the GPU or is forced, else XLA."""
   if dispatch.requested_backend() == "pallas" or _wgmma_fills_gpu(xq.shape[0], wq.shape[0]):
@@ -114,11 +127,7 @@ def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype) -> jax.Array:
 def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
   """``(xq @ wq.T) * x_scale * w_scale``: int8 ``[M, K]`` x int8 ``[N, K]`` -> ``[M, N]`` (int32 exact)."""
   check_a8w8(xq, x_scale, wq, w_scale)
-  m = xq.shape[0]
-  n, k = wq.shape
-  small = m <= max(W8A8_KERNEL_MAX_M, GEMV_MAX_M if dispatch.requested_backend() == "pallas" else 0)
-  fits = gemv_supports(n, k, gemv_config_for(m, n, k, A8W8_BASE))
-  if small and _use_kernel("W8A8", m <= W8A8_KERNEL_MAX_M, fits):
+  if _use_gemv("W8A8", xq.shape[0], *wq.shape, W8A8_KERNEL_MAX_M, A8W8_BASE):
     from pallas_kernels.int8_gemv import a8w8_matmul_kernel
 
     return a8w8_matmul_kernel(xq, x_scale, wq, w_scale, out_dtype)
@@ -128,11 +137,7 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  m = xq.shape[0]
-  n, k_bytes = w_packed.shape
-  small = m <= max(TERNARY_KERNEL_MAX_M, GEMV_MAX_M if dispatch.requested_backend() == "pallas" else 0)
-  fits = gemv_supports(n, k_bytes, gemv_config_for(m, n, k_bytes, A8W2_BASE))
-  if small and _use_kernel("ternary A8W2", m <= TERNARY_KERNEL_MAX_M, fits):
+  if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, TERNARY_KERNEL_MAX_M, A8W2_BASE):
     from pallas_kernels.int8_gemv import a8w2_matmul_kernel
 
     return a8w2_matmul_kernel(xq, x_scale, w_packed, w_scale, out_dtype)
