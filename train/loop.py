@@ -111,6 +111,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def next_scales(params, plan: fsdp.FsdpPlan):
+  """``TrainState.scales`` for ``params``: every quantized kernel's global scale, one all-reduce."""
+  return traverse_util.unflatten_dict(fsdp.precompute_scales(params, plan))
+
+
+def _fsdp_loss(model: Transformer, plan: fsdp.FsdpPlan, params, scales, tokens: jax.Array, **apply_kwargs):
+  """One device's next-token loss inside shard_map: its parameter shards, its tokens ``[b, T + 1]``."""
+  logits = fsdp.apply(model, params, tokens[:, :-1], plan=plan, scales=scales, **apply_kwargs)
+  return cross_entropy(logits, tokens[:, 1:])
+
+
 def make_init(
     model: Transformer, optimizer: optax.GradientTransformation, config, plan: fsdp.FsdpPlan | None = None
 ) -> Callable[[], TrainState]:
@@ -123,20 +134,14 @@ def make_init(
   def init() -> TrainState:
     params_key, dropout_key = jax.random.split(jax.random.key(config.seed))
     params = model.init(params_key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
-    if plan is None:
-      return TrainState(
-          step=jnp.zeros((), jnp.int32),
-          params=params,
-          opt_state=optimizer.init(params),
-          rng=jax.random.key_data(dropout_key),
-      )
-    params = jax.lax.with_sharding_constraint(params, plan.shardings())
+    if plan is not None:
+      params = jax.lax.with_sharding_constraint(params, plan.shardings())
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=fsdp.init_optimizer(optimizer, params, plan),
+        opt_state=optimizer.init(params) if plan is None else fsdp.init_optimizer(optimizer, params, plan),
         rng=jax.random.key_data(dropout_key),
-        scales=traverse_util.unflatten_dict(fsdp.precompute_scales(params, plan)),
+        scales=None if plan is None else next_scales(params, plan),
     )
 
   return init
@@ -164,17 +169,13 @@ def make_train_step(
     logits = model.apply({"params": params}, tokens[:, :-1], rngs={"dropout": rng} if dropout else {})
     return cross_entropy(logits, tokens[:, 1:])
 
-  def device_loss_fn(params, scales, tokens: jax.Array, rng: jax.Array) -> jax.Array:
-    """One device's loss (inside shard_map): local shards, this device's tokens; rng folded per device."""
-    logits = fsdp.apply(model, params, tokens[:, :-1], plan=plan, scales=scales,
-                        **({"rngs": {"dropout": rng}} if dropout else {}))
-    return cross_entropy(logits, tokens[:, 1:])
-
   def grad_fn(state: TrainState, tokens: jax.Array, rng: jax.Array):
     """``(loss, grads)`` of one microbatch (FSDP: mean over devices, gradients sharded like the params)."""
     if plan is None:
       return jax.value_and_grad(loss_fn)(state.params, tokens, rng)
-    sharded = fsdp.value_and_grad(lambda params, scales, tokens: device_loss_fn(params, scales, tokens, rng), plan)
+    rngs = {"rngs": {"dropout": rng}} if dropout else {}  # fsdp.apply folds the key per device
+    sharded = fsdp.value_and_grad(lambda params, scales, tokens: _fsdp_loss(model, plan, params, scales, tokens, **rngs),
+                                  plan)
     return sharded(state.params, traverse_util.flatten_dict(state.scales), tokens)
 
   def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -200,7 +201,7 @@ def make_train_step(
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if plan is not None:  # every quantized weight's scale for the next step, in one all-reduce
-      new_state = new_state.replace(scales=traverse_util.unflatten_dict(fsdp.precompute_scales(params, plan)))
+      new_state = new_state.replace(scales=next_scales(params, plan))
     return new_state, {"loss": loss, "grad_norm": grad_norm}
 
   return train_step
@@ -213,11 +214,11 @@ def make_eval_step(model: Transformer, plan: fsdp.FsdpPlan | None = None):
     del scales
     return cross_entropy(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
 
-  def device_loss_fn(params, scales, batch: jax.Array) -> jax.Array:
-    return cross_entropy(fsdp.apply(model, params, batch[:, :-1], plan=plan, scales=scales), batch[:, 1:])
+  def device_loss(params, scales, batch: jax.Array) -> jax.Array:
+    return _fsdp_loss(model, plan, params, scales, batch)
 
   def fsdp_eval_step(params, scales, batch: jax.Array) -> jax.Array:
-    return fsdp.evaluate(device_loss_fn, plan)(params, traverse_util.flatten_dict(scales), batch)
+    return fsdp.evaluate(device_loss, plan)(params, traverse_util.flatten_dict(scales), batch)
 
   return eval_step if plan is None else fsdp_eval_step
 
@@ -277,8 +278,7 @@ class StepFunctions:
 
   def with_scales(self, state: TrainState) -> TrainState:
     """``state`` with the scales of its parameters (resuming an unsharded run's checkpoint under FSDP)."""
-    scales = jax.jit(lambda params: fsdp.precompute_scales(params, self.plan))(state.params)
-    return state.replace(scales=traverse_util.unflatten_dict(scales))
+    return state.replace(scales=jax.jit(lambda params: next_scales(params, self.plan))(state.params))
 
 
 def step_functions(config: ml_collections.ConfigDict) -> StepFunctions:
