@@ -427,8 +427,7 @@ def train(
   Raises:
     NonFiniteLossError: the loss or gradient norm became NaN/inf (see the module docstring).
   """
-  train_config.check(config)
-  train_config.mesh_shape(config)  # the devices fit the config (before the data is read)
+  train_config.mesh_shape(config)  # the config's fields, and that it fits the devices (before the data is read)
   run_dir = pathlib.Path(workdir)
   run_dir.mkdir(parents=True, exist_ok=True)
 
