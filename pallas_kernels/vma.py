@@ -13,11 +13,15 @@ import jax
 from jax import lax
 
 
+def _varying(operands) -> frozenset:
+  """The manual mesh axes along which any of ``operands`` varies."""
+  return frozenset().union(*(jax.typeof(operand).mat.varying for operand in operands))
+
+
 def out_struct(shape: tuple[int, ...], dtype, *operands: jax.Array) -> jax.ShapeDtypeStruct:
   """``jax.ShapeDtypeStruct(shape, dtype)`` varying along every manual axis any operand varies along."""
-  mats = [jax.typeof(operand).mat for operand in operands]
-  varying = frozenset().union(*(mat.varying for mat in mats))
-  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+  mat = jax.typeof(operands[0]).mat.update(varying=_varying(operands))
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
 def vary_like(out: jax.Array, *operands: jax.Array) -> jax.Array:
@@ -27,6 +31,5 @@ def vary_like(out: jax.Array, *operands: jax.Array) -> jax.Array:
   outputs come back invariant, which a ``custom_vjp`` backward then fails to match against
   its varying primal inputs.
   """
-  varying = frozenset().union(*(jax.typeof(operand).mat.varying for operand in operands))
-  missing = varying - jax.typeof(out).mat.varying
+  missing = _varying(operands) - jax.typeof(out).mat.varying
   return lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
