@@ -76,6 +76,12 @@ def operand_plan(recipe: Int8MixedPrecision | Float8) -> OperandPlan:
   )
 
 
+# Named scopes of the three matmuls (profiles attribute GEMMs and quantizations by them).
+OUTPUT_SCOPE = "jaxlowbit_output"
+GRAD_INPUT_SCOPE = "jaxlowbit_grad_input"
+GRAD_WEIGHT_SCOPE = "jaxlowbit_grad_weight"
+
+
 def hp_dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
   """High-precision ``a @ b`` with float32 accumulation, computed in ``a``'s dtype."""
   return jnp.matmul(a, b.astype(a.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
@@ -100,6 +106,11 @@ def rows_and_cols_t(t: jax.Array, rows_spec: QuantSpec | None, cols_spec: QuantS
 
 
 def _scaled_linear_fwd(x, w, recipe):
+  with jax.named_scope(OUTPUT_SCOPE):
+    return _scaled_linear_output(x, w, recipe)
+
+
+def _scaled_linear_output(x, w, recipe):
   plan = operand_plan(recipe)
   # x per token for the forward and, for grad_weight, per input feature (transposed).
   x_rows, x_cols_t = rows_and_cols_t(
@@ -121,16 +132,18 @@ def _scaled_linear_bwd(recipe, residuals, g):
   g_rows, g_cols_t = rows_and_cols_t(
       g, plan.grad_input[0] if plan.grad_input else None, plan.grad_weight[1] if plan.grad_weight else None
   )
-  if plan.grad_input:
-    qw, sw = dispatch.quantize_rows(w, plan.grad_input[1])  # W [K, N], per input channel
-    dx = dispatch.scaled_matmul(*g_rows, qw, sw, g.dtype)
-  else:
-    dx = hp_dot(g, w.T, g.dtype)
-  if plan.grad_weight:
-    qxt, sxt = saved_x  # x^T [K, M], per input feature
-    dw = dispatch.scaled_matmul(qxt, sxt, *g_cols_t, w.dtype)
-  else:
-    dw = hp_dot(saved_x.T, g, w.dtype)
+  with jax.named_scope(GRAD_INPUT_SCOPE):
+    if plan.grad_input:
+      qw, sw = dispatch.quantize_rows(w, plan.grad_input[1])  # W [K, N], per input channel
+      dx = dispatch.scaled_matmul(*g_rows, qw, sw, g.dtype)
+    else:
+      dx = hp_dot(g, w.T, g.dtype)
+  with jax.named_scope(GRAD_WEIGHT_SCOPE):
+    if plan.grad_weight:
+      qxt, sxt = saved_x  # x^T [K, M], per input feature
+      dw = dispatch.scaled_matmul(qxt, sxt, *g_cols_t, w.dtype)
+    else:
+      dw = hp_dot(saved_x.T, g, w.dtype)
   return dx, dw
 
 
@@ -147,6 +160,11 @@ def _bitnet_linear(x: jax.Array, w: jax.Array, recipe: BitNet) -> jax.Array:
 
 
 def _bitnet_linear_fwd(x, w, recipe):
+  with jax.named_scope(OUTPUT_SCOPE):
+    return _bitnet_linear_output(x, w, recipe)
+
+
+def _bitnet_linear_output(x, w, recipe):
   del recipe
   xq, sx = dispatch.quantize_rows(x, BITNET_ACTIVATIONS)
   wqt, s = dispatch.quantize_cols_t(w, TERNARY)  # Wq^T [N, K], one scale
@@ -157,24 +175,29 @@ def _bitnet_linear_fwd(x, w, recipe):
 
 def _bitnet_linear_bwd(recipe, residuals, g):
   xq, sx, w = residuals
-  wq, s = dispatch.quantize_rows(w, TERNARY)
-  if recipe.grad_input:
-    gq, sg = dispatch.quantize_rows(g, INT8_ROWS)
-    dx = dispatch.scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
-  else:
-    w_fake = (wq.astype(jnp.float32) * s).astype(g.dtype)  # weight-sized: cheap
-    dx = hp_dot(g, w_fake.T, g.dtype)
+  with jax.named_scope(GRAD_INPUT_SCOPE):
+    wq, s = dispatch.quantize_rows(w, TERNARY)
+    if recipe.grad_input:
+      gq, sg = dispatch.quantize_rows(g, INT8_ROWS)
+      dx = dispatch.scaled_matmul(gq, sg, wq, s, g.dtype)  # Wq is exact in int8
+    else:
+      w_fake = (wq.astype(jnp.float32) * s).astype(g.dtype)  # weight-sized: cheap
+      dx = hp_dot(g, w_fake.T, g.dtype)
+  with jax.named_scope(GRAD_WEIGHT_SCOPE):
+    dw = _bitnet_grad_weight(xq, sx, g, w.dtype, recipe)
+  return dx, dw
+
+
+def _bitnet_grad_weight(xq, sx, g, dtype, recipe):
   # Both forms below run in g's dtype (bf16 in training): the straight-through reference's
   # fake-quantized x, and sx * g, are exact enough there and an f32 GEMM would be ~3x slower.
   if recipe.grad_weight:
     # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
     scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
     qgt, sgt = dispatch.quantize_cols_t(scaled_g, INT8_ROWS)
-    dw = dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, w.dtype)
-  else:
-    x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
-    dw = hp_dot(x_fake.T, g, w.dtype)
-  return dx, dw
+    return dispatch.scaled_matmul(xq.T, jnp.ones((), jnp.float32), qgt, sgt, dtype)
+  x_fake = (xq.astype(jnp.float32) * sx).astype(g.dtype)
+  return hp_dot(x_fake.T, g, dtype)
 
 
 _bitnet_linear.defvjp(_bitnet_linear_fwd, _bitnet_linear_bwd)

@@ -89,8 +89,19 @@ def _quantize_on_kernel(x: jax.Array, spec: QuantSpec, transposed: bool) -> bool
   return x.ndim == 2 and kernels.supported(spec, *x.shape, transposed=transposed)
 
 
+# Every quantization and low-bit GEMM runs inside one of these scopes, so profiles
+# (benchmarks/profile_step.py) and HLO dumps can attribute kernels and fusions to them.
+QUANTIZE_SCOPE = "jaxlowbit_quantize"
+GEMM_SCOPE = "jaxlowbit_gemm"
+
+
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [R, C]`` of ``spec.dtype``, float32 dequant scale ``[R, 1]`` or ``[1, 1]``)."""
+  with jax.named_scope(QUANTIZE_SCOPE):
+    return _quantize_rows(x, spec)
+
+
+def _quantize_rows(x, spec):
   if _quantize_on_kernel(x, spec, transposed=False):
     from pallas_kernels.quantize import quantize_rows_kernel
 
@@ -100,6 +111,11 @@ def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
 
 def quantize_cols_t(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [C, R]``: per-column quantization written transposed, scale ``[C, 1]`` or ``[1, 1]``)."""
+  with jax.named_scope(QUANTIZE_SCOPE):
+    return _quantize_cols_t(x, spec)
+
+
+def _quantize_cols_t(x, spec):
   if _quantize_on_kernel(x, spec, transposed=True):
     from pallas_kernels.quantize import quantize_cols_t_kernel
 
@@ -112,7 +128,8 @@ def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec):
   if _quantize_on_kernel(x, spec, transposed=False):
     from pallas_kernels.quantize import quantize_rows_and_cols_t_kernel
 
-    return quantize_rows_and_cols_t_kernel(x, spec)
+    with jax.named_scope(QUANTIZE_SCOPE):
+      return quantize_rows_and_cols_t_kernel(x, spec)
   return quantize_rows(x, spec), quantize_cols_t(x, spec)
 
 
@@ -129,8 +146,9 @@ def scaled_matmul(
   check_operands(a, a_scale, b, b_scale)
   m, k = a.shape
   per_tensor = a_scale.size == 1 and b_scale.size == 1
-  if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor) == "pallas":
-    from pallas_kernels.hopper_gemm import scaled_matmul_hopper  # imports Mosaic GPU lazily
+  with jax.named_scope(GEMM_SCOPE):
+    if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor) == "pallas":
+      from pallas_kernels.hopper_gemm import scaled_matmul_hopper  # imports Mosaic GPU lazily
 
-    return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype)
-  return scaled_matmul_reference(a, a_scale, b, b_scale, out_dtype)
+      return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype)
+    return scaled_matmul_reference(a, a_scale, b, b_scale, out_dtype)

@@ -191,14 +191,16 @@ def make_train_step(
       def add_microbatch(carry, xs):
         index, tokens = xs
         loss, grads = grad_fn(state, tokens, jax.random.fold_in(rng, index))
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        with jax.named_scope("grad_accum"):
+          return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
       (loss, grads), _ = jax.lax.scan(add_microbatch, zeros, (jnp.arange(accum), micro))
       loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      grad_norm = optax.tree.norm(grads)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if plan is not None:  # every quantized weight's scale for the next step, in one all-reduce
       new_state = new_state.replace(scales=next_scales(params, plan))

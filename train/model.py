@@ -295,10 +295,11 @@ class Attention(nn.Module):
     mask = None
     if self.decode:  # the mask is None while initializing (that allocates the cache)
       k, v, mask = kv_cache_update(self, k, v, positions)
-    if mask is None:
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
-    else:
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    with jax.named_scope("attention_core"):
+      if mask is None:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
+      else:
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
     return projection(c, out.reshape(b, t, q_dim), "layers.attn.out", c.d_model, _residual_std(c))
 
 

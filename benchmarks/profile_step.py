@@ -1,0 +1,307 @@
+"""Where the trainer's step spends its time: a ``jax.profiler`` trace of ``train.main``'s own step, per config.
+
+    PYTHONPATH=. python benchmarks/profile_step.py --out benchmarks/results/profile_1b.json
+    PYTHONPATH=. python benchmarks/profile_step.py --runs bf16=configs/bf16_1b.py,int8=configs/int8_1b.py \\
+        --set model.scan_layers=False --out /tmp/p.json
+
+For every run (a name, a config file, optional ``KEY=VALUE`` overrides) it builds the trainer's
+jitted step (``train.loop.step_functions``: what ``python -m train.main`` runs, on synthetic
+batches), compiles it (timed), times ``--steps`` steps, then traces ``--trace_steps`` more with
+``jax.profiler`` and reads the trace back in Python (``jax.profiler.ProfileData``, no TensorBoard).
+
+Each device kernel is put in one category, from its kernel name and from the ``op_name`` that the
+compiled HLO records for the XLA op that launched it (jaxlowbit and the model name their pieces
+with ``jax.named_scope``, so the categories follow the code, not guesses about fusion names):
+
+==============  =============================================================================
+category        what
+==============  =============================================================================
+gemm_fwd        forward matmuls (cuBLAS, XLA Triton GEMMs, jaxlowbit's Mosaic GPU GEMM)
+gemm_grad_input backward ``dx = g W^T``
+gemm_grad_weight backward ``dW = x^T g``
+quantize        jaxlowbit quantization passes (Pallas kernels and XLA fusions in its scopes)
+attention       cuDNN flash attention (or XLA's) forward and backward
+norm            RMSNorm forward and backward fusions
+copy            memcpy, dynamic-update-slice, transposes and copies XLA inserts
+collective      all-gather, reduce-scatter, all-reduce (NCCL)
+optimizer       the optimizer update, gradient clipping and accumulation
+elementwise     everything else (SwiGLU, RoPE, residual adds, embedding, loss, ...)
+idle            time in the traced span when no kernel ran on any stream
+==============  =============================================================================
+
+Prints a table last (ms per step per category) and writes JSON with every category, the top
+kernels by time and the throughput. On CPU (``--runs tiny=configs/tiny.py --steps 2``) it checks
+that it runs; the categories there are XLA:CPU thunks, not GPU kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+
+from benchmarks import common
+from benchmarks.train_throughput import parse_overrides
+from train import config as train_config
+from train import data, loop, metrics
+from train.model import train_flops_per_token
+
+CATEGORIES = (
+    "gemm_fwd", "gemm_grad_input", "gemm_grad_weight", "quantize", "attention", "norm", "copy", "collective",
+    "optimizer", "elementwise", "idle",
+)
+DEFAULT_RUNS = "bf16=configs/bf16_1b.py,int8=configs/int8_1b.py,fp8=configs/fp8_1b.py,bitnet=configs/bitnet_1b.py"
+TOP_KERNELS = 40
+
+# Kernel-name patterns (lower case) that identify a category whatever op launched them.
+_GEMM_KERNELS = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|ampere_|cublas|matmul|triton_dot|scaled_matmul")
+_ATTENTION_KERNELS = re.compile(r"flash|fmha|cudnn|attention|sdpa")
+_COPY_KERNELS = re.compile(r"memcpy|memset|dynamic.update.slice|dynamic_update_slice|transpose|copy")
+# XLA's attention (jax.nn.dot_product_attention, implementation="xla") shows as these einsums.
+_ATTENTION_SCOPES = re.compile(r"dot_product_attention|bnts|attention_core")
+_COLLECTIVE_KERNELS = re.compile(r"nccl|all.gather|all_gather|reduce.scatter|reduce_scatter|all.reduce|all_reduce")
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """``{HLO instruction name: op_name metadata}`` of a compiled module's text."""
+  names = {}
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+    if not match:
+      continue
+    meta = re.search(r'op_name="([^"]*)"', line)
+    names[match.group(1)] = meta.group(1) if meta else ""
+  return names
+
+
+def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: int) -> str:
+  """fwd / grad_input / grad_weight of a GEMM from its op_name (jaxlowbit scopes, autodiff) and shape."""
+  if "grad_weight" in op_name:
+    return "gemm_grad_weight"
+  if "grad_input" in op_name:
+    return "gemm_grad_input"
+  if "transpose(" not in op_name and "bwd" not in op_name:
+    return "gemm_fwd"
+  # Autodiff of a plain dot: dW has no token dimension, dx has one.
+  if output_shape is not None and tokens not in output_shape:
+    return "gemm_grad_weight"
+  return "gemm_grad_input"
+
+
+def hlo_output_shapes(hlo_text: str) -> dict[str, tuple[int, ...]]:
+  """``{instruction: output shape}`` for instructions with one array output."""
+  shapes = {}
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]", line)
+    if match:
+      shapes[match.group(1)] = tuple(int(d) for d in match.group(2).split(",") if d)
+  return shapes
+
+
+def categorize(kernel: str, op_name: str, shape, tokens: int) -> str:
+  """The category of one kernel (module docstring)."""
+  name, scope = kernel.lower(), op_name.lower()
+  if _COLLECTIVE_KERNELS.search(name) or _COLLECTIVE_KERNELS.search(scope):
+    return "collective"
+  if "quantize" in name or "/quantize" in scope or "jaxlowbit_quantize" in scope:
+    return "quantize"
+  if _ATTENTION_KERNELS.search(name):
+    return "attention"
+  if _ATTENTION_SCOPES.search(scope):
+    return "attention"
+  if _GEMM_KERNELS.search(name) or "jaxlowbit_gemm" in scope or scope.endswith("dot_general"):
+    return gemm_kind(scope, shape, tokens)
+  if "optimizer" in scope or "grad_accum" in scope:
+    return "optimizer"
+  if _COPY_KERNELS.search(name):
+    return "copy"
+  if "norm" in scope:
+    return "norm"
+  return "elementwise"
+
+
+def device_kernels(profile) -> list[tuple[str, int, int, dict]]:
+  """``(name, start_ns, duration_ns, stats)`` of every kernel on a GPU stream (XLA:CPU: every thunk)."""
+  kernels = []
+  for plane in profile.planes:
+    on_gpu = plane.name.startswith("/device:GPU")
+    if not on_gpu and plane.name != "/host:CPU":
+      continue
+    for line in plane.lines:
+      if on_gpu and not line.name.lower().startswith("stream"):
+        continue
+      for event in line.events:
+        stats = dict(event.stats)
+        # XLA:CPU: thunks only; a while/call thunk encloses its body's thunks (counted already).
+        if not on_gpu and ("hlo_op" not in stats or re.match(r"(while|call|conditional)\b", event.name)):
+          continue
+        kernels.append((event.name, int(event.start_ns), int(event.duration_ns), stats))
+  return kernels
+
+
+def busy_ns(kernels) -> tuple[int, int]:
+  """(union of kernel intervals, span from the first start to the last end) in ns."""
+  intervals = sorted((start, start + duration) for _, start, duration, _ in kernels)
+  if not intervals:
+    return 0, 0
+  busy, (cur_start, cur_end) = 0, intervals[0]
+  for start, end in intervals[1:]:
+    if start > cur_end:
+      busy += cur_end - cur_start
+      cur_start, cur_end = start, end
+    else:
+      cur_end = max(cur_end, end)
+  busy += cur_end - cur_start
+  return busy, intervals[-1][1] - intervals[0][0]
+
+
+def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int, steps: int) -> dict:
+  """Per-category ms per step, plus the top kernels by total time."""
+  per_category = collections.Counter()
+  per_kernel = collections.Counter()
+  example_scope = {}
+  for name, _, duration, stats in kernels:
+    hlo_op = str(stats.get("hlo_op", ""))
+    op_name = op_names.get(hlo_op, "")
+    category = categorize(name, op_name, shapes.get(hlo_op), tokens)
+    per_category[category] += duration
+    key = (category, name[:120])
+    per_kernel[key] += duration
+    example_scope.setdefault(key, f"{hlo_op} {op_name[-160:]}")
+  busy, span = busy_ns(kernels)
+  per_category["idle"] += max(span - busy, 0)
+  ms = {c: per_category[c] / 1e6 / steps for c in CATEGORIES}
+  top = [
+      {"category": c, "kernel": k, "ms_per_step": t / 1e6 / steps, "hlo": example_scope[(c, k)]}
+      for (c, k), t in per_kernel.most_common(TOP_KERNELS)
+  ]
+  return {"ms_per_step": ms, "kernel_ms_per_step": sum(v for c, v in ms.items() if c != "idle"),
+          "span_ms_per_step": span / 1e6 / steps, "top_kernels": top}
+
+
+def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float | None) -> dict:
+  """Compile, time and trace the trainer's step for ``config``."""
+  functions = loop.step_functions(config)
+  stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
+  batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps + trace_steps)]
+  state = functions.init()
+  started = time.perf_counter()
+  compiled = functions.train_step.lower(state, batches[0]).compile()
+  compile_s = time.perf_counter() - started
+  hlo_text = compiled.as_text()
+  op_names, shapes = hlo_op_names(hlo_text), hlo_output_shapes(hlo_text)
+
+  for batch in batches[:warmup]:
+    state, step_metrics = compiled(state, batch)
+  jax.block_until_ready((state, step_metrics))
+  started = time.perf_counter()
+  for batch in batches[warmup : warmup + steps]:
+    state, step_metrics = compiled(state, batch)
+  jax.block_until_ready((state, step_metrics))
+  step_time = (time.perf_counter() - started) / steps
+
+  trace_dir = tempfile.mkdtemp(prefix="profile_step_")
+  with jax.profiler.trace(trace_dir):
+    for batch in batches[warmup + steps :]:
+      state, step_metrics = compiled(state, batch)
+    jax.block_until_ready((state, step_metrics))
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  profile = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
+  micro_tokens = config.batch_size // config.grad_accum_steps * config.seq_len
+  result = breakdown(device_kernels(profile), op_names, shapes, micro_tokens, trace_steps)
+
+  tokens_per_step = config.batch_size * config.seq_len
+  flops = train_flops_per_token(train_config.model_config(config), config.seq_len) * tokens_per_step
+  devices = 1 if functions.plan is None else functions.plan.mesh.size
+  result.update(
+      recipe=config.recipe,
+      step_ms=1e3 * step_time,
+      tokens_per_s=tokens_per_step / step_time,
+      mfu=metrics.mfu(flops, step_time, peak, devices),
+      compile_s=compile_s,
+      loss=float(step_metrics["loss"]),
+  )
+  return result
+
+
+def format_table(rows: list[dict]) -> str:
+  columns = ["run", "tok/s", "vs first", "MFU", "step ms", "compile s", *CATEGORIES]
+  ok = [r for r in rows if "error" not in r]
+  base = ok[0]["tokens_per_s"] if ok else None
+  table_rows = []
+  for r in rows:
+    if "error" in r:
+      table_rows.append({"run": r["name"], "tok/s": "error: " + r["error"][:80]})
+      continue
+    row = {
+        "run": r["name"], "tok/s": f"{r['tokens_per_s']:,.0f}", "vs first": f"{r['tokens_per_s'] / base:.2f}x",
+        "MFU": "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", "step ms": f"{r['step_ms']:.1f}",
+        "compile s": f"{r['compile_s']:.0f}",
+    }
+    row.update({c: f"{r['ms_per_step'][c]:.1f}" for c in CATEGORIES})
+    table_rows.append(row)
+  return common.table(table_rows, columns) + "\n(category columns: kernel ms per step, from the trace)"
+
+
+def parse_runs(text: str) -> list[tuple[str, str, dict]]:
+  """``"name=config.py[;KEY=VALUE...],..."`` -> ``[(name, path, overrides)]``."""
+  runs = []
+  for item in text.split(","):
+    if not item:
+      continue
+    name, _, rest = item.partition("=")
+    path, *pairs = rest.split(";")
+    runs.append((name, path, parse_overrides(pairs)))
+  return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", default=DEFAULT_RUNS,
+                      help="comma-separated NAME=CONFIG[;KEY=VALUE...], e.g. int8=configs/int8_1b.py;grad_accum_steps=1")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override in every run")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps (throughput)")
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--trace_steps", type=int, default=3, help="steps inside the profiler trace")
+  parser.add_argument("--out", required=True, help="JSON file to write")
+  args = parser.parse_args(argv)
+
+  shared = {"data.source": "synthetic", "mesh.fsdp": 1, **parse_overrides(args.set)}
+  peak = metrics.peak_tflops()
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, bf16 peak {peak}", flush=True)
+  rows = []
+  for name, path, overrides in parse_runs(args.runs):
+    try:
+      config = train_config.load_file(path, {**shared, **overrides})
+      row = {"name": name, "config": path, "overrides": {**shared, **overrides},
+             **profile_one(config, args.steps, args.warmup, args.trace_steps, peak)}
+      print(f"{name}: {row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms/step, compile "
+            f"{row['compile_s']:.0f} s, loss {row['loss']:.3f}", flush=True)
+    except Exception as e:  # one failing run (e.g. out of memory) must not lose the others
+      traceback.print_exc()
+      row = {"name": name, "config": path, "error": f"{type(e).__name__}: {e}"}
+    rows.append(row)
+    common.write_json("profile_step", rows, args.out)  # after every run: a later crash keeps these
+    gc.collect()
+  print(format_table(rows))
+  for r in rows:
+    if "error" not in r:
+      print(f"\n{r['name']}: top kernels (ms/step)")
+      for k in r["top_kernels"][:12]:
+        print(f"  {k['ms_per_step']:7.2f}  {k['category']:<17} {k['kernel'][:70]}  [{k['hlo'][-70:]}]")
+  if any("error" in r for r in rows):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()
