@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, time_ms, write_json  # noqa: E402
-from jaxlowbit.formats import QuantSpec  # noqa: E402
+from jaxlowbit_numerics.formats import QuantSpec  # noqa: E402
 from pallas_kernels import hopper_gemm, quantize as qkernels  # noqa: E402
 from pallas_kernels.reference import (  # noqa: E402
     quantize_cols_t_reference,

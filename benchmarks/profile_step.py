@@ -48,13 +48,19 @@ import tempfile
 import time
 import traceback
 
-import jax
+# XLA:GPU launches a module's kernels as CUDA graphs (command buffers); a trace then names the
+# graph, not the HLO op behind each kernel. Profiling turns them off (before jax starts), so
+# the step times here run without graphs; benchmarks/train_throughput.py times with them.
+if "--keep_command_buffers" not in sys.argv:
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
-from benchmarks import common
-from benchmarks.train_throughput import parse_overrides
-from train import config as train_config
-from train import data, loop, metrics
-from train.model import train_flops_per_token
+import jax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.train_throughput import parse_overrides  # noqa: E402
+from train import config as train_config  # noqa: E402
+from train import data, loop, metrics  # noqa: E402
+from train.model import train_flops_per_token  # noqa: E402
 
 CATEGORIES = (
     "gemm_fwd", "gemm_grad_input", "gemm_grad_weight", "quantize", "attention", "norm", "copy", "collective",
@@ -274,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--trace_steps", type=int, default=3, help="steps inside the profiler trace")
   parser.add_argument("--out", required=True, help="JSON file to write")
+  parser.add_argument("--keep_command_buffers", action="store_true",
+                      help="keep XLA's CUDA graphs (kernels then cannot be attributed to HLO ops)")
   args = parser.parse_args(argv)
 
   shared = {"data.source": "synthetic", "mesh.fsdp": 1, **parse_overrides(args.set)}

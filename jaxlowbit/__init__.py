@@ -12,14 +12,14 @@ NNX layers live in ``jaxlowbit.nnx``.
 
 from jaxlowbit import fsdp, inference, optim, qstate, quantized_training
 from jaxlowbit.convert import convert, worth_quantizing
-from jaxlowbit.fp8 import dequantize_fp8, quantize_fp8
-from jaxlowbit.int8 import dequantize_int8, quantize_int8
+from jaxlowbit_numerics.fp8 import dequantize_fp8, quantize_fp8
+from jaxlowbit_numerics.int8 import dequantize_int8, quantize_int8
 from jaxlowbit.layers import BitNetDense, Fp8Dense, Int8Dense, dense_for
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
 from jaxlowbit.quantized_training import Int8Weight, Int8WeightOnlyDense
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe
 from jaxlowbit.rounding import stochastic_round
-from jaxlowbit.ternary import dequantize_ternary, pack_2bit, quantize_ternary, unpack_2bit
+from jaxlowbit_numerics.ternary import dequantize_ternary, pack_2bit, quantize_ternary, unpack_2bit
 
 __version__ = "0.1.0"
 

@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit import ternary
-from jaxlowbit.formats import QuantSpec
+from jaxlowbit_numerics import ternary
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
-from pallas_kernels import dispatch  # module import: pallas_kernels imports jaxlowbit's numerics
+from pallas_kernels import dispatch
 
 # How each operand of each matmul is quantized (see the table in the module docstring).
 # These specs and the helpers below are public because jaxlowbit.fsdp runs the same recipes

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlowbit import fp8
+from jaxlowbit_numerics import fp8
 from jaxlowbit.qstate import (
     BlockFormat,
     BlockQuantized,

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowbit import fp8
+from jaxlowbit_numerics import fp8
 
 Kind = Literal["dynamic", "linear", "e4m3", "fp16"]
 

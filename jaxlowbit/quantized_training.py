@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 from flax.core import meta
 
-from jaxlowbit.int8 import int8_scale, quantize_int8_with_scale
+from jaxlowbit_numerics.int8 import int8_scale, quantize_int8_with_scale
 from jaxlowbit.matmul import quantized_dot_general
 from jaxlowbit.recipes import Int8MixedPrecision, check_recipe
 from jaxlowbit.rounding import stochastic_round

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.int8 import INT8_MAX
-from jaxlowbit.stats import check_floating
+from jaxlowbit_numerics.int8 import INT8_MAX
+from jaxlowbit_numerics.stats import check_floating
 
 # float32 -> bfloat16 drops the low 16 mantissa bits of the float32 pattern.
 _BF16_DROPPED_BITS = 16

@@ -23,7 +23,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.formats import QuantSpec
+from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels.reference import (
     FP8_TYPES,
     check_operands,

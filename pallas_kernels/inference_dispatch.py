@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.ternary import unpack_2bit
+from jaxlowbit_numerics.ternary import unpack_2bit
 from pallas_kernels import dispatch
 from pallas_kernels.int8_gemv import A8W2_BASE, A8W8_BASE, check_a8w2, check_a8w8
 from pallas_kernels.int8_gemv import config_for as gemv_config_for

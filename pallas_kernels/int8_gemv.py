@@ -2,7 +2,7 @@
 
 - :func:`a8w8_matmul_kernel`: ``xq [M, K]`` int8 x ``wq [N, K]`` int8 (W8A8 inference).
 - :func:`a8w2_matmul_kernel`: ``xq [M, K]`` int8 x ternary weights packed four to a byte,
-  ``w_packed [N, K/4]`` (``jaxlowbit.ternary.pack_2bit`` along K), unpacked in registers:
+  ``w_packed [N, K/4]`` (``jaxlowbit_numerics.ternary.pack_2bit`` along K), unpacked in registers:
   the weight crosses HBM at 2 bits per value, a quarter of int8 and an eighth of bf16.
 
 Both compute ``out[m, n] = (sum_k xq[m, k] * w[n, k]) * x_scale[m] * w_scale[n]`` with exact
@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxlowbit.ternary import VALUES_PER_BYTE, unpack_2bit
+from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import MIN_BLOCK_M, choose_split_k, fit_block, num_sms

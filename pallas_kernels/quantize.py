@@ -9,7 +9,7 @@
 - :func:`quantize_rows_and_cols_t_kernel`: both of the above from two reads of ``x``
   (the row sweep also produces the column maxima the transposed copy needs).
 
-Numerics are exactly :func:`jaxlowbit.formats.quantize` (the tests compare the two), up to
+Numerics are exactly :func:`jaxlowbit_numerics.formats.quantize` (the tests compare the two), up to
 float division rounding: ``round(x / scale)`` may land on the other side of a .5 tie.
 The Triton lowering has no round-half-even, so :func:`_round_half_even` builds it from
 floor (exactly, with no float error: ``y - floor(y)`` is exact).
@@ -26,9 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxlowbit import fp8, int8
-from jaxlowbit.formats import QuantSpec
-from jaxlowbit.stats import absmax
+from jaxlowbit_numerics import fp8, int8
+from jaxlowbit_numerics.formats import QuantSpec
+from jaxlowbit_numerics.stats import absmax
 from pallas_kernels import tuning
 from pallas_kernels.vma import out_struct
 

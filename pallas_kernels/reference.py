@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.formats import QuantSpec, quantize
+from jaxlowbit_numerics.formats import QuantSpec, quantize
 
 INT8 = jnp.dtype(jnp.int8)
 FP8_TYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxlowbit
-from jaxlowbit.formats import QuantSpec
+from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import dispatch, reference
 from helpers import fresh_key
 

@@ -26,8 +26,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit import nnx as lbnnx
-from jaxlowbit.int8 import quantize_int8
-from jaxlowbit.ternary import pack_2bit, quantize_ternary
+from jaxlowbit_numerics.int8 import quantize_int8
+from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
 from pallas_kernels import inference_dispatch, int8_gemv, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, rel_err

@@ -15,7 +15,7 @@ import pytest
 
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
-from jaxlowbit.ternary import pack_2bit
+from jaxlowbit_numerics.ternary import pack_2bit
 from pallas_kernels import dispatch, int8_gemv, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, rel_err

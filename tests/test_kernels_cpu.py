@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlowbit.formats import QuantSpec
+from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import quantize as qk
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from helpers import fresh_key

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlowbit import fp8, int8, rounding, ternary
+from jaxlowbit import rounding
+from jaxlowbit_numerics import fp8, int8, ternary
 from helpers import fresh_key
 
 SHAPE = (64, 96)

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit import ternary
+from jaxlowbit_numerics import ternary
 from jaxlowbit.fsdp import wire
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.scaling import Reduction, WeightScaling, weight_scaling

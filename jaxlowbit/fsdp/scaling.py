@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowbit import fp8, int8, ternary
+from jaxlowbit_numerics import fp8, int8, ternary
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
-from jaxlowbit.stats import absmax
+from jaxlowbit_numerics.stats import absmax
 
 INT8_WEIGHT_SCALINGS = ("tensor", "row")
 

@@ -35,8 +35,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit import int8, ternary
-from jaxlowbit.formats import QuantSpec
+from jaxlowbit_numerics import int8, ternary
+from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import dispatch, inference_dispatch
 
 SCHEMES = ("w8a16", "w8a8", "ternary")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.stats import absmean, check_floating
+from jaxlowbit_numerics.stats import absmean, check_floating
 
 # Floor for the abs-mean scale (BitNet FAQ: ``w.abs().mean().clamp_(min=1e-5)``).
 ABSMEAN_EPS = 1e-5

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.stats import Axis, absmax, check_floating
+from jaxlowbit_numerics.stats import Axis, absmax, check_floating
 
 INT8_MAX = 127
 # Floor for amax before dividing: keeps all-zero rows finite (torchao uses 1e-12).

@@ -13,8 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit import fp8, int8, ternary
-from jaxlowbit.stats import Axis
+from jaxlowbit_numerics import fp8, int8, ternary
+from jaxlowbit_numerics.stats import Axis
 
 
 @dataclasses.dataclass(frozen=True)

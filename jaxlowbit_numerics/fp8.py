@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit.stats import Axis, absmax, check_floating
+from jaxlowbit_numerics.stats import Axis, absmax, check_floating
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
