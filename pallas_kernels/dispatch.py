@@ -12,79 +12,33 @@ Backends:
 - ``"xla"``: :mod:`pallas_kernels.reference` (XLA fusions).
 - ``"pallas"``: the Pallas GPU kernels (Hopper wgmma GEMM, Triton-backend quantizers).
 
-``JAXLOWBIT_BACKEND=xla|pallas|auto`` (default ``auto``) forces a backend; ``auto`` takes
-the kernel where the device supports it and the benchmarks show it faster, XLA elsewhere.
+Which backend runs is :mod:`pallas_kernels.policy`'s decision (``JAXLOWBIT_BACKEND=xla|pallas|auto``
+and every threshold); which kernel configuration runs a shape is :mod:`pallas_kernels.tuning`'s.
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxlowbit_numerics.formats import QuantSpec
+from pallas_kernels import policy
+from pallas_kernels.policy import select_backend
 from pallas_kernels.reference import (
-    FP8_TYPES,
     check_operands,
     quantize_cols_t_reference,
     quantize_rows_reference,
     scaled_matmul_reference,
 )
 
-BACKEND_ENV = "JAXLOWBIT_BACKEND"
-BACKENDS = ("auto", "xla", "pallas")
-# Hopper is compute capability 9.x: wgmma and FP8 tensor cores.
-HOPPER = 9
-
-
-def requested_backend() -> str:
-  """The backend named by ``$JAXLOWBIT_BACKEND`` (``auto`` when unset); ValueError if unknown."""
-  value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-  if value not in BACKENDS:
-    raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {BACKENDS}")
-  return value
-
-
-def compute_capability(device=None) -> int | None:
-  """Major compute capability of ``device`` (default device), None for non-NVIDIA devices."""
-  device = device or jax.devices()[0]
-  if device.platform != "gpu":
-    return None
-  cc = getattr(device, "compute_capability", None)
-  return int(str(cc).split(".")[0]) if cc else None
-
-
-def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: bool = False) -> str:
-  """Which implementation ``scaled_matmul`` uses for an ``[M, K] x [N, K]`` problem.
-
-  ``auto`` takes the Pallas GEMM on Hopper where ``tuning.gemm_worth_it`` says it wins;
-  ``pallas`` forces it for every shape (padded to tile multiples).
-  """
-  from pallas_kernels import tuning
-
-  requested = requested_backend()
-  major = compute_capability(device)
-  if jnp.dtype(a_dtype) in FP8_TYPES and major is not None and major < HOPPER:
-    raise NotImplementedError(
-        f"FP8 matmuls need an sm90+ GPU (Hopper); this device is sm{major}x. Use Int8MixedPrecision or BitNet."
-    )
-  if requested == "xla":
-    return "xla"
-  if major is None or major < HOPPER:
-    if requested == "pallas":
-      raise NotImplementedError(f"{BACKEND_ENV}=pallas: the Pallas GEMM needs a Hopper GPU (sm90)")
-    return "xla"
-  if requested == "pallas" or tuning.gemm_worth_it(m, n, k, per_tensor):
-    return "pallas"
-  return "xla"
+__all__ = ["quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend"]
 
 
 def _quantize_on_kernel(x: jax.Array, spec: QuantSpec, transposed: bool) -> bool:
   """Whether a fused quantization kernel takes ``x`` (2-D, supported spec and shape, GPU)."""
   from pallas_kernels import quantize as kernels  # keeps Pallas imports off the CPU import path
 
-  if requested_backend() == "xla" or compute_capability() is None:
+  if not policy.quantize_on_kernel():
     return False
   return x.ndim == 2 and kernels.supported(spec, *x.shape, transposed=transposed)
 
@@ -148,7 +102,9 @@ def scaled_matmul(
   per_tensor = a_scale.size == 1 and b_scale.size == 1
   with jax.named_scope(GEMM_SCOPE):
     if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor) == "pallas":
-      from pallas_kernels.hopper_gemm import scaled_matmul_hopper  # imports Mosaic GPU lazily
+      from pallas_kernels import tuning  # imports Mosaic GPU lazily
+      from pallas_kernels.hopper_gemm import scaled_matmul_hopper
 
-      return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype)
+      config = tuning.config_for(m, b.shape[0], k, a.dtype)
+      return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype, config=config)
     return scaled_matmul_reference(a, a_scale, b, b_scale, out_dtype)

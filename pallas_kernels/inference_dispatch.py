@@ -6,8 +6,8 @@
 - :func:`w8a8_matmul`   int8 ``xq [M, K]`` x int8 ``wq [N, K]`` (+ per-token and per-channel scales)
 - :func:`ternary_matmul` int8 ``xq [M, K]`` x packed 2-bit ``[N, K/4]`` (+ per-token scales, one weight scale)
 
-Implementations under ``auto``, by M (from the H200 sweep in ``benchmarks/results/inference_h200.json``;
-the constants below say which row decided what):
+Implementations under ``auto``, by M (the thresholds and the H200 measurements behind them are in
+:mod:`pallas_kernels.policy`):
 
 ============  ===========================================  ==========================================
 scheme        decode-sized M                               larger M
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit_numerics.ternary import unpack_2bit
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, policy
 from pallas_kernels.int8_gemv import A8W2_BASE, A8W8_BASE, check_a8w2, check_a8w8
 from pallas_kernels.int8_gemv import config_for as gemv_config_for
 from pallas_kernels.int8_gemv import supports as gemv_supports
@@ -42,62 +42,13 @@ from pallas_kernels.w8a16 import ACTIVATION_DTYPES, check_operands, w8a16_matmul
 from pallas_kernels.w8a16 import config_for as w8a16_config_for
 from pallas_kernels.w8a16 import supports as w8a16_supports
 
-# The Triton-backend kernels need int8/bf16 mma: Ampere (sm80) or newer.
-MIN_KERNEL_CAPABILITY = 8
-# Chained-layer timings on an H200 (us per linear, 4096x14336 / 14336x4096 weights, one run):
-# W8A16: kernel 28/30 vs XLA 35/31 at M=1; XLA 20-21 vs kernel 24-27 at M=2..8 (XLA's split-K GEMM
-# fusion); kernel 23-24 vs XLA 26-28 at M=16 and 26-30 vs 29-31 at M=32; XLA from M=64.
-W8A16_KERNEL_M = ((1, 1), (16, 32))  # inclusive M ranges that take the kernel
-# W8A8: XLA's int8 dot matched or beat the A8W8 kernel at every M <= 64 (22-31 vs 25-36 us), so
-# auto never takes it (JAXLOWBIT_BACKEND=pallas does).
-W8A8_KERNEL_MAX_M = 0
-# Under JAXLOWBIT_BACKEND=pallas the GEMV kernels take M up to this; wgmma takes larger M.
-GEMV_MAX_M = 64
-# Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
-TERNARY_KERNEL_MAX_M = 32
-# Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
-# M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
-WGMMA_TILE_M, WGMMA_TILE_N = 128, 256
-WGMMA_MIN_TILES = 64
-
-
-def _wgmma_fills_gpu(m: int, n: int) -> bool:
-  return (-(-m // WGMMA_TILE_M)) * (-(-n // WGMMA_TILE_N)) >= WGMMA_MIN_TILES
-
-
-def _in_ranges(m: int, ranges) -> bool:
-  return any(lo <= m <= hi for lo, hi in ranges)
-
-
-def _use_kernel(who: str, wanted: bool, fits: bool) -> bool:
-  """True to run the Pallas kernel, False for the reference; raises where a forced kernel cannot run."""
-  requested = dispatch.requested_backend()
-  if requested == "xla":
-    return False
-  major = dispatch.compute_capability()
-  if major is None or major < MIN_KERNEL_CAPABILITY:
-    if requested == "pallas":
-      where = "a CPU" if major is None else f"an sm{major}x GPU"
-      raise NotImplementedError(
-          f"{dispatch.BACKEND_ENV}=pallas: the {who} kernel needs an NVIDIA GPU with sm80+ (Ampere or newer), "
-          f"this is {where}; unset {dispatch.BACKEND_ENV} (or set it to xla) to use the XLA path"
-      )
-    return False
-  if not fits:
-    if requested == "pallas":
-      raise ValueError(f"{dispatch.BACKEND_ENV}=pallas: the {who} kernel cannot tile this weight (see its supports()); "
-                       "unset the variable to let the XLA path take it")
-    return False
-  return requested == "pallas" or wanted
-
-
 def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None) -> jax.Array:
   """``(x @ wq.T) * w_scale``: x ``[M, K]`` float, wq ``[N, K]`` int8, w_scale ``[N]`` float32 -> ``[M, N]``."""
   check_operands(x, wq, w_scale)
   m, k = x.shape
   n = wq.shape[0]
   fits = jnp.dtype(x.dtype) in ACTIVATION_DTYPES and w8a16_supports(n, k, w8a16_config_for(m, n, k))
-  if _use_kernel("W8A16", _in_ranges(m, W8A16_KERNEL_M), fits):
+  if policy.use_inference_kernel("W8A16", policy.w8a16_kernel_wanted(m), fits):
     from pallas_kernels.w8a16 import w8a16_matmul_kernel
 
     return w8a16_matmul_kernel(x, wq, w_scale, out_dtype)
@@ -107,19 +58,18 @@ def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None
 def _use_gemv(who: str, m: int, n: int, k_bytes: int, kernel_max_m: int, base) -> bool:
   """Whether an int8-activation GEMV kernel (``pallas_kernels.int8_gemv``) takes ``[M, K] x [N, K_bytes]``.
 
-  Under ``auto`` up to ``kernel_max_m`` rows; forced (``pallas``) up to :data:`GEMV_MAX_M`,
+  Under ``auto`` up to ``kernel_max_m`` rows; forced (``pallas``) up to ``policy.GEMV_MAX_M``,
   above which the wgmma GEMM takes over.
   """
-  forced = dispatch.requested_backend() == "pallas"
-  if m > max(kernel_max_m, GEMV_MAX_M if forced else 0):
+  if m > policy.gemv_max_m(kernel_max_m):
     return False
   fits = gemv_supports(n, k_bytes, gemv_config_for(m, n, k_bytes, base))
-  return _use_kernel(who, m <= kernel_max_m, fits)
+  return policy.use_inference_kernel(who, m <= kernel_max_m, fits)
 
 
 def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype) -> jax.Array:
   """Large-M int8 GEMM: wgmma (``dispatch.scaled_matmul``) when it fills the GPU or is forced, else XLA."""
-  if dispatch.requested_backend() == "pallas" or _wgmma_fills_gpu(xq.shape[0], wq.shape[0]):
+  if policy.requested_backend() == "pallas" or policy.wgmma_fills_gpu(xq.shape[0], wq.shape[0]):
     return dispatch.scaled_matmul(xq, x_scale, wq, w_scale.reshape(-1), out_dtype)
   return scaled_matmul_reference(xq, x_scale, wq, w_scale.reshape(-1), out_dtype)
 
@@ -127,7 +77,7 @@ def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype) -> jax.Array:
 def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
   """``(xq @ wq.T) * x_scale * w_scale``: int8 ``[M, K]`` x int8 ``[N, K]`` -> ``[M, N]`` (int32 exact)."""
   check_a8w8(xq, x_scale, wq, w_scale)
-  if _use_gemv("W8A8", xq.shape[0], *wq.shape, W8A8_KERNEL_MAX_M, A8W8_BASE):
+  if _use_gemv("W8A8", xq.shape[0], *wq.shape, policy.W8A8_KERNEL_MAX_M, A8W8_BASE):
     from pallas_kernels.int8_gemv import a8w8_matmul_kernel
 
     return a8w8_matmul_kernel(xq, x_scale, wq, w_scale, out_dtype)
@@ -137,7 +87,7 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, TERNARY_KERNEL_MAX_M, A8W2_BASE):
+  if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, policy.TERNARY_KERNEL_MAX_M, A8W2_BASE):
     from pallas_kernels.int8_gemv import a8w2_matmul_kernel
 
     return a8w2_matmul_kernel(xq, x_scale, w_packed, w_scale, out_dtype)

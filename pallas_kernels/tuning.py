@@ -1,5 +1,5 @@
-"""Tuning table for the Pallas kernels: which configuration runs which shape, and when
-the kernels are worth calling at all. Every number here comes from a recorded run of
+"""Tuning table for the Pallas kernels: which configuration runs which shape (whether a kernel
+runs at all is :mod:`pallas_kernels.policy`'s decision). Every number here comes from a recorded run of
 ``benchmarks/matmul.py`` (``--tune``, ``--tune-quantize``, ``--sizes``) on the GPU runner;
 the JSON files are in ``benchmarks/results/`` (H200, jax 0.11.2, 2026-11-21).
 """
@@ -15,12 +15,6 @@ from pallas_kernels.hopper_gemm import Dim, GemmConfig
 # along N between the two compute warpgroups, 3 stages, no wgmma left in flight.
 INT8_CONFIG = GemmConfig(grid_minor_dim=Dim.M)
 FP8_CONFIG = GemmConfig(grid_minor_dim=Dim.N)
-
-# gemm_sizes_h200.json: with one scale per tensor, XLA's FP8 dot (cuBLASLt) beats the
-# kernel up to 2048^3 (548 vs 225 TOP/s at 2048^3); from 4096^3 the kernel is ahead.
-PER_TENSOR_MIN_OPS = 4096**3
-# Problems smaller than one CTA tile in M or N would be mostly padding.
-MIN_M, MIN_N = 128, 256
 
 # quantize_tune_h200.json (16384x8192 bf16): rows per program, columns per load, warps.
 QUANTIZE_ROWS = {"int8": (8, 2048, 8), "fp8": (8, 512, 8)}
@@ -42,13 +36,6 @@ def config_for(m: int, n: int, k: int, dtype) -> GemmConfig:
   kind = _kind(dtype)
   default = INT8_CONFIG if kind == "int8" else FP8_CONFIG
   return TABLE.get((kind, _bucket(m), _bucket(n), _bucket(k)), default)
-
-
-def gemm_worth_it(m: int, n: int, k: int, per_tensor: bool) -> bool:
-  """Whether the Pallas GEMM is expected to beat XLA for this problem (see the constants)."""
-  if m < MIN_M or n < MIN_N:
-    return False
-  return not (per_tensor and m * n * k < PER_TENSOR_MIN_OPS)
 
 
 def quantize_rows_config(dtype) -> tuple[int, int, int]:

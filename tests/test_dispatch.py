@@ -7,7 +7,7 @@ import pytest
 
 import jaxlowbit
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels import dispatch, reference
+from pallas_kernels import dispatch, policy, reference
 from helpers import fresh_key
 
 
@@ -52,6 +52,7 @@ def test_operand_errors(a, b, sa, sb, err, match):
 
 class _FakeGpu:
   platform = "gpu"
+  device_kind = "fake GPU"
 
   def __init__(self, cc):
     self.compute_capability = cc
@@ -74,9 +75,9 @@ class _FakeGpu:
 )
 def test_backend_selection(monkeypatch, env, device, dtype, expected):
   if env is None:
-    monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(policy.BACKEND_ENV, raising=False)
   else:
-    monkeypatch.setenv(dispatch.BACKEND_ENV, env)
+    monkeypatch.setenv(policy.BACKEND_ENV, env)
   if isinstance(expected, type):
     with pytest.raises(expected):
       dispatch.select_backend(dtype, 256, 256, 256, device=device)
@@ -85,14 +86,23 @@ def test_backend_selection(monkeypatch, env, device, dtype, expected):
 
 
 def test_auto_backend_follows_the_measured_crossovers(monkeypatch):
-  monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
+  monkeypatch.delenv(policy.BACKEND_ENV, raising=False)
   hopper = _FakeGpu("9.0")
   assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "xla"  # mostly padding
   assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper, per_tensor=True) == "xla"
   assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper) == "pallas"
   assert dispatch.select_backend(jnp.float8_e4m3fn, 8192, 8192, 8192, device=hopper, per_tensor=True) == "pallas"
-  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
   assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "pallas"
+
+
+def test_non_nvidia_gpu_falls_back_to_xla_with_a_warning(monkeypatch):
+  monkeypatch.delenv(policy.BACKEND_ENV, raising=False)
+  rocm = _FakeGpu("gfx942-unseen")  # a ROCm device reports its gfx target, not major.minor
+  with pytest.warns(UserWarning, match="gfx942-unseen"):
+    assert policy.compute_capability(rocm) is None
+  assert dispatch.select_backend(jnp.int8, 4096, 4096, 4096, device=rocm) == "xla"
+  assert dispatch.select_backend(jnp.float8_e4m3fn, 4096, 4096, 4096, device=rocm) == "xla"
 
 
 def test_quantize_dispatch_matches_numerics():

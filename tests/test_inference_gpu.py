@@ -16,7 +16,7 @@ import pytest
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import dispatch, int8_gemv, w8a16
+from pallas_kernels import dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, rel_err
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _sm80():
-  return jax.devices()[0].platform == "gpu" and (dispatch.compute_capability() or 0) >= 8
+  return jax.devices()[0].platform == "gpu" and (policy.compute_capability() or 0) >= 8
 
 
 needs_sm80 = pytest.mark.skipif(not _sm80() if jax.devices()[0].platform == "gpu" else False, reason="needs sm80+")
@@ -69,9 +69,9 @@ def test_dispatch_takes_the_kernels_where_the_table_says(m):
   from pallas_kernels import inference_dispatch as d
 
   for scheme, name, takes in (
-      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in d.W8A16_KERNEL_M)),
-      ("ternary", "jaxlowbit_a8w2_matmul", m <= d.TERNARY_KERNEL_MAX_M),
-      ("w8a8", "jaxlowbit_a8w8_matmul", m <= d.W8A8_KERNEL_MAX_M),
+      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),
+      ("ternary", "jaxlowbit_a8w2_matmul", m <= policy.TERNARY_KERNEL_MAX_M),
+      ("w8a8", "jaxlowbit_a8w8_matmul", m <= policy.W8A8_KERNEL_MAX_M),
   ):
     leaves = inference.quantize_weight(jax.random.normal(fresh_key(), (2048, 1024)), scheme)
     x = jnp.ones((m, 2048), jnp.bfloat16)
@@ -110,11 +110,11 @@ def test_forced_kernels_and_xla_agree_on_a_model():
     model = inference.convert_for_inference(Transformer(config), scheme)
     outs = {}
     for backend in ("xla", "pallas"):
-      os.environ[dispatch.BACKEND_ENV] = backend
+      os.environ[policy.BACKEND_ENV] = backend
       try:
         outs[backend] = jax.jit(model.apply)({"params": qparams}, tokens)
       finally:
-        os.environ.pop(dispatch.BACKEND_ENV)
+        os.environ.pop(policy.BACKEND_ENV)
     assert rel_err(outs["pallas"], outs["xla"]) <= tol, scheme
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, policy
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference, scaled_matmul_reference
 from helpers import fresh_key, rel_err, sqnr_db
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _hopper():
-  return dispatch.compute_capability() is not None and dispatch.compute_capability() >= 9
+  return policy.compute_capability() is not None and policy.compute_capability() >= 9
 
 
 needs_hopper = pytest.mark.skipif(not _hopper() if jax.devices()[0].platform == "gpu" else False,
@@ -121,7 +121,7 @@ def test_all_three_matmuls_pallas_vs_xla(recipe, shape, monkeypatch):
   g = jax.random.normal(kg, (m, n), jnp.bfloat16)
 
   def run(backend):
-    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+    monkeypatch.setenv(policy.BACKEND_ENV, backend)
     y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
     return (y, *vjp(g))
 
@@ -134,7 +134,7 @@ def test_all_three_matmuls_pallas_vs_xla(recipe, shape, monkeypatch):
 
 @needs_hopper
 def test_vmap_and_jit_of_kernel_path(monkeypatch):
-  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
   kx, kw = jax.random.split(fresh_key())
   xs = jax.random.normal(kx, (2, 256, 512), jnp.bfloat16)
   w = jax.random.normal(kw, (512, 256), jnp.float32) / 20
@@ -150,7 +150,7 @@ def test_kernel_path_under_shard_map(recipe, monkeypatch):
   """All three matmuls on the Pallas path inside shard_map (check_vma on, as in jaxlowbit.fsdp) match XLA."""
   from jax.sharding import PartitionSpec as P
 
-  monkeypatch.setenv(dispatch.BACKEND_ENV, "pallas")
+  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
   devices = jax.devices()
   mesh = jax.make_mesh((len(devices),), ("b",))
   kx, kw, kg = jax.random.split(fresh_key(), 3)
@@ -169,7 +169,7 @@ def test_kernel_path_under_shard_map(recipe, monkeypatch):
     return jax.block_until_ready(jax.jit(sharded)(x, w, g))
 
   pallas = run()
-  monkeypatch.setenv(dispatch.BACKEND_ENV, "xla")
+  monkeypatch.setenv(policy.BACKEND_ENV, "xla")
   xla = run()
   for name, p, r in zip(("output", "grad_input", "grad_weight"), pallas, xla):
     assert sqnr_db(p, r) > 35, name  # same quantization on both paths, as in test_all_three_matmuls_pallas_vs_xla

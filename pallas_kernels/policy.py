@@ -1,0 +1,156 @@
+"""The dispatch policy: which backend runs, and every threshold that decides it.
+
+``dispatch`` (training GEMMs and quantizers) and ``inference_dispatch`` (weight-quantized
+GEMMs) ask this module and nothing else; kernel *configurations* (tile shapes per problem)
+live in ``tuning``. Every number below comes from a recorded run on the GPU runner (H200, jax
+0.11.2; the JSON files in ``benchmarks/results/`` named beside each).
+
+Backends: ``$JAXLOWBIT_BACKEND`` is ``auto`` (default: a kernel where the device supports it and
+the numbers say it wins, XLA elsewhere), ``xla`` (the references everywhere) or ``pallas`` (the
+kernels for every shape they can take; a clear error where they cannot run).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+BACKEND_ENV = "JAXLOWBIT_BACKEND"
+BACKENDS = ("auto", "xla", "pallas")
+
+# Compute capabilities (major): Hopper (sm90) has wgmma and FP8 tensor cores; the Triton-backend
+# kernels need int8/bf16 mma, Ampere (sm80) or newer.
+HOPPER = 9
+AMPERE = 8
+FP8_TYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+# --- Training GEMM (pallas_kernels.hopper_gemm) ------------------------------------------------
+# gemm_sizes_h200.json: with one scale per tensor, XLA's FP8 dot (cuBLASLt) beats the kernel up
+# to 2048^3 (548 vs 225 TOP/s at 2048^3); from 4096^3 the kernel is ahead.
+PER_TENSOR_MIN_OPS = 4096**3
+# Problems smaller than one CTA tile (128 x 256) in M or N would be mostly padding.
+GEMM_MIN_M, GEMM_MIN_N = 128, 256
+
+# --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
+# Chained-layer timings (us per linear, 4096x14336 / 14336x4096 weights, one run):
+# W8A16: kernel 28/30 vs XLA 35/31 at M=1; XLA 20-21 vs kernel 24-27 at M=2..8 (XLA's split-K GEMM
+# fusion); kernel 23-24 vs XLA 26-28 at M=16 and 26-30 vs 29-31 at M=32; XLA from M=64.
+W8A16_KERNEL_M = ((1, 1), (16, 32))  # inclusive M ranges that take the kernel
+# W8A8: XLA's int8 dot matched or beat the A8W8 kernel at every M <= 64 (22-31 vs 25-36 us), so
+# auto never takes it (JAXLOWBIT_BACKEND=pallas does).
+W8A8_KERNEL_MAX_M = 0
+# Under JAXLOWBIT_BACKEND=pallas the GEMV kernels take M up to this; wgmma takes larger M.
+GEMV_MAX_M = 64
+# Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
+TERNARY_KERNEL_MAX_M = 32
+# Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
+# M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
+WGMMA_TILE_M, WGMMA_TILE_N = 128, 256
+WGMMA_MIN_TILES = 64
+
+
+def requested_backend() -> str:
+  """The backend named by ``$JAXLOWBIT_BACKEND`` (``auto`` when unset); ValueError if unknown."""
+  value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+  if value not in BACKENDS:
+    raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {BACKENDS}")
+  return value
+
+
+_warned_capabilities: set[str] = set()
+
+
+def compute_capability(device=None) -> int | None:
+  """Major NVIDIA compute capability of ``device`` (default device); None where there is none.
+
+  None for CPUs, TPUs and GPUs whose capability is not an NVIDIA ``major.minor`` (ROCm reports
+  ``gfx942``): every kernel path then falls back to XLA, with one warning per unknown value.
+  """
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  cc = str(getattr(device, "compute_capability", "") or "")
+  major = cc.split(".")[0]
+  if major.isdigit():
+    return int(major)
+  if cc not in _warned_capabilities:
+    _warned_capabilities.add(cc)
+    warnings.warn(f"jaxlowbit: GPU {device.device_kind!r} reports compute capability {cc!r}, not an NVIDIA sm "
+                  "version; its low-bit matmuls run on XLA", stacklevel=2)
+  return None
+
+
+def check_fp8_support(dtype, major: int | None) -> None:
+  """NotImplementedError for FP8 operands on an NVIDIA GPU older than Hopper."""
+  if jnp.dtype(dtype) in FP8_TYPES and major is not None and major < HOPPER:
+    raise NotImplementedError(
+        f"FP8 matmuls need an sm90+ GPU (Hopper); this device is sm{major}x. Use Int8MixedPrecision or BitNet."
+    )
+
+
+def gemm_worth_it(m: int, n: int, k: int, per_tensor: bool) -> bool:
+  """Whether the Hopper GEMM is expected to beat XLA for an ``[M, K] x [N, K]`` problem."""
+  if m < GEMM_MIN_M or n < GEMM_MIN_N:
+    return False
+  return not (per_tensor and m * n * k < PER_TENSOR_MIN_OPS)
+
+
+def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: bool = False) -> str:
+  """``"pallas"`` or ``"xla"`` for a scaled 8-bit GEMM (see :func:`gemm_worth_it`)."""
+  requested = requested_backend()
+  major = compute_capability(device)
+  check_fp8_support(a_dtype, major)
+  if requested == "xla":
+    return "xla"
+  if major is None or major < HOPPER:
+    if requested == "pallas":
+      raise NotImplementedError(f"{BACKEND_ENV}=pallas: the Pallas GEMM needs a Hopper GPU (sm90)")
+    return "xla"
+  if requested == "pallas" or gemm_worth_it(m, n, k, per_tensor):
+    return "pallas"
+  return "xla"
+
+
+def quantize_on_kernel() -> bool:
+  """Whether quantization may run on the Triton-backend kernels (each also checks its shapes)."""
+  major = compute_capability()
+  return requested_backend() != "xla" and major is not None and major >= AMPERE
+
+
+def w8a16_kernel_wanted(m: int) -> bool:
+  return any(lo <= m <= hi for lo, hi in W8A16_KERNEL_M)
+
+
+def gemv_max_m(kernel_max_m: int) -> int:
+  """Largest M a GEMV kernel takes: ``kernel_max_m`` under auto, :data:`GEMV_MAX_M` when forced."""
+  return max(kernel_max_m, GEMV_MAX_M if requested_backend() == "pallas" else 0)
+
+
+def wgmma_fills_gpu(m: int, n: int) -> bool:
+  """Whether an ``[M, N]`` output has enough wgmma tiles to fill the GPU (else XLA is faster)."""
+  return (-(-m // WGMMA_TILE_M)) * (-(-n // WGMMA_TILE_N)) >= WGMMA_MIN_TILES
+
+
+def use_inference_kernel(who: str, wanted: bool, fits: bool) -> bool:
+  """True to run an inference kernel, False for its reference; raises where a forced kernel cannot run."""
+  requested = requested_backend()
+  if requested == "xla":
+    return False
+  major = compute_capability()
+  if major is None or major < AMPERE:
+    if requested == "pallas":
+      where = "a CPU or non-NVIDIA device" if major is None else f"an sm{major}x GPU"
+      raise NotImplementedError(
+          f"{BACKEND_ENV}=pallas: the {who} kernel needs an NVIDIA GPU with sm80+ (Ampere or newer), "
+          f"this is {where}; unset {BACKEND_ENV} (or set it to xla) to use the XLA path"
+      )
+    return False
+  if not fits:
+    if requested == "pallas":
+      raise ValueError(f"{BACKEND_ENV}=pallas: the {who} kernel cannot tile this weight (see its supports()); "
+                       "unset the variable to let the XLA path take it")
+    return False
+  return requested == "pallas" or wanted
