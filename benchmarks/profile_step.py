@@ -5,7 +5,7 @@
         --set model.scan_layers=False --out /tmp/p.json
 
 For every run (a name, a config file, optional ``KEY=VALUE`` overrides) it builds the trainer's
-jitted step (``train.loop.step_functions``: what ``python -m train.main`` runs, on synthetic
+jitted step (``train.steps.step_functions``: what ``python -m train.main`` runs, on synthetic
 batches), compiles it (timed), times ``--steps`` steps, then traces ``--trace_steps`` more with
 ``jax.profiler`` and reads the trace back in Python (``jax.profiler.ProfileData``, no TensorBoard).
 
@@ -59,8 +59,9 @@ import jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.train_throughput import parse_overrides  # noqa: E402
 from train import config as train_config  # noqa: E402
-from train import data, loop, metrics  # noqa: E402
+from train import data, metrics  # noqa: E402
 from train.model import train_flops_per_token  # noqa: E402
+from train.steps import step_functions  # noqa: E402
 
 CATEGORIES = (
     "gemm_fwd", "gemm_grad_input", "gemm_grad_weight", "quantize", "attention", "norm", "copy", "collective",
@@ -197,7 +198,7 @@ def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int, step
 
 def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float | None) -> dict:
   """Compile, time and trace the trainer's step for ``config``."""
-  functions = loop.step_functions(config)
+  functions = step_functions(config)
   stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
   batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps + trace_steps)]
   state = functions.init()
@@ -228,7 +229,7 @@ def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float |
 
   tokens_per_step = config.batch_size * config.seq_len
   flops = train_flops_per_token(train_config.model_config(config), config.seq_len) * tokens_per_step
-  devices = 1 if functions.plan is None else functions.plan.mesh.size
+  devices = functions.runtime.num_devices
   result.update(
       recipe=config.recipe,
       step_ms=1e3 * step_time,

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/train_throughput.py --out benchmarks/results/train_throughput.json
 
-Every row uses the trainer's own jitted step (``train.loop.step_functions``: fp32 master
+Every row uses the trainer's own jitted step (``train.steps.step_functions``: fp32 master
 weights, bf16 compute, AdamW, clipping, donated state) on synthetic batches, so it measures
 what ``python -m train.main`` runs. Per config: initialize, compile (timed on its own, with
 XLA's memory estimate), run ``--warmup`` steps, then time ``--steps`` steps and block on the
@@ -31,8 +31,9 @@ import jax
 import numpy as np
 
 from train import config as train_config
-from train import data, loop, metrics
+from train import data, metrics
 from train.model import param_count, train_flops_per_token
+from train.steps import step_functions
 
 DEFAULT_CONFIGS = ("configs/bf16_1b.py", "configs/int8_1b.py", "configs/fp8_1b.py", "configs/bitnet_1b.py")
 GIB = 2**30
@@ -64,7 +65,7 @@ def parse_overrides(pairs: list[str]) -> dict:
 def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
   """Time the trainer's step for ``config``; returns one table row."""
   model_config = train_config.model_config(config)
-  functions = loop.step_functions(config)
+  functions = step_functions(config)
   stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
   batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps)]
 
@@ -97,8 +98,8 @@ def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
       "remat_policy": config.model.remat_policy,
       "tokens_per_s": tokens_per_step / step_time,
       "step_time_s": step_time,
-      "mfu": metrics.mfu(flops_per_step, step_time, peak, 1 if functions.plan is None else functions.plan.mesh.size),
-      "devices": 1 if functions.plan is None else functions.plan.mesh.size,
+      "mfu": metrics.mfu(flops_per_step, step_time, peak, functions.runtime.num_devices),
+      "devices": functions.runtime.num_devices,
       "compile_s": compile_s,
       "temp_gib": temp_gib,
       "last_loss": loss,

@@ -2,7 +2,7 @@
 
 Every run trains the micro model of ``test_train_loop`` (float32 compute and parameters) for
 5 steps from one fresh ``config.seed`` per module, so runs of one config share their
-compiled functions (``loop.step_functions``' cache) across the tests here:
+compiled functions (``steps.step_functions``' cache) across the tests here:
 
 - 5 steps under FSDP give the per-step training losses and the validation loss of the
   unsharded run within 1e-5 relative, recipe by recipe (and on a data x fsdp mesh; which
@@ -30,7 +30,7 @@ import pytest
 import test_train_loop
 from helpers import fresh_key
 from test_train_loop import REPO, TINY, micro_config, train_losses, val_losses
-from train import checkpoint, loop, metrics
+from train import checkpoint, loop, metrics, steps
 from train import config as train_config
 
 corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
@@ -143,8 +143,8 @@ def test_fsdp_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus
   # It really ran FSDP: the mesh in the log, parameters and optimizer state sharded.
   assert start_record(run_dir)["devices"] == data * fsdp
   assert start_record(run_dir)["mesh"] == {"data": data, "fsdp": fsdp}
-  functions = loop.step_functions(run_config(corpus, seed, recipe, fsdp, data))  # cached by the run
-  assert functions.plan is not None and functions.plan.fsdp_size == fsdp
+  functions = steps.step_functions(run_config(corpus, seed, recipe, fsdp, data))  # cached by the run
+  assert functions.runtime.plan.fsdp_size == fsdp
   for tree in (functions.state_shardings.params, functions.state_shardings.opt_state):
     assert any(not s.is_fully_replicated for s in jax.tree.leaves(tree))
   # Quantized linears keep their global weight scales in the checkpoint.
@@ -191,7 +191,7 @@ def test_nonfinite_loss_under_fsdp_keeps_last_good_checkpoint(corpus, seed, tmp_
   checkpointer = checkpoint.Checkpointer(run_dir, keep=5, async_save=False)
   try:
     assert checkpointer.all_steps() == [2] and checkpointer.has_scales(2)
-    state, data_state = checkpointer.restore(2, loop.step_functions(config).restore_target())
+    state, data_state = checkpointer.restore(2, steps.step_functions(config).restore_target())
   finally:
     checkpointer.close()
   assert int(state.step) == 2 and data_state["position"] == 2 * BATCH

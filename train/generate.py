@@ -51,8 +51,9 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any,
   import ml_collections  # the trainer's config library; only loading a run needs it
 
   from train import config as train_config
-  from train import loop
+  from train import steps
   from train.optimizer import make_optimizer
+  from train.runtime import Unsharded
 
   run_dir = pathlib.Path(run_dir)
   config_file = run_dir / checkpoint.CONFIG_FILE
@@ -60,7 +61,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any,
     raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
   config = ml_collections.ConfigDict(json.loads(config_file.read_text()))
   model_config = train_config.model_config(config)
-  init = loop.make_init(Transformer(model_config), make_optimizer(config), config)
+  init = steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
   checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False)
   try:

@@ -37,7 +37,7 @@ from jaxlowbit.fsdp.linen import apply, linears_of, plan_for_model
 from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, make_mesh, make_plan, shard_batch, shard_params
 from jaxlowbit.fsdp.scales import precompute_scales
 from jaxlowbit.fsdp.scaling import WeightScaling, weight_scaling
-from jaxlowbit.fsdp.step import evaluate, init_optimizer, train_step, value_and_grad
+from jaxlowbit.fsdp.step import apply_update, evaluate, init_optimizer, train_step, value_and_grad
 
 __all__ = [
     "REMAT_MODES",
@@ -46,6 +46,7 @@ __all__ = [
     "LinearWeight",
     "WeightScaling",
     "apply",
+    "apply_update",
     "evaluate",
     "fsdp_linear",
     "global_scale",

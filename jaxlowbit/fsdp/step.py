@@ -93,6 +93,18 @@ def init_optimizer(optimizer: optax.GradientTransformation, params, plan: FsdpPl
   return jax.jit(init)(params)
 
 
+def apply_update(optimizer: optax.GradientTransformation, grads, opt_state, params, plan: FsdpPlan):
+  """One optimizer update of sharded ``params``: ``(params, opt_state, next step's scales)``.
+
+  Element-wise optimizers stay local to each shard; global norms get their collectives from
+  XLA. The new parameters keep the plan's shardings, and every quantized weight's scale for
+  the next step comes from one all-reduce (:func:`precompute_scales`). Call it under ``jit``.
+  """
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = _constrain(optax.apply_updates(params, updates), plan)
+  return params, opt_state, precompute_scales(params, plan)
+
+
 def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: FsdpPlan, donate: bool = True):
   """A jitted ``step(params, opt_state, scales, batch, *extras) -> (params, opt_state, scales, loss)``.
 
@@ -104,11 +116,9 @@ def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: F
 
   def step(params, opt_state, scales: Scales, batch, *extras):
     loss, grads = grad_fn(params, scales, batch, *extras)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = _constrain(optax.apply_updates(params, updates), plan)
-    return params, opt_state, precompute_scales(params, plan), loss
+    return *apply_update(optimizer, grads, opt_state, params, plan), loss
 
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-__all__ = ["evaluate", "init_optimizer", "train_step", "value_and_grad"]
+__all__ = ["apply_update", "evaluate", "init_optimizer", "train_step", "value_and_grad"]

@@ -1,0 +1,211 @@
+"""Where a run's step executes: one device, or FSDP over a ``(data, fsdp)`` mesh.
+
+The trainer picks a runtime once (:func:`make_runtime`, from ``config.mesh`` and the visible
+devices) and the step functions (``train/steps.py``) ask it for everything that differs between
+the two, so they contain no sharding branches:
+
+==================  ======================================  =============================================
+                    :class:`Unsharded`                      :class:`Fsdp` (``jaxlowbit.fsdp``)
+==================  ======================================  =============================================
+``place``           parameters as they are                  sharded per the plan (a sharding constraint)
+``init_optimizer``  ``optimizer.init``                      state sharded like the parameters
+``loss_and_grads``  ``jax.value_and_grad`` of the loss      each device: its tokens, its shards, one low-bit
+                                                            gather per quantized weight; loss averaged,
+                                                            gradients reduce-scattered
+``loss``            cross-entropy of ``model.apply``        the same, averaged over the mesh
+``microbatches``    ``[accum, B / accum, T + 1]``           the placed batch's microbatch axis moved first
+``scales``          None                                    every quantized weight's global scale for the
+                                                            next step (one all-reduce)
+``apply_update``    ``optax`` update                        the same, sharded, then the next scales
+``shard_*_batch``   the host batch                          the global batch placed over the mesh
+==================  ======================================  =============================================
+
+Numerics: parameters and optimizer state are float32 master copies; the model computes in
+``config.model.dtype`` and its linears follow ``config.recipe``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxlowbit import fsdp
+from train import config as train_config
+from train.model import Transformer
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy: ``logits [B, T, V]`` float32, ``targets [B, T]`` int32 -> ``[]``."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _dropout_rngs(model: Transformer, rng: jax.Array | None) -> dict:
+  """``model.apply``'s rngs: a dropout key only when the model has dropout (cheaper to compile and run)."""
+  if rng is None or model.config.dropout_rate == 0:
+    return {}
+  return {"dropout": rng}
+
+
+class Unsharded:
+  """One device: the plain jitted step (``config.mesh`` resolves to ``data x fsdp = 1``)."""
+
+  num_devices = 1
+  mesh_shape = None
+  sync_each_step = False  # the host never waits for a step on one device
+
+  def __init__(self, model: Transformer):
+    self.model = model
+
+  def place(self, params):
+    return params
+
+  def init_optimizer(self, optimizer: optax.GradientTransformation, params):
+    return optimizer.init(params)
+
+  def _loss(self, params, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    logits = self.model.apply({"params": params}, tokens[:, :-1], rngs=_dropout_rngs(self.model, rng))
+    return cross_entropy(logits, tokens[:, 1:])
+
+  def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array):
+    """``(loss, grads)`` of one microbatch ``tokens [b, T + 1]`` (``scales`` is None here)."""
+    del scales
+    return jax.value_and_grad(self._loss)(params, tokens, rng)
+
+  def loss(self, params, scales, tokens: jax.Array) -> jax.Array:
+    """Evaluation loss (no dropout) of ``tokens [b, T + 1]``."""
+    del scales
+    return self._loss(params, tokens)
+
+  def microbatches(self, batch: jax.Array, accum: int) -> jax.Array:
+    """``[accum, B / accum, T + 1]``: microbatch ``i`` is rows ``[i B / accum, (i + 1) B / accum)``."""
+    return batch.reshape(accum, batch.shape[0] // accum, batch.shape[1])
+
+  def scales(self, params):
+    del params
+    return None
+
+  def apply_update(self, optimizer: optax.GradientTransformation, grads, opt_state, params):
+    """``(params, opt_state, scales)`` after one optimizer update."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, None
+
+  def shard_train_batch(self, batch: np.ndarray, accum: int):
+    del accum
+    return batch
+
+  def shard_eval_batch(self, batch: np.ndarray):
+    return batch
+
+  def describe(self) -> str:
+    return "one (unsharded)"
+
+
+class Fsdp:
+  """FSDP over a ``(data, fsdp)`` mesh through ``jaxlowbit.fsdp`` (see ``train/config.py``'s ``mesh``).
+
+  Parameters and optimizer state are sharded by an :class:`~jaxlowbit.fsdp.FsdpPlan`; every
+  device runs the model on its slice of each microbatch; quantized linears all-gather their
+  weights low-bit with the global scales kept in ``TrainState.scales``; gradients return
+  reduce-scattered. Several processes (hosts) join one run through ``jax.distributed``
+  (``train.main``); each reads the same global batches and places its devices' slices.
+  """
+
+  def __init__(self, model: Transformer, config: ml_collections.ConfigDict, data: int, size: int):
+    self.model = model
+    fsdp_config = train_config.fsdp_config(config)
+    devices = jax.devices()[: data * size]
+    mesh = fsdp.make_mesh(fsdp=size, data=data, devices=devices, config=fsdp_config)
+    example = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), example)["params"]
+    self.plan = fsdp.plan_for_model(model, params, example, mesh=mesh, config=fsdp_config)
+    self.num_devices = mesh.size
+    self.mesh_shape = dict(mesh.shape)
+    # XLA:CPU runs the collectives of its virtual devices on one shared thread pool: with several
+    # sharded steps queued, the devices' threads can wait in different steps' rendezvous and the
+    # runtime aborts after 40 s (seen on 2 cores, 8 devices). Such runs wait for each step.
+    self.sync_each_step = mesh.devices.flat[0].platform == "cpu"
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.plan.mesh, P())
+
+  def place(self, params):
+    return jax.lax.with_sharding_constraint(params, self.plan.shardings())
+
+  def init_optimizer(self, optimizer: optax.GradientTransformation, params):
+    return fsdp.init_optimizer(optimizer, params, self.plan)
+
+  def _device_loss(self, params, scales, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    """One device's loss inside shard_map: its parameter shards, its tokens ``[b, T + 1]``."""
+    rngs = _dropout_rngs(self.model, rng)  # fsdp.apply folds the key per device
+    logits = fsdp.apply(self.model, params, tokens[:, :-1], plan=self.plan, scales=scales,
+                        **({"rngs": rngs} if rngs else {}))
+    return cross_entropy(logits, tokens[:, 1:])
+
+  def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array):
+    """``(loss, grads)`` of one microbatch: mean over devices, gradients sharded like the params."""
+    grad_fn = fsdp.value_and_grad(lambda p, s, t, r: self._device_loss(p, s, t, r), self.plan)
+    return grad_fn(params, traverse_util.flatten_dict(scales), tokens, rng)
+
+  def loss(self, params, scales, tokens: jax.Array) -> jax.Array:
+    loss_fn = fsdp.evaluate(lambda p, s, t: self._device_loss(p, s, t), self.plan)
+    return loss_fn(params, traverse_util.flatten_dict(scales), tokens)
+
+  def microbatches(self, batch: jax.Array, accum: int) -> jax.Array:
+    """The placed ``[B / accum, accum, T + 1]`` batch (:meth:`shard_train_batch`) -> ``[accum, B / accum, T + 1]``."""
+    del accum
+    return jnp.swapaxes(batch, 0, 1)
+
+  def scales(self, params):
+    """``TrainState.scales`` for ``params``: every quantized kernel's global scale, one all-reduce."""
+    return traverse_util.unflatten_dict(fsdp.precompute_scales(params, self.plan))
+
+  def apply_update(self, optimizer: optax.GradientTransformation, grads, opt_state, params):
+    """``(params, opt_state, scales)`` after one update (``jaxlowbit.fsdp.apply_update``)."""
+    params, opt_state, scales = fsdp.apply_update(optimizer, grads, opt_state, params, self.plan)
+    return params, opt_state, traverse_util.unflatten_dict(scales)
+
+  def shard_train_batch(self, batch: np.ndarray, accum: int) -> jax.Array:
+    """A host batch ``[B, T + 1]`` (the same on every process) placed for the step.
+
+    Microbatch ``i`` is rows ``[i B / accum, (i + 1) B / accum)``, as in the unsharded step; it
+    is laid out ``[B / accum, accum, T + 1]`` and sharded on dim 0, so each device holds its
+    slice of every microbatch.
+    """
+    if accum > 1:
+      batch = batch.reshape(accum, batch.shape[0] // accum, batch.shape[1]).swapaxes(0, 1)
+    return fsdp.shard_batch(batch, self.plan)
+
+  def shard_eval_batch(self, batch: np.ndarray) -> jax.Array:
+    return fsdp.shard_batch(batch, self.plan)
+
+  def describe(self) -> str:
+    """One line: the mesh and what FSDP shards (for the log)."""
+    plan = self.plan
+    sharded = [path for path, dim in plan.shard_dims.items() if dim is not None]
+    low_bit = [path for path, linear in plan.linears.items() if linear.recipe is not None and path in sharded]
+    return (f"FSDP over {plan.mesh.size} devices (mesh data {plan.mesh.shape[plan.config.data_axis]} x fsdp "
+            f"{plan.fsdp_size}, {jax.process_count()} process(es)): {len(sharded)} of {len(plan.shard_dims)} "
+            f"parameter tensors sharded, {len(low_bit)} linears gather low-bit (int8 weights: "
+            f"{plan.config.int8_weight_scaling}, remat: {plan.config.remat})")
+
+
+Runtime = Unsharded | Fsdp
+
+
+def make_runtime(config: ml_collections.ConfigDict, mesh: Mapping[str, int] | None = None) -> Runtime:
+  """The runtime ``config.mesh`` asks for on the visible devices (``mesh``: an already resolved shape)."""
+  model = Transformer(train_config.model_config(config))
+  data, size = (mesh["data"], mesh["fsdp"]) if mesh else train_config.mesh_shape(config)
+  if data * size == 1:
+    return Unsharded(model)
+  return Fsdp(model, config, data, size)
+
+
+__all__ = ["Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime"]

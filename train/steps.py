@@ -1,0 +1,199 @@
+"""The pure step functions of a run and their compiled, cached form.
+
+``train_step(state, batch) -> (state, metrics)`` is one function for every runtime (one
+device or FSDP, ``train/runtime.py``): the runtime supplies the loss and gradients of a
+microbatch, the batch layout and the next step's weight scales. It is jitted with the state
+donated (its buffers are reused for the new state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from train import checkpoint
+from train import config as train_config
+from train.model import Transformer
+from train.optimizer import make_optimizer
+from train.runtime import Runtime, make_runtime
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step reads and writes (a pytree; what a checkpoint stores).
+
+  Attributes:
+    step: int32 ``[]``, optimizer steps taken.
+    params: float32 master parameters (``Transformer`` tree).
+    opt_state: the optimizer's state.
+    rng: uint32 raw key data of the run's dropout key (``jax.random.key_data``); step ``s``
+      uses ``fold_in(rng, s)``, so resuming needs no extra RNG bookkeeping.
+    scales: FSDP runs only (else None): float32 global scale of every quantized kernel for
+      the next step (``jaxlowbit.fsdp.precompute_scales``), nested like ``params``.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  scales: Any = None
+
+
+def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config) -> Callable[[], TrainState]:
+  """``init() -> TrainState`` at step 0, seeded by ``config.seed``, placed by the runtime.
+
+  FSDP gives the same values as one device (JAX's random bits do not depend on sharding),
+  sharded by its plan and with the first step's scales.
+  """
+
+  def init() -> TrainState:
+    params_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+    params = runtime.model.init(params_key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+    params = runtime.place(params)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=runtime.init_optimizer(optimizer, params),
+        rng=jax.random.key_data(dropout_key),
+        scales=runtime.scales(params),
+    )
+
+  return init
+
+
+def make_train_step(runtime: Runtime, optimizer: optax.GradientTransformation, config):
+  """``train_step(state, batch) -> (state, {"loss", "grad_norm"})``; batch as ``runtime.shard_train_batch`` places it.
+
+  The batch is split into ``grad_accum_steps`` microbatches whose gradients are averaged
+  (a ``lax.scan``, so memory holds one microbatch's activations). ``grad_norm`` is the
+  global norm before clipping. The step ends with the next step's scales (FSDP).
+  """
+  accum = config.grad_accum_steps
+
+  def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    if accum == 1:
+      loss, grads = runtime.loss_and_grads(state.params, state.scales, batch, rng)
+    else:
+      def add_microbatch(carry, xs):
+        index, tokens = xs
+        loss, grads = runtime.loss_and_grads(state.params, state.scales, tokens, jax.random.fold_in(rng, index))
+        with jax.named_scope("grad_accum"):
+          return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+      micro = runtime.microbatches(batch, accum)
+      (loss, grads), _ = jax.lax.scan(add_microbatch, zeros, (jnp.arange(accum), micro))
+      loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+    with jax.named_scope("optimizer"):
+      grad_norm = optax.tree.norm(grads)
+      params, opt_state, scales = runtime.apply_update(optimizer, grads, state.opt_state, state.params)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, scales=scales)
+    return new_state, {"loss": loss, "grad_norm": grad_norm}
+
+  return train_step
+
+
+def make_eval_step(runtime: Runtime):
+  """``eval_step(params, scales, batch) -> loss []`` (no dropout; ``scales`` None unless FSDP)."""
+  return runtime.loss
+
+
+# Config fields that change nothing inside the jitted functions. Runs in one process whose
+# configs differ only in these reuse the functions compiled for an earlier run (a resume in a
+# notebook, tests, benchmarks); any other difference compiles afresh, so the cache is never stale.
+RUNTIME_ONLY_FIELDS = frozenset({
+    "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+    "async_checkpointing", "tensorboard", "peak_tflops", "data", "inject_nan_at_step",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """The runtime and the jitted functions of a config.
+
+  Attributes:
+    runtime: :class:`~train.runtime.Unsharded` or :class:`~train.runtime.Fsdp`.
+    init: ``init() -> TrainState`` (FSDP: sharded).
+    train_step: ``train_step(state, batch) -> (state, metrics)``, the state donated.
+    eval_step: ``eval_step(params, scales, batch) -> loss``.
+    state_shardings: ``TrainState`` of shardings (FSDP), or None (one device).
+  """
+
+  runtime: Runtime
+  init: Callable[[], TrainState]
+  train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]
+  eval_step: Callable[[Any, Any, Any], jax.Array]
+  state_shardings: TrainState | None
+  grad_accum_steps: int
+
+  @property
+  def model(self) -> Transformer:
+    return self.runtime.model
+
+  def shard_train_batch(self, batch: np.ndarray):
+    """Host batch ``[B, T + 1]`` -> what ``train_step`` takes."""
+    return self.runtime.shard_train_batch(batch, self.grad_accum_steps)
+
+  def shard_eval_batch(self, batch: np.ndarray):
+    return self.runtime.shard_eval_batch(batch)
+
+  def restore_target(self) -> TrainState:
+    """The state's shapes, dtypes and shardings: what a checkpoint is restored into."""
+    abstract = jax.eval_shape(self.init)
+    if self.state_shardings is None:
+      return checkpoint.abstract_on_device(abstract)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+                        self.state_shardings)
+
+  def with_scales(self, state: TrainState) -> TrainState:
+    """``state`` with the scales of its parameters (resuming an unsharded run's checkpoint under FSDP)."""
+    return state.replace(scales=jax.jit(self.runtime.scales)(state.params))
+
+
+def step_functions(config: ml_collections.ConfigDict) -> StepFunctions:
+  """:class:`StepFunctions` for ``config`` (cached on every field not in :data:`RUNTIME_ONLY_FIELDS`)."""
+  compiled = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_ONLY_FIELDS}
+  data_size, fsdp_size = train_config.mesh_shape(config)
+  compiled["mesh"] = {"data": data_size, "fsdp": fsdp_size}  # auto resolved: the key names the devices used
+  return _step_functions(json.dumps(compiled, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _step_functions(key: str) -> StepFunctions:
+  config = ml_collections.ConfigDict(json.loads(key))
+  runtime = make_runtime(config, config.mesh)
+  optimizer = make_optimizer(config)
+  init = jax.jit(make_init(runtime, optimizer, config))
+  train_step = make_train_step(runtime, optimizer, config)
+  eval_step = make_eval_step(runtime)
+  if runtime.mesh_shape is None:
+    return StepFunctions(runtime, init, jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), None,
+                         config.grad_accum_steps)
+  # Sharded: the init is compiled first so that its output shardings (parameters and optimizer
+  # state per the plan, the rest replicated) pin the step's.
+  init = init.lower().compile()
+  return StepFunctions(
+      runtime=runtime,
+      init=init,
+      train_step=jax.jit(train_step, donate_argnums=0, out_shardings=(init.output_shardings, runtime.replicated)),
+      eval_step=jax.jit(eval_step, out_shardings=runtime.replicated),
+      state_shardings=init.output_shardings,
+      grad_accum_steps=config.grad_accum_steps,
+  )
+
+
+__all__ = [
+    "RUNTIME_ONLY_FIELDS", "StepFunctions", "TrainState", "make_eval_step", "make_init", "make_train_step",
+    "step_functions",
+]
