@@ -11,6 +11,7 @@ Devices: ``config.mesh`` lays the run over a ``(data, fsdp)`` mesh (:func:`mesh_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -73,30 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.eps = 1e-8
   config.grad_clip = 1.0  # max global gradient norm; 0 turns clipping off
 
-  config.model = ml_collections.ConfigDict()
-  model = config.model
-  model.vocab_size = 384  # byte tokens (259 ids) rounded up to a multiple of 128
-  model.d_model = 256
-  model.n_layers = 4
-  model.n_heads = 4
-  model.n_kv_heads = 2
-  model.d_ff = 768
-  model.rope_theta = 10_000.0
-  model.norm_eps = 1e-5
-  model.tie_embeddings = False
-  model.dtype = "bfloat16"  # compute dtype
-  model.param_dtype = "float32"  # master weights
-  model.init_std = 0.02
-  model.dropout_rate = 0.0
-  model.scan_layers = True
-  model.remat_policy = "none"  # none | full | dots | dots_no_batch (train/model.py REMAT_POLICIES)
-  model.attention_impl = "auto"  # auto (cuDNN on GPU) | xla | cudnn
-  model.fused_projections = True  # qkv and gate_up as one matmul each
-  model.quantize_attention = True
-  model.quantize_mlp = True
-  model.quantize_lm_head = False  # embeddings and LM head stay high precision by default
-  model.filter_fqns = ""  # comma-separated; projections whose path contains one stay high precision
-  model.bitnet_norms = True  # BitNet model surgery: RMSNorm before each BitNet projection
+  # Every field of train.model.ModelConfig with its default (that docstring says what each means),
+  # in config form: dtypes by name, filter_fqns comma-separated; the recipe is config.recipe.
+  config.model = ml_collections.ConfigDict(model_fields())
 
   config.data = ml_collections.ConfigDict()
   data = config.data
@@ -162,34 +142,32 @@ def llama_1b() -> ml_collections.ConfigDict:
   return config
 
 
+# ModelConfig fields whose config form differs: (to config, from config). The recipe is config.recipe.
+_MODEL_FIELD_FORMS = {
+    "dtype": (lambda dtype: jnp.dtype(dtype).name, lambda name: _dtype(name, "dtype")),
+    "param_dtype": (lambda dtype: jnp.dtype(dtype).name, lambda name: _dtype(name, "param_dtype")),
+    "filter_fqns": (",".join, lambda text: tuple(f.strip() for f in text.split(",") if f.strip())),
+}
+_MODEL_FIELDS_ELSEWHERE = frozenset({"recipe"})
+
+
+def model_fields() -> dict:
+  """``config.model``'s defaults: every :class:`ModelConfig` field in its config form."""
+  fields = {}
+  for field in dataclasses.fields(ModelConfig):
+    if field.name not in _MODEL_FIELDS_ELSEWHERE:
+      to_config = _MODEL_FIELD_FORMS.get(field.name, (lambda v: v, None))[0]
+      fields[field.name] = to_config(field.default)
+  return fields
+
+
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """The model's frozen :class:`ModelConfig` from ``config.model`` and ``config.recipe``."""
-  m = config.model
-  return ModelConfig(
-      vocab_size=m.vocab_size,
-      d_model=m.d_model,
-      n_layers=m.n_layers,
-      n_heads=m.n_heads,
-      n_kv_heads=m.n_kv_heads,
-      d_ff=m.d_ff,
-      rope_theta=m.rope_theta,
-      norm_eps=m.norm_eps,
-      tie_embeddings=m.tie_embeddings,
-      dtype=_dtype(m.dtype, "dtype"),
-      param_dtype=_dtype(m.param_dtype, "param_dtype"),
-      init_std=m.init_std,
-      dropout_rate=m.dropout_rate,
-      scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy,
-      attention_impl=m.attention_impl,
-      fused_projections=m.fused_projections,
-      recipe=recipe_from_name(config.recipe),
-      quantize_attention=m.quantize_attention,
-      quantize_mlp=m.quantize_mlp,
-      quantize_lm_head=m.quantize_lm_head,
-      filter_fqns=tuple(f.strip() for f in m.filter_fqns.split(",") if f.strip()),
-      bitnet_norms=m.bitnet_norms,
-  )
+  values = {}
+  for name, value in config.model.items():
+    from_config = _MODEL_FIELD_FORMS.get(name, (None, lambda v: v))[1]
+    values[name] = from_config(value)
+  return ModelConfig(**values, recipe=recipe_from_name(config.recipe))
 
 
 def check(config: ml_collections.ConfigDict) -> None:
