@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, time_ms, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
-from pallas_kernels.dispatch import BACKEND_ENV  # noqa: E402
+from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
 SHAPES = ((4096, 14336), (14336, 4096))  # (K, N)
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)

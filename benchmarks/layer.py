@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, time_ms, write_json  # noqa: E402
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul  # noqa: E402
-from pallas_kernels.dispatch import BACKEND_ENV  # noqa: E402
+from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
 BLOCKS = 4
 SHAPES = [(2048, 8192, 16384), (4096, 14336, 8192)]  # (D, H, T) from issue 6

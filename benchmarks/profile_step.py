@@ -40,7 +40,6 @@ import argparse
 import collections
 import gc
 import glob
-import json
 import os
 import re
 import sys

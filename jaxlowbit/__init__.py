@@ -11,11 +11,12 @@ NNX layers live in ``jaxlowbit.nnx``.
 """
 
 from jaxlowbit import fsdp, inference, optim, qstate, quantized_training
-from jaxlowbit.convert import convert, worth_quantizing
+from jaxlowbit.convert import conversion_report, convert, worth_quantizing
 from jaxlowbit_numerics.fp8 import dequantize_fp8, quantize_fp8
 from jaxlowbit_numerics.int8 import dequantize_int8, quantize_int8
 from jaxlowbit.layers import BitNetDense, Fp8Dense, Int8Dense, dense_for
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
+from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.quantized_training import Int8Weight, Int8WeightOnlyDense
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe
 from jaxlowbit.rounding import stochastic_round
@@ -32,7 +33,10 @@ __all__ = [
     "Int8MixedPrecision",
     "Int8Weight",
     "Int8WeightOnlyDense",
+    "LowBitOperand",
+    "QuantizedMatrix",
     "Recipe",
+    "conversion_report",
     "convert",
     "dense_for",
     "dequantize_fp8",

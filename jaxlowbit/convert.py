@@ -1,127 +1,98 @@
 """``convert``: run an existing Linen model's Dense/DenseGeneral layers quantized.
 
 The user's code is not rewritten. ``convert`` returns an instance of a subclass of the
-model's own class whose public methods run under ``flax.linen.intercept_methods``; the
-interceptor takes over ``__call__`` of every ``nn.Dense`` / ``nn.DenseGeneral`` inside and
-runs its body with the recipe's matmul (:func:`jaxlowbit.layers.dense_general`). The
-parameter tree is unchanged, so checkpoints move freely between the original and the
-converted model, and the converted model is still an instance of the original class.
+model's own class that runs under a Linen method interceptor (``jaxlowbit.interception``):
+every ``nn.Dense`` / ``nn.DenseGeneral`` inside computes its body with the recipe's matmul
+(:func:`jaxlowbit.layers.dense_general`). The parameter tree is unchanged, so checkpoints move
+freely between the original and the converted model, and the converted model is still an
+instance of the original class. ``apply`` and ``init`` intercept whatever they run, so
+``method=`` (the original class's method, a submodule's) runs converted too.
+
+:func:`conversion_report` traces a converted model once (no compute) and says, layer by layer,
+what runs with which recipe and why a layer stayed high precision.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
+import jax
 
-from jaxlowbit.layers import _LowBitDenseGeneral, dense_general
-from jaxlowbit.recipes import Float8, Recipe, check_recipe
-
-# Layers whose K (in features) or N (out features) are small gain nothing from low-bit
-# GEMMs: quantization passes cost more than the faster matmul saves. Starting points are
-# torchao's float8 auto-filters measured on H100 (torchao names them by the *weight's*
-# shape (out, in); here K is in and N is out). Rowwise-scaled recipes (INT8 row/column,
-# FP8 rowwise, BitNet per-token) pay for axis-wise scale passes: skip when K <= 2048, or
-# N <= 1024, or (K <= 4096 and N <= 2048). Tensorwise FP8 is cheaper: skip when
-# N <= 4096 and K <= 1024. Every low-bit GEMM also wants K and N multiples of 16.
-# TODO(benchmarks/layer.py): refine from our own layer benchmark on the GPU runner.
-TENSOR_CORE_MULTIPLE = 16
-ROWWISE_MIN_K = 2048
-ROWWISE_MIN_N = 1024
-ROWWISE_MIN_K_FOR_SMALL_N = 4096
-ROWWISE_SMALL_N = 2048
-TENSORWISE_SMALL_K = 1024
-TENSORWISE_SMALL_N = 4096
+from jaxlowbit.interception import PASS, LayerFilter, as_filter, dense_interceptor, intercepted_copy, module_path
+from jaxlowbit.layers import _LowBitDenseGeneral, dense_general, resolve
+from jaxlowbit.recipes import Recipe, check_recipe
 
 
 def worth_quantizing(k: int, n: int, recipe: Recipe) -> bool:
-  """Whether a ``[K, N]`` linear is large enough for ``recipe`` to speed it up (see above)."""
-  if k % TENSOR_CORE_MULTIPLE or n % TENSOR_CORE_MULTIPLE:
-    return False
-  if isinstance(recipe, Float8) and not recipe.rowwise:
-    return not (k <= TENSORWISE_SMALL_K and n <= TENSORWISE_SMALL_N)
-  if k <= ROWWISE_MIN_K or n <= ROWWISE_MIN_N:
-    return False
-  return not (k <= ROWWISE_MIN_K_FOR_SMALL_N and n <= ROWWISE_SMALL_N)
-
-
-def _linear_kn(module: nn.Module, inputs) -> tuple[int, int]:
-  axis = getattr(module, "axis", -1)
-  axis = (axis,) if isinstance(axis, int) else tuple(axis)
-  features = module.features
-  features = (features,) if isinstance(features, int) else tuple(features)
-  return math.prod(inputs.shape[a] for a in axis), math.prod(features)
+  """Whether a ``[K, N]`` linear is large enough for ``recipe`` to speed it up (``Recipe.worth_quantizing``)."""
+  check_recipe(recipe, "worth_quantizing")
+  return recipe.worth_quantizing(k, n)
 
 
 def module_fqn(module: nn.Module) -> str:
   """Dot-joined path of a bound module, e.g. ``"decoder.layers_0.mlp.wi"``."""
-  return ".".join(str(p) for p in module.path)
+  return module_path(module)
 
 
-def _interceptor(recipe: Recipe, filter_fqns: Sequence[str], auto_filter_small_kn: bool):
-  def intercept(next_fun, args, kwargs, context):
-    module = context.module
-    if (
-        context.method_name != "__call__"
-        or not isinstance(module, (nn.Dense, nn.DenseGeneral))
-        or isinstance(module, _LowBitDenseGeneral)  # already low-bit: its recipe wins
-        or module.dot_general is not None  # the user chose their own dot: leave it alone
-        or module.dot_general_cls is not None
-    ):
-      return next_fun(*args, **kwargs)
-    fqn = module_fqn(module)
-    if any(f in fqn for f in filter_fqns):
-      return next_fun(*args, **kwargs)
-    inputs = args[0] if args else kwargs["inputs"]
-    if auto_filter_small_kn and not worth_quantizing(*_linear_kn(module, inputs), recipe):
-      return next_fun(*args, **kwargs)
-    return dense_general(module, inputs, recipe)
+@dataclasses.dataclass(frozen=True)
+class ConvertedLayer:
+  """One Dense layer of a converted model: its path, ``[K, N]``, and its recipe or why it has none."""
 
-  return intercept
+  path: str
+  k: int
+  n: int
+  recipe: Recipe | None
+  reason: str = ""  # why it stayed high precision (empty when it runs ``recipe``)
 
 
-def intercepted_copy(module: nn.Module, interceptor: Callable, who: str, **class_attrs) -> nn.Module:
-  """A copy of unbound ``module`` whose public methods run under ``nn.intercept_methods(interceptor)``.
+@dataclasses.dataclass(frozen=True)
+class ConversionReport:
+  """What :func:`convert` did to a model, layer by layer (``str()`` gives a table)."""
 
-  The copy is an instance of a subclass of ``type(module)`` (same name, same fields, same
-  parameter tree); ``class_attrs`` become attributes of that subclass. Shared by
-  :func:`convert` and ``jaxlowbit.inference.convert_for_inference``.
-  """
-  if module.scope is not None:
-    raise ValueError(
-        f"{who}: got a module already bound to a parent (built inside a compact method); convert the "
-        f"model definition outside (model = {who}(Model(...), ...)) and pass it in as an attribute"
-    )
-  cls = type(module)
+  layers: tuple[ConvertedLayer, ...]
 
-  def wrap(method: Callable) -> Callable:
-    def run_intercepted(self, *args, **kwargs):
-      with nn.intercept_methods(interceptor):
-        return method(self, *args, **kwargs)
+  @property
+  def converted(self) -> tuple[ConvertedLayer, ...]:
+    return tuple(layer for layer in self.layers if layer.recipe is not None)
 
-    # Copy name and doc only: copying __dict__ would mark the wrapper @compact too.
-    return functools.update_wrapper(run_intercepted, method, updated=())
-
-  namespace = {name: wrap(getattr(cls, name)) for name in _public_methods(cls)}
-  namespace.update(class_attrs, __module__=cls.__module__)
-  converted_cls = type(cls.__name__, (cls,), namespace)
-  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init and f.name != "parent"}
-  return converted_cls(**fields)
+  def __str__(self) -> str:
+    rows = [("path", "K", "N", "recipe / kept because")]
+    rows += [(layer.path or "(root)", str(layer.k), str(layer.n), str(layer.recipe) if layer.recipe else layer.reason)
+             for layer in self.layers]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join([c.ljust(w) for c, w in zip(r[:3], widths)] + [r[3]]) for r in rows]
+    return "\n".join(lines + [f"{len(self.converted)} of {len(self.layers)} Dense layers converted"])
 
 
-def _public_methods(cls: type) -> list[str]:
-  names = []
-  for klass in cls.__mro__:
-    if klass in (nn.Module, object):
-      break
-    for name, value in vars(klass).items():
-      public = name == "__call__" or not name.startswith("_")
-      if public and name != "setup" and callable(value) and not isinstance(value, type) and name not in names:
-        names.append(name)
-  return names
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+  recipe: Recipe
+  layer_filter: LayerFilter
+  auto_filter_small_kn: bool
+
+  def decide(self, module: nn.Module, inputs, path: str) -> ConvertedLayer:
+    """What this layer runs (the one rule shared by the interceptor and the report)."""
+    k, n = resolve(module, inputs).kn
+    if isinstance(module, _LowBitDenseGeneral):
+      return ConvertedLayer(path, k, n, None, f"a jaxlowbit layer: runs its own recipe {module.recipe}")
+    if self.layer_filter.keeps(path, module):
+      return ConvertedLayer(path, k, n, None, "filtered (filter_fqns / filter_fn)")
+    if self.auto_filter_small_kn and not self.recipe.worth_quantizing(k, n):
+      return ConvertedLayer(path, k, n, None, "too small to gain (auto_filter_small_kn)")
+    return ConvertedLayer(path, k, n, self.recipe)
+
+
+def _handler(rules: _Rules, record: Callable[[ConvertedLayer], None] | None = None):
+  def handle(module, inputs, path):
+    layer = rules.decide(module, inputs, path)
+    if record is not None:
+      record(layer)
+    return PASS if layer.recipe is None else dense_general(module, inputs, layer.recipe)
+
+  return handle
 
 
 def convert(
@@ -129,32 +100,65 @@ def convert(
     recipe: Recipe,
     filter_fqns: Sequence[str] = (),
     auto_filter_small_kn: bool = False,
+    filter_fn: Callable[[str, nn.Module], bool] | None = None,
 ) -> nn.Module:
   """A copy of ``module`` whose ``nn.Dense``/``nn.DenseGeneral`` layers run with ``recipe``.
 
   Args:
     module: an unbound Linen module (usually the whole model).
     recipe: :class:`Int8MixedPrecision`, :class:`Float8` or :class:`BitNet`.
-    filter_fqns: layers whose dot-joined path (``module_fqn``, e.g. ``"lm_head"`` or
-      ``"layers_0.attn"``) contains any of these strings stay high precision.
+    filter_fqns: layers whose dot-joined path (e.g. ``"lm_head"`` or ``"layers_0.attn"``)
+      contains any of these strings stay high precision ("" is an error: it is in every path).
     auto_filter_small_kn: also leave layers too small to gain in high precision
-      (:func:`worth_quantizing`).
+      (``recipe.worth_quantizing``).
+    filter_fn: ``filter_fn(path, module) -> bool``; True keeps that layer high precision.
 
   Returns:
     An instance of a subclass of ``type(module)`` with the same attributes and the same
     parameter tree. Layers that set their own ``dot_general``, and jaxlowbit layers, are
     left as they are. BitNet's RMSNorm before each linear is *not* inserted: that model
-    surgery stays explicit in the model's code.
+    surgery stays explicit in the model's code. :func:`conversion_report` lists what it does.
   """
   if not isinstance(module, nn.Module):
     raise TypeError(f"convert: expected a flax.linen Module, got {type(module).__name__}")
   check_recipe(recipe, "convert")
   if recipe is None:
     raise TypeError("convert: recipe must be Int8MixedPrecision, Float8 or BitNet (None converts nothing)")
-  if isinstance(filter_fqns, str):
-    raise TypeError("convert: filter_fqns must be a sequence of strings, e.g. ('lm_head',), not a string")
-  return intercepted_copy(
-      module, _interceptor(recipe, tuple(filter_fqns), auto_filter_small_kn), "convert", jaxlowbit_recipe=recipe
-  )
+  rules = _Rules(recipe, as_filter(filter_fqns, filter_fn), auto_filter_small_kn)
+  return intercepted_copy(module, dense_interceptor(_handler(rules)), "convert", jaxlowbit_convert_rules=rules,
+                          jaxlowbit_recipe=recipe)
 
-__all__ = ["convert", "intercepted_copy", "module_fqn", "worth_quantizing"]
+
+def conversion_report(model: nn.Module, *args, method=None, params=None, **kwargs) -> ConversionReport:
+  """What a :func:`convert` ed ``model`` runs, layer by layer, for the call ``model.apply(..., *args)``.
+
+  Traces the model once with ``jax.eval_shape`` (nothing is computed). Warns when no layer
+  was converted.
+
+  Args:
+    model: the result of :func:`convert`.
+    *args, method, **kwargs: an example call, as for ``model.apply`` / ``model.init``
+      (arrays or ``jax.ShapeDtypeStruct``).
+    params: the ``"params"`` collection to apply (default: the model's own init).
+  """
+  rules = getattr(type(model), "jaxlowbit_convert_rules", None)
+  if rules is None:
+    raise TypeError(f"conversion_report: {type(model).__name__} is not a jaxlowbit.convert result")
+  seen: dict[str, ConvertedLayer] = {}
+  recording = dense_interceptor(_handler(rules, lambda layer: seen.setdefault(layer.path, layer)))
+
+  def run(*a):
+    with nn.intercept_methods(recording):
+      if params is None:
+        return model.init(jax.random.key(0), *a, method=method, **kwargs)
+      return model.apply({"params": params}, *a, method=method, **kwargs)
+
+  jax.eval_shape(run, *args)
+  report = ConversionReport(tuple(seen.values()))
+  if not report.converted:
+    warnings.warn(f"convert: no Dense layer of {type(model).__name__} runs {rules.recipe} "
+                  f"({len(report.layers)} found; see the report's reasons)", stacklevel=2)
+  return report
+
+
+__all__ = ["ConversionReport", "ConvertedLayer", "conversion_report", "convert", "module_fqn", "worth_quantizing"]

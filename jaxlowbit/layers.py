@@ -1,20 +1,31 @@
-"""Flax Linen layers: ``Int8Dense``, ``Fp8Dense``, ``BitNetDense``.
+"""Flax Linen layers: ``Int8Dense``, ``Fp8Dense``, ``BitNetDense``, and the one Dense body.
 
-Each is a drop-in for ``flax.linen.DenseGeneral`` (it *is* a subclass): same attributes,
-same parameter tree (``kernel`` of shape ``batch + contracted + features``, ``bias`` of
-shape ``batch + features``) and the same initialization, so a checkpoint trained with one
-loads into the other. The extra ``recipe`` attribute chooses the numerics; ``recipe=None``
-computes exactly what ``DenseGeneral`` computes.
+Each layer is a drop-in for ``flax.linen.DenseGeneral`` (it *is* a subclass): same attributes,
+same parameter tree (``kernel`` of shape ``batch + contracted + features``, ``bias`` of shape
+``batch + features``) and the same initialization, so a checkpoint trained with one loads into
+the other. The extra ``recipe`` attribute chooses the numerics; ``recipe=None`` computes
+exactly what ``DenseGeneral`` computes.
 
 With a recipe, the kernel is quantized from its stored ``param_dtype`` (float32 master
 weights are not first rounded to the compute dtype) and the gradient reaches it in
 ``param_dtype``.
+
+:func:`dense_general` is ``DenseGeneral.__call__``'s computation with the dot replaced; every
+jaxlowbit path that runs a Dense (these layers, ``convert``, FSDP, inference, int8 weight-only
+training) runs it, with its own matmul.
+
+Example::
+
+    layer = jaxlowbit.Int8Dense(features=4096)                 # kernel [2048, 4096] float32
+    params = layer.init(jax.random.key(0), jnp.ones((8, 2048)))
+    y = layer.apply(params, x)                                   # x [..., 2048] -> [..., 4096]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -42,15 +53,62 @@ def _reshaping_init(init, flat_shape: tuple[int, ...]):
   return wrapped
 
 
-def dense_general(module: nn.Module, inputs: jax.Array, recipe: Recipe | None) -> jax.Array:
-  """The body of ``DenseGeneral.__call__`` (and ``Dense``'s), with the dot run by ``recipe``.
+@dataclasses.dataclass(frozen=True)
+class DenseCall:
+  """One call of a Dense-family layer, resolved: what every matmul of the Dense body needs.
 
-  Reads ``features``, ``axis``, ``batch_dims``, ``use_bias``, ``dtype``, ``param_dtype``,
-  ``kernel_init``, ``bias_init``, ``precision`` and ``promote_dtype`` from ``module``
-  (``nn.Dense`` has no ``axis``/``batch_dims``: they default to -1 and ()), and creates the
-  same ``kernel``/``bias`` parameters the Flax layer would. Must run inside a compact method
-  of ``module`` (or an interceptor of one).
+  Attributes:
+    module: the bound ``nn.Dense`` / ``nn.DenseGeneral``.
+    features, axis, batch_dims: the layer's, normalized against the input's rank.
+    input_shape: the inputs' shape.
+    dtype: the compute dtype (``module.dtype``, else the promotion of inputs and ``param_dtype``).
   """
+
+  module: nn.Module
+  features: tuple[int, ...]
+  axis: tuple[int, ...]
+  batch_dims: tuple[int, ...]
+  input_shape: tuple[int, ...]
+  dtype: Any
+
+  @property
+  def free(self) -> tuple[int, ...]:
+    """Input dims that are neither contracted nor batch, in order."""
+    return tuple(a for a in range(len(self.input_shape)) if a not in self.axis + self.batch_dims)
+
+  @property
+  def kernel_shape(self) -> tuple[int, ...]:
+    batch = tuple(self.input_shape[a] for a in self.batch_dims)
+    return batch + tuple(self.input_shape[a] for a in self.axis) + self.features
+
+  @property
+  def kn(self) -> tuple[int, int]:
+    """(K, N): contracted input size and output features of one kernel."""
+    return math.prod(self.input_shape[a] for a in self.axis), math.prod(self.features)
+
+  @property
+  def dimension_numbers(self):
+    n_batch = len(self.batch_dims)
+    contract = tuple(range(n_batch, n_batch + len(self.axis)))
+    return ((self.axis, contract), (self.batch_dims, tuple(range(n_batch))))
+
+  def flat_inputs(self, inputs: jax.Array) -> jax.Array:
+    """``inputs`` as ``[*free, K]`` (no batch dims): the contracted axes moved last and merged."""
+    if self.batch_dims:
+      raise NotImplementedError(f"{type(self.module).__name__}: batch_dims={self.batch_dims} is not supported here")
+    free_shape = tuple(self.input_shape[a] for a in self.free)
+    return jax.lax.transpose(inputs, self.free + self.axis).reshape(*free_shape, self.kn[0])
+
+  def unflat_outputs(self, y: jax.Array) -> jax.Array:
+    """``[*free, N]`` -> ``[*free, *features]``."""
+    return y.reshape(*y.shape[:-1], *self.features)
+
+
+def resolve(module: nn.Module, inputs: jax.Array) -> DenseCall:
+  """The :class:`DenseCall` of ``module(inputs)``; ValueError for axes that do not fit the input."""
+  name = type(module).__name__
+  if not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
+    raise TypeError(f"{name}: inputs must be floating point, got {jnp.result_type(inputs)}")
   features = _as_tuple(module.features)
   axis = _as_tuple(getattr(module, "axis", -1))
   batch_dims = _as_tuple(getattr(module, "batch_dims", ()))
@@ -59,36 +117,68 @@ def dense_general(module: nn.Module, inputs: jax.Array, recipe: Recipe | None) -
   ndim = inputs.ndim
   for a in axis + batch_dims:
     if not -ndim <= a < ndim:
-      raise ValueError(f"{type(module).__name__}: axis {a} out of range for input of shape {inputs.shape}")
+      raise ValueError(f"{name}: axis {a} out of range for input of shape {inputs.shape}")
   axis = tuple(a % ndim for a in axis)
   batch_dims = tuple(a % ndim for a in batch_dims)
-  n_batch, n_axis = len(batch_dims), len(axis)
+  if len(set(axis + batch_dims)) != len(axis) + len(batch_dims):
+    raise ValueError(f"{name}: axis {axis} and batch_dims {batch_dims} repeat an input dimension")
+  dtype = module.dtype or jnp.result_type(inputs.dtype, module.param_dtype)
+  return DenseCall(module, features, axis, batch_dims, tuple(inputs.shape), dtype)
 
-  batch_shape = tuple(inputs.shape[a] for a in batch_dims)
-  kernel_shape = batch_shape + tuple(inputs.shape[a] for a in axis) + features
-  fan_in, fan_out = math.prod(kernel_shape[: n_batch + n_axis]), math.prod(features)
-  kernel_init = _reshaping_init(module.kernel_init, (fan_in, fan_out))
-  kernel = module.param("kernel", kernel_init, kernel_shape, module.param_dtype)
+
+# matmul(call, inputs in the compute dtype, kernel as given or created) -> [*batch, *free, *features]
+Matmul = Callable[[DenseCall, jax.Array, Any], jax.Array]
+
+
+def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe | None, kernel: Any = None):
+  """The body of ``DenseGeneral.__call__`` (and ``Dense``'s) with the dot run by ``matmul``.
+
+  Reads ``features``, ``axis``, ``batch_dims``, ``use_bias``, ``dtype``, ``param_dtype``,
+  ``kernel_init``, ``bias_init``, ``precision`` from ``module`` (``nn.Dense`` has no
+  ``axis``/``batch_dims``: they default to -1 and ()), and creates the same ``kernel``/``bias``
+  parameters the Flax layer would. Must run inside a compact method of ``module`` (or an
+  interceptor of one).
+
+  Args:
+    module: the bound Dense-family module.
+    inputs: ``[..., *contracted]`` floating array.
+    matmul: a recipe (or None: high precision) for the recipe's ``quantized_dot_general``, or
+      a function ``matmul(call, inputs, kernel)`` (FSDP, inference, weight-only training).
+    kernel: the kernel to use instead of creating the ``kernel`` parameter (a local shard,
+      converted leaves, an ``Int8Weight``).
+
+  Returns:
+    ``batch + free input dims + features`` in the compute dtype, bias added.
+  """
+  call = resolve(module, inputs)
+  if kernel is None:
+    fan_in, fan_out = math.prod(call.kernel_shape[: len(call.batch_dims) + len(call.axis)]), call.kn[1]
+    init = _reshaping_init(module.kernel_init, (fan_in, fan_out))
+    kernel = module.param("kernel", init, call.kernel_shape, module.param_dtype)
   bias = None
   if module.use_bias:
-    bias_shape = batch_shape + features
+    bias_shape = tuple(inputs.shape[a] for a in call.batch_dims) + call.features
     bias_init = _reshaping_init(module.bias_init, (math.prod(bias_shape),))
-    bias = module.param("bias", bias_init, bias_shape, module.param_dtype)
-
-  inputs, promoted_kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
-  batch_ind = tuple(range(n_batch))
-  contract_ind = tuple(range(n_batch, n_batch + n_axis))
-  out = quantized_dot_general(
-      inputs,
-      promoted_kernel if recipe is None else kernel,
-      ((axis, contract_ind), (batch_dims, batch_ind)),
-      precision=module.precision,
-      recipe=recipe,
-  )
+    bias = jnp.asarray(module.param("bias", bias_init, bias_shape, module.param_dtype), call.dtype)
+  if not callable(matmul):
+    matmul = recipe_matmul(matmul)
+  out = matmul(call, jnp.asarray(inputs, call.dtype), kernel)
   if bias is not None:
-    expanded = tuple(inputs.shape[a] if a in batch_dims else 1 for a in range(ndim) if a not in axis)
-    out = out + jnp.reshape(bias, expanded + features)
+    expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
+    out = out + jnp.reshape(bias, expanded + call.features)
   return out
+
+
+def recipe_matmul(recipe: Recipe | None) -> Matmul:
+  """The Dense body's matmul for ``recipe``: the quantized dot of the stored kernel (None: DenseGeneral's dot)."""
+  check_recipe(recipe, "dense_general")
+
+  def matmul(call: DenseCall, inputs: jax.Array, kernel: jax.Array) -> jax.Array:
+    kernel = kernel if recipe is not None else jnp.asarray(kernel, call.dtype)  # low-bit: from the master weight
+    return quantized_dot_general(inputs, kernel, call.dimension_numbers, precision=call.module.precision,
+                                 recipe=recipe)
+
+  return matmul
 
 
 class _LowBitDenseGeneral(nn.DenseGeneral):
@@ -109,13 +199,11 @@ class _LowBitDenseGeneral(nn.DenseGeneral):
     """
     name = type(self).__name__
     check_recipe(self.recipe, name)
-    if self.recipe is not None and not isinstance(self.recipe, self.recipe_types):
+    if self.recipe is not None and self.recipe_types and not isinstance(self.recipe, self.recipe_types):
       allowed = " or ".join(t.__name__ for t in self.recipe_types)
       raise TypeError(f"{name}: recipe must be {allowed} (or None), got {self.recipe!r}")
     if self.dot_general is not None or self.dot_general_cls is not None:
       raise ValueError(f"{name}: dot_general/dot_general_cls cannot be set; the recipe decides the dot")
-    if not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
-      raise TypeError(f"{name}: inputs must be floating point, got {jnp.result_type(inputs)}")
     return dense_general(self, inputs, self.recipe)
 
 
@@ -126,6 +214,10 @@ class Int8Dense(_LowBitDenseGeneral):
     features, axis, batch_dims, use_bias, dtype, param_dtype, kernel_init, bias_init,
       precision, promote_dtype: as in ``flax.linen.DenseGeneral``.
     recipe: an :class:`Int8MixedPrecision` (default: all three matmuls INT8) or None.
+
+  Example::
+
+    layer = Int8Dense(features=4096)   # x [..., 2048] -> [..., 4096]; kernel [2048, 4096] float32
   """
 
   recipe: Int8MixedPrecision | None = Int8MixedPrecision()
@@ -139,6 +231,10 @@ class Fp8Dense(_LowBitDenseGeneral):
     features, axis, batch_dims, use_bias, dtype, param_dtype, kernel_init, bias_init,
       precision, promote_dtype: as in ``flax.linen.DenseGeneral``.
     recipe: a :class:`Float8` (``tensorwise``, ``rowwise`` or ``rowwise_gw_hp``) or None.
+
+  Example::
+
+    layer = Fp8Dense(features=4096, recipe=Float8("rowwise"))
   """
 
   recipe: Float8 | None = Float8()
@@ -155,21 +251,31 @@ class BitNetDense(_LowBitDenseGeneral):
     features, axis, batch_dims, use_bias, dtype, param_dtype, kernel_init, bias_init,
       precision, promote_dtype: as in ``flax.linen.DenseGeneral``.
     recipe: a :class:`BitNet` or None.
+
+  Example::
+
+    layer = BitNetDense(features=4096)   # kernel [K, 4096] float32, ternary in the forward
   """
 
   recipe: BitNet | None = BitNet()
   recipe_types: ClassVar[tuple[type, ...]] = (BitNet,)
 
 
-LAYER_FOR_RECIPE = {Int8MixedPrecision: Int8Dense, Float8: Fp8Dense, BitNet: BitNetDense}
+class LowBitDense(_LowBitDenseGeneral):
+  """``DenseGeneral`` with any recipe (what :func:`dense_for` builds for a recipe without a named layer)."""
 
 
 def dense_for(recipe: Recipe | None, **kwargs) -> nn.Module:
-  """The layer class that runs ``recipe`` (``nn.DenseGeneral`` for None), built with ``kwargs``."""
+  """The layer that runs ``recipe``, built with ``kwargs`` (``DenseGeneral``'s attributes).
+
+  None gives ``nn.DenseGeneral``; a recipe gives the named layer of its family (``Int8Dense``,
+  ``Fp8Dense``, ``BitNetDense``: each declares its ``recipe_types``), or :class:`LowBitDense`.
+  """
   check_recipe(recipe, "dense_for")
   if recipe is None:
     return nn.DenseGeneral(**kwargs)
-  return LAYER_FOR_RECIPE[type(recipe)](recipe=recipe, **kwargs)
+  named = [cls for cls in (Int8Dense, Fp8Dense, BitNetDense) if isinstance(recipe, cls.recipe_types)]
+  return (named[0] if named else LowBitDense)(recipe=recipe, **kwargs)
 
 
-__all__ = ["BitNetDense", "Fp8Dense", "Int8Dense", "dense_for", "dense_general"]
+__all__ = ["BitNetDense", "DenseCall", "Fp8Dense", "Int8Dense", "LowBitDense", "dense_for", "dense_general", "resolve"]

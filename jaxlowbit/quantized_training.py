@@ -29,8 +29,7 @@ Put :func:`int8_weight_only` outermost (``optax.MultiSteps`` may wrap it, with
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -40,6 +39,7 @@ import optax
 from flax.core import meta
 
 from jaxlowbit_numerics.int8 import int8_scale, quantize_int8_with_scale
+from jaxlowbit.layers import DenseCall, dense_general, resolve
 from jaxlowbit.matmul import quantized_dot_general
 from jaxlowbit.recipes import Int8MixedPrecision, check_recipe
 from jaxlowbit.rounding import stochastic_round
@@ -106,10 +106,6 @@ def _dequantize_ste_bwd(scale, g):
 _dequantize_ste.defvjp(_dequantize_ste_fwd, _dequantize_ste_bwd)
 
 
-def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
-  return tuple(x) if isinstance(x, Sequence) else (x,)
-
-
 class Int8WeightOnlyDense(nn.DenseGeneral):
   """``DenseGeneral`` whose kernel is stored as int8 + a float32 scale per output channel.
 
@@ -147,44 +143,27 @@ class Int8WeightOnlyDense(nn.DenseGeneral):
       raise ValueError(f"{name}: batch_dims={self.batch_dims} is not supported; use features/axis only")
     if self.dot_general is not None or self.dot_general_cls is not None:
       raise ValueError(f"{name}: dot_general/dot_general_cls cannot be set")
-    if not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
-      raise TypeError(f"{name}: inputs must be floating point, got {jnp.result_type(inputs)}")
-    features = _as_tuple(self.features)
-    ndim = inputs.ndim
-    axis = _as_tuple(self.axis)
-    for a in axis:
-      if not -ndim <= a < ndim:
-        raise ValueError(f"{name}: axis {a} out of range for input of shape {inputs.shape}")
-    axis = tuple(a % ndim for a in axis)
-    contracted = tuple(inputs.shape[a] for a in axis)
-    fan_in, fan_out = math.prod(contracted), math.prod(features)
+    call = resolve(self, inputs)
+    contracted = call.kernel_shape[: len(call.axis)]
 
     def init_kernel(rng):
-      w = meta.unbox(self.kernel_init(rng, (fan_in, fan_out), jnp.float32))
-      return quantize_weight(jnp.reshape(w, contracted + features), len(contracted))
+      w = meta.unbox(self.kernel_init(rng, call.kn, jnp.float32))
+      return quantize_weight(jnp.reshape(w, call.kernel_shape), len(contracted))
 
     kernel = self.param("kernel", init_kernel)
     if not _is_weight(kernel):
       raise TypeError(f"{name}: params['kernel'] must be an Int8Weight, got {type(kernel).__name__}")
-    bias = None
-    if self.use_bias:
-      bias_init = lambda rng, shape, dtype: jnp.reshape(self.bias_init(rng, (fan_out,), dtype), shape)  # noqa: E731
-      bias = self.param("bias", bias_init, features, self.param_dtype)
+    return dense_general(self, inputs, self._matmul, kernel=kernel)
 
-    dtype = self.dtype or jnp.result_type(inputs.dtype, self.param_dtype)
+  def _matmul(self, call: DenseCall, inputs: jax.Array, kernel: Int8Weight) -> jax.Array:
+    """The Dense body's dot on the dequantized int8 weight (straight through to the codes)."""
     if jnp.issubdtype(kernel.qvalue.dtype, jnp.floating):  # the float view of value_and_grad
       w = _dequantize_ste(kernel.qvalue.astype(jnp.float32), kernel.scale)
     else:
       w = kernel.qvalue.astype(jnp.float32) * kernel.scale
-    inputs = inputs.astype(dtype)
-    dims = ((axis, tuple(range(len(axis)))), ((), ()))
     if self.recipe is None:
-      out = jax.lax.dot_general(inputs, w.astype(dtype), dims, precision=self.precision)
-    else:
-      out = quantized_dot_general(inputs, w, dims, precision=self.precision, recipe=self.recipe)
-    if bias is not None:
-      out = out + bias.astype(dtype)
-    return out
+      return jax.lax.dot_general(inputs, w.astype(call.dtype), call.dimension_numbers, precision=self.precision)
+    return quantized_dot_general(inputs, w, call.dimension_numbers, precision=self.precision, recipe=self.recipe)
 
 
 def _float_view(params):

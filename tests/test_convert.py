@@ -124,3 +124,49 @@ def test_convert_errors():
     jaxlowbit.convert(Model(), None)
   with pytest.raises(TypeError, match="sequence of strings"):
     jaxlowbit.convert(Model(), Int8MixedPrecision(), filter_fqns="lm_head")
+  with pytest.raises(ValueError, match="empty string"):
+    jaxlowbit.convert(Model(), Int8MixedPrecision(), filter_fqns=("",))
+  with pytest.raises(TypeError, match="callable"):
+    jaxlowbit.convert(Model(), Int8MixedPrecision(), filter_fn="lm_head")
+
+
+def test_filter_fn_and_the_conversion_report():
+  model, x = Model(), jnp.ones((4, 32))
+  params = model.init(jax.random.key(0), x)
+  keep_up = jaxlowbit.convert(model, Int8MixedPrecision(), filter_fqns=("lm_head",),
+                              filter_fn=lambda path, module: path.endswith("up"))
+  assert _count_lowbit_dots(lambda p: keep_up.apply(p, x), params) == 2  # the two `down` layers
+  report = jaxlowbit.conversion_report(keep_up, x)
+  rows = {layer.path: layer for layer in report.layers}
+  assert set(rows) == {"block_0.up", "block_0.down", "block_1.up", "block_1.down", "lm_head"}
+  assert [layer.path for layer in report.converted] == ["block_0.down", "block_1.down"]
+  assert (rows["block_0.down"].k, rows["block_0.down"].n) == (64, 32)
+  assert "filtered" in rows["lm_head"].reason and rows["lm_head"].recipe is None
+  assert "2 of 5 Dense layers converted" in str(report)
+  nothing = jaxlowbit.convert(model, Int8MixedPrecision(), auto_filter_small_kn=True)
+  with pytest.warns(UserWarning, match="no Dense layer"):
+    report = jaxlowbit.conversion_report(nothing, x, params=params["params"])
+  assert all("too small" in layer.reason for layer in report.layers)
+
+
+def test_methods_passed_to_apply_run_converted():
+  # The original class's method, or a function reaching into a submodule, runs quantized too.
+  model, x = Model(), jax.random.normal(fresh_key(), (4, 32))
+  params = model.init(jax.random.key(0), x)
+  qmodel = jaxlowbit.convert(model, Int8MixedPrecision())
+  np.testing.assert_array_equal(qmodel.apply(params, x, method=Model.__call__), qmodel.apply(params, x))
+
+
+  class Wrapper(nn.Module):
+    def setup(self):
+      self.block = Block(32)
+
+    def __call__(self, x):
+      return self.block(x)
+
+  wrapper = Wrapper()
+  wparams = wrapper.init(jax.random.key(1), x)
+  qwrapper = jaxlowbit.convert(wrapper, Int8MixedPrecision())
+  submodule = lambda m, x: m.block.up(x)  # noqa: E731  (a submodule's method, from outside)
+  quantized, plain = qwrapper.apply(wparams, x, method=submodule), wrapper.apply(wparams, x, method=submodule)
+  assert not np.array_equal(quantized, plain) and sqnr_db(quantized, plain) > 20

@@ -398,7 +398,7 @@ def _validation(config):
 
 
 def _loss(model, params, batches) -> float:
-  from train.loop import cross_entropy
+  from train.runtime import cross_entropy
 
   fn = jax.jit(lambda p, b: cross_entropy(model.apply({"params": p}, b[:, :-1]), b[:, 1:]))
   return float(np.mean([fn(params, b) for b in batches]))

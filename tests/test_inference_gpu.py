@@ -16,7 +16,7 @@ import pytest
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import dispatch, int8_gemv, policy, w8a16
+from pallas_kernels import int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, rel_err
 
@@ -66,7 +66,6 @@ def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
 @needs_sm80
 @pytest.mark.parametrize("m", [1, 4, 16, 48, 256])
 def test_dispatch_takes_the_kernels_where_the_table_says(m):
-  from pallas_kernels import inference_dispatch as d
 
   for scheme, name, takes in (
       ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),

@@ -7,7 +7,7 @@ import pytest
 
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels import dispatch, policy
+from pallas_kernels import policy
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference, scaled_matmul_reference
 from helpers import fresh_key, rel_err, sqnr_db
 

@@ -244,3 +244,35 @@ def test_quantized_dot_general_matches_matmul_layout():
   for b in range(3):
     per_batch = quantized_matmul(lhs[b].reshape(5, 32), rhs[b].reshape(32, 6), Int8MixedPrecision())
     np.testing.assert_allclose(out[b], per_batch, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "lhs, rhs, dims, match",
+    [
+        ((4, 4), (4, 3), (((2,), (0,)), ((), ())), "lhs axis 2 is out of range"),
+        ((4, 4), (4, 3), (((-1,), (0,)), ((), ())), "lhs axis -1 is out of range"),
+        ((4, 4), (4, 3), (((1, 1), (0, 0)), ((), ())), "repeat a dimension"),
+        ((2, 4, 4), (3, 4, 3), (((2,), (1,)), ((0,), (0,))), "batch dimensions differ"),
+        ((4, 4), (5, 3), (((1,), (0,)), ((), ())), "contracting dimensions differ"),
+        ((4, 4), (4, 3), (((1,), (0, 1)), ((), ())), "as many contracting"),
+        ((4, 4), (4, 3), ((1, 0), ((), ())), "dimension_numbers must be"),
+        ((4, 4), (4, 3), "nonsense", "dimension_numbers must be"),
+    ],
+)
+@pytest.mark.parametrize("recipe", [None, Int8MixedPrecision()], ids=str)
+def test_dot_general_rejects_bad_dimension_numbers_like_lax(lhs, rhs, dims, match, recipe):
+  with pytest.raises(ValueError, match=match):
+    jaxlowbit.quantized_dot_general(jnp.ones(lhs), jnp.ones(rhs), dims, recipe=recipe)
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES + [Float8("tensorwise"), BitNet(grad_input=True, grad_weight=True)], ids=str)
+@pytest.mark.parametrize("m, k, n", [(0, 16, 8), (4, 0, 8), (4, 16, 0)])
+def test_empty_operands_follow_dot_general(recipe, m, k, n):
+  x, w = jnp.ones((m, k)), jnp.ones((k, n))
+  y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, recipe), x, w)
+  np.testing.assert_array_equal(y, jax.lax.dot_general(x, w, (((1,), (0,)), ((), ()))))  # K = 0: zeros
+  dx, dw = vjp(jnp.ones((m, n)))
+  assert dx.shape == x.shape and dw.shape == w.shape
+  np.testing.assert_array_equal(dw, x.T @ jnp.ones((m, n)))
+  out = jaxlowbit.quantized_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe)
+  assert out.shape == (m, n)

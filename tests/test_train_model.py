@@ -161,5 +161,7 @@ def test_bad_model_configs_are_rejected():
     dataclasses.replace(SMALL, n_kv_heads=3)
   with pytest.raises(ValueError, match="remat_policy"):
     dataclasses.replace(SMALL, remat_policy="some")
-  with pytest.raises(TypeError, match="tuple of strings"):
+  with pytest.raises(TypeError, match="sequence of strings"):
     dataclasses.replace(SMALL, filter_fqns="lm_head")
+  with pytest.raises(ValueError, match="empty string"):  # "" is in every path: it would keep every layer
+    dataclasses.replace(SMALL, filter_fqns=("",))

@@ -21,19 +21,14 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp
-from jaxlowbit.fsdp.scaling import INT8_WEIGHT_SCALINGS
+from jaxlowbit import fsdp
+from jaxlowbit.recipes import named_recipes
+from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 from train.model import ModelConfig
 
-RECIPES = {
-    "bf16": None,  # high precision: every matmul in config.model.dtype
-    "int8": Int8MixedPrecision(),
-    "fp8_tensorwise": Float8("tensorwise"),
-    "fp8_rowwise": Float8("rowwise"),
-    "fp8_rowwise_gw_hp": Float8("rowwise_gw_hp"),
-    "bitnet": BitNet(),  # ternary x int8 forward, straight-through high-precision backward
-    "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),  # backward on int8 tensor cores too
-}
+# config.recipe names: "bf16" (high precision: every matmul in config.model.dtype) and every
+# preset a jaxlowbit recipe declares (jaxlowbit/recipes/: int8, fp8_tensorwise, bitnet, ...).
+RECIPES = {"bf16": None, **named_recipes()}
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 MESH_AUTO = 0  # config.mesh.fsdp: every visible device not used by mesh.data
 

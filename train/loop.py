@@ -44,7 +44,7 @@ from train.metrics import say
 from train.model import param_count, train_flops_per_token
 from train.optimizer import learning_rate_schedule
 from train.run_control import StopRequest, alive, any_process, changed_fields, field_change, finite
-from train.steps import TrainState, step_functions
+from train.steps import step_functions
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxlowbit
-from jaxlowbit import BitNet
+from jaxlowbit.interception import LayerFilter
 
 # Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
 # block at all; the others are ``jax.checkpoint_policies`` that say what the backward may
@@ -131,8 +131,7 @@ class ModelConfig:
     if self.tie_embeddings and self.quantize_lm_head and self.recipe is not None:
       raise ValueError("ModelConfig: a tied LM head is the embedding table and stays high precision; "
                        "set quantize_lm_head=False or tie_embeddings=False")
-    if isinstance(self.filter_fqns, str):
-      raise TypeError("ModelConfig.filter_fqns must be a tuple of strings, e.g. ('attn.out',), not a string")
+    LayerFilter(self.filter_fqns)  # TypeError / ValueError for a string or an empty entry
 
   @property
   def head_dim(self) -> int:
@@ -140,13 +139,18 @@ class ModelConfig:
 
   def recipe_for(self, path: str):
     """The recipe of the projection at ``path`` (e.g. ``"layers.mlp.down"``), or None."""
-    if self.recipe is None or any(f and f in path for f in self.filter_fqns):
+    if self.recipe is None or LayerFilter(self.filter_fqns).keeps(path):
       return None
     kind = path.split(".")[-2] if "." in path else path
     wanted = {"attn": self.quantize_attention, "mlp": self.quantize_mlp, "lm_head": self.quantize_lm_head}
     if kind not in wanted:
       raise ValueError(f"recipe_for: unknown projection path {path!r}")
     return self.recipe if wanted[kind] else None
+
+  def norm_before(self, path: str) -> bool:
+    """Whether the projection at ``path`` gets its own RMSNorm (BitNet model surgery)."""
+    recipe = self.recipe_for(path)
+    return self.bitnet_norms and recipe is not None and recipe.norm_before_linear
 
 
 def projection_paths(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -175,7 +179,7 @@ def param_count(config: ModelConfig) -> dict[str, int]:
   """
 
   def bitnet_norm(path: str) -> bool:
-    return config.bitnet_norms and isinstance(config.recipe_for(path), BitNet)
+    return config.norm_before(path)
 
   layer_linear = layer_norms = head_linear = head_norm = 0
   for path, (k, n) in projection_paths(config).items():
@@ -256,7 +260,7 @@ def projection(config: ModelConfig, x: jax.Array, path: str, features: int, std:
   """
   name = path.split(".")[-1]
   recipe = config.recipe_for(path)
-  if isinstance(recipe, BitNet) and config.bitnet_norms:
+  if config.norm_before(path):
     x = rms_norm(config, f"{name}_norm")(x)
   dense = jaxlowbit.dense_for(
       recipe,

@@ -3,8 +3,10 @@
 Each quantized linear quantizes its local weight shard with the weight's global scale and
 all-gathers payload + float32 scales as bytes in ONE collective (ternary packed 2 bits per
 value); gradients come back with ``psum_scatter``; every weight's scale for the next step
-comes from one all-reduce (``precompute_scales``). ``linear.py`` has the numerics,
-``plan.py`` the sharding rule, ``scales.py`` the scale all-reduce.
+comes from one all-reduce (``precompute_scales``). ``gather.py`` turns a weight shard into the
+whole weight as a low-bit operand that the ordinary ``jaxlowbit.quantized_matmul`` consumes
+(``linear.py`` is the two together), ``plan.py`` has the sharding rule, ``scales.py`` the scale
+all-reduce.
 
 Typical use with a Linen model (its linears from ``jaxlowbit.dense_for`` / jaxlowbit layers,
 or plain ``nn.Dense`` with ``recipe=`` given to the plan)::
@@ -32,11 +34,12 @@ see ``distributed.py``.
 
 from jaxlowbit.fsdp.config import REMAT_MODES, FsdpConfig
 from jaxlowbit.fsdp.distributed import initialize_distributed
-from jaxlowbit.fsdp.linear import fsdp_linear, global_scale
+from jaxlowbit.fsdp.gather import gather_weight, global_scale, weight_scaling
+from jaxlowbit.fsdp.linear import fsdp_linear
 from jaxlowbit.fsdp.linen import apply, linears_of, plan_for_model
 from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, make_mesh, make_plan, shard_batch, shard_params
 from jaxlowbit.fsdp.scales import precompute_scales
-from jaxlowbit.fsdp.scaling import WeightScaling, weight_scaling
+from jaxlowbit.scaling import WeightScaling
 from jaxlowbit.fsdp.step import apply_update, evaluate, init_optimizer, train_step, value_and_grad
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "apply_update",
     "evaluate",
     "fsdp_linear",
+    "gather_weight",
     "global_scale",
     "init_optimizer",
     "initialize_distributed",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxlowbit.fsdp.scaling import INT8_WEIGHT_SCALINGS
+from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 
 REMAT_MODES = ("save_gathered", "regather")
 
@@ -29,15 +29,12 @@ class FsdpConfig:
       tensor 36.8 / 36.8, quantized_matmul 38.6 / 38.6; output channels spanning 100x:
       row 38.6 / 33.3, tensor 29.7 / 29.7, quantized_matmul 38.6 / 34.0.
     remat: what the backward of a linear does for the weight.
-      ``"save_gathered"`` (default): keep the gathered low-bit message from the forward
-      (K x N bytes, a quarter of that for ternary) until the backward.
-      ``"regather"``: keep only the local shard's message and all-gather again in the
-      backward (one more collective per linear, 1/n of the memory). The second gather
-      sits behind an optimization barrier, as ``jax.checkpoint`` does, so XLA:GPU keeps
-      it; XLA:CPU drops barriers before its last CSE and merges it with the forward's.
-      The gather lives inside the linear's ``custom_vjp``, so a ``jax.checkpoint``
-      around it can only save the linear's residuals or re-run its whole forward
-      (gather included), not name the gathered weight.
+      ``"save_gathered"`` (default): keep the gathered low-bit weight from the forward
+      (K x N bytes, ``2 K N`` with its transposed copy; ternary unpacks to int8 too)
+      until the backward.
+      ``"regather"``: keep only the linear's inputs; the backward runs the gather again
+      (``jax.checkpoint`` of gather + matmul with nothing saved: one more all-gather and one
+      more quantization of the input per linear, for 1/n of the weight memory).
   """
 
   fsdp_axis: str = "fsdp"

@@ -18,18 +18,19 @@ not FSDP linears: their kernels are gathered in their own dtype like any paramet
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import flax.linen as nn
 import jax
 from jax import lax
 
-from jaxlowbit.convert import module_fqn, worth_quantizing
+from jaxlowbit.convert import worth_quantizing
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.linear import fsdp_linear
 from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, Path, flatten, make_plan, unflatten
 from jaxlowbit.fsdp.scales import Scales
-from jaxlowbit.layers import _LowBitDenseGeneral
+from jaxlowbit.interception import PASS, as_filter, dense_interceptor
+from jaxlowbit.layers import DenseCall, _LowBitDenseGeneral, dense_general, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
 
 # Name of the parameter that ``apply`` puts beside each kernel to hand its layer the
@@ -37,33 +38,13 @@ from jaxlowbit.recipes import Recipe, check_recipe
 SCALE_PARAM = "jaxlowbit_fsdp_scale"
 
 
-def _as_tuple(x) -> tuple[int, ...]:
-  return tuple(x) if isinstance(x, Sequence) else (x,)
-
-
-def _is_linear(module: nn.Module) -> bool:
-  """A Dense-family module whose dot FSDP can take over."""
-  return (
-      isinstance(module, (nn.Dense, nn.DenseGeneral))
-      and getattr(module, "dot_general", None) is None
-      and getattr(module, "dot_general_cls", None) is None
-      and not _as_tuple(getattr(module, "batch_dims", ()))
-  )
+def _is_fsdp_linear(module: nn.Module) -> bool:
+  """A Dense whose dot FSDP can take over: no batch_dims (one ``[K, N]`` kernel per call)."""
+  return not getattr(module, "batch_dims", ())
 
 
 def _kernel_path(module: nn.Module) -> Path:
   return tuple(str(p) for p in module.path) + ("kernel",)
-
-
-def _contract_axes(module: nn.Module, ndim: int) -> tuple[int, ...]:
-  axes = tuple(a % ndim for a in _as_tuple(getattr(module, "axis", -1)))
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"{type(module).__name__}: repeated contracting axes {axes}")
-  return axes
-
-
-def _inputs(args, kwargs):
-  return args[0] if args else kwargs["inputs"]
 
 
 def linears_of(
@@ -73,18 +54,18 @@ def linears_of(
     recipe: Recipe | None = None,
     filter_fqns: Sequence[str] = (),
     auto_filter_small_kn: bool = False,
+    filter_fn: Callable[[str, nn.Module], bool] | None = None,
     method=None,
     **kwargs,
 ) -> dict[Path, LinearWeight]:
   """``{kernel path: LinearWeight}`` of every linear ``model.apply(..., *args)`` calls.
 
   ``params`` and ``args`` may be arrays or ``jax.ShapeDtypeStruct``s (nothing is
-  computed). ``recipe`` / ``filter_fqns`` / ``auto_filter_small_kn`` choose plain Flax
-  Dense layers' recipe as ``jaxlowbit.convert`` would; jaxlowbit layers keep their own.
+  computed). ``recipe`` / ``filter_fqns`` / ``filter_fn`` / ``auto_filter_small_kn`` choose
+  plain Flax Dense layers' recipe as ``jaxlowbit.convert`` would; jaxlowbit layers keep their own.
   """
   check_recipe(recipe, "linears_of")
-  if isinstance(filter_fqns, str):
-    raise TypeError("linears_of: filter_fqns must be a sequence of strings, e.g. ('lm_head',), not a string")
+  layer_filter = as_filter(filter_fqns, filter_fn)
   if hasattr(type(model), "jaxlowbit_recipe"):
     raise TypeError(
         "FSDP: got a model from jaxlowbit.convert, whose interceptor would run before FSDP's; pass the "
@@ -93,25 +74,24 @@ def linears_of(
   leaves = flatten(params)
   found: dict[Path, LinearWeight] = {}
 
-  def record(next_fun, call_args, call_kwargs, context):
-    module = context.module
-    if context.method_name == "__call__" and _is_linear(module):
-      inputs = _inputs(call_args, call_kwargs)
-      axes = _contract_axes(module, inputs.ndim)
-      if isinstance(module, _LowBitDenseGeneral):
-        chosen = module.recipe
-      else:
-        k, n = math.prod(inputs.shape[a] for a in axes), math.prod(_as_tuple(module.features))
-        skip = any(f in module_fqn(module) for f in filter_fqns)
-        skip = skip or (recipe is not None and auto_filter_small_kn and not worth_quantizing(k, n, recipe))
-        chosen = None if skip else recipe
-      path = _kernel_path(module)
-      kernel_ndim = len(axes) + len(_as_tuple(module.features))
-      found[path] = LinearWeight(chosen, contract_ndim=len(axes), stacked_ndim=leaves[path].ndim - kernel_ndim)
-    return next_fun(*call_args, **call_kwargs)
+  def record(module, inputs, path):
+    if not _is_fsdp_linear(module):
+      return PASS
+    call = resolve(module, inputs)
+    if isinstance(module, _LowBitDenseGeneral):
+      chosen = module.recipe
+    else:
+      skip = layer_filter.keeps(path, module)
+      skip = skip or (recipe is not None and auto_filter_small_kn and not worth_quantizing(*call.kn, recipe))
+      chosen = None if skip else recipe
+    kernel_path = _kernel_path(module)
+    kernel_ndim = len(call.axis) + len(call.features)
+    found[kernel_path] = LinearWeight(chosen, contract_ndim=len(call.axis),
+                                      stacked_ndim=leaves[kernel_path].ndim - kernel_ndim)
+    return PASS
 
   def run(p, *a):
-    with nn.intercept_methods(record):
+    with nn.intercept_methods(dense_interceptor(record)):
       return model.apply({"params": p}, *a, method=method, **kwargs)
 
   jax.eval_shape(run, params, *args)
@@ -127,6 +107,7 @@ def plan_for_model(
     recipe: Recipe | None = None,
     filter_fqns: Sequence[str] = (),
     auto_filter_small_kn: bool = False,
+    filter_fn: Callable[[str, nn.Module], bool] | None = None,
     method=None,
     **kwargs,
 ) -> FsdpPlan:
@@ -138,7 +119,7 @@ def plan_for_model(
     *args, method, **kwargs: an example call, as for ``model.apply`` (shapes only).
     mesh: from :func:`jaxlowbit.fsdp.make_mesh`, or None for the unsharded plan.
     config: :class:`FsdpConfig`.
-    recipe, filter_fqns, auto_filter_small_kn: the recipe of plain Flax Dense layers.
+    recipe, filter_fqns, filter_fn, auto_filter_small_kn: the recipe of plain Flax Dense layers.
   """
   linears = linears_of(
       model,
@@ -147,29 +128,22 @@ def plan_for_model(
       recipe=recipe,
       filter_fqns=filter_fqns,
       auto_filter_small_kn=auto_filter_small_kn,
+      filter_fn=filter_fn,
       method=method,
       **kwargs,
   )
   return make_plan(params, mesh, linears, config)
 
 
-def _fsdp_dense(module: nn.Module, inputs, linear: LinearWeight, axis_name, config: FsdpConfig):
-  """``DenseGeneral``'s computation with the dot run by ``fsdp_linear`` on the local kernel."""
-  features = _as_tuple(module.features)
-  axes = _contract_axes(module, inputs.ndim)
-  kernel = module.get_variable("params", "kernel")  # the local shard: no shape check
-  scale = module.get_variable("params", SCALE_PARAM)  # None: the layer reduces its own
-  bias = module.get_variable("params", "bias") if module.use_bias else None
-  inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
-  free = tuple(a for a in range(inputs.ndim) if a not in axes)
-  free_shape = tuple(inputs.shape[a] for a in free)
-  x = lax.transpose(inputs, free + axes).reshape(*free_shape, -1)
-  w = kernel.reshape(math.prod(kernel.shape[: len(axes)]), math.prod(features))
-  y = fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config)
-  y = y.reshape(*free_shape, *features)
-  if bias is not None:
-    y = y + bias.reshape((1,) * len(free_shape) + features)
-  return y
+def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig):
+  """The Dense body's matmul under FSDP: ``fsdp_linear`` on this device's kernel shard."""
+
+  def matmul(call: DenseCall, inputs, kernel):
+    x = call.flat_inputs(inputs)
+    w = kernel.reshape(math.prod(kernel.shape[: len(call.axis)]), call.kn[1])  # [K/n, N]: no shape check
+    return call.unflat_outputs(fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config))
+
+  return matmul
 
 
 def _batch_index(plan: FsdpPlan) -> jax.Array:
@@ -217,18 +191,19 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
         jax.random.fold_in(rngs, index))
     kwargs = {**kwargs, "rngs": rngs}
 
-  def intercept(next_fun, call_args, call_kwargs, context):
-    module = context.module
-    if context.method_name != "__call__" or not _is_linear(module):
-      return next_fun(*call_args, **call_kwargs)
-    path = _kernel_path(module)
-    linear = plan.linears.get(path)
+  def run_linear(module, inputs, path):
+    if not _is_fsdp_linear(module):
+      return PASS
+    kernel_path = _kernel_path(module)
+    linear = plan.linears.get(kernel_path)
     if linear is None:
-      raise ValueError(f"FSDP: linear {'/'.join(path)} was not seen when the plan was made; plan with the same call")
-    axis_name = axis if sharded and plan.shard_dims[path] is not None else None
-    return _fsdp_dense(module, _inputs(call_args, call_kwargs), linear, axis_name, plan.config)
+      raise ValueError(f"FSDP: linear {path} was not seen when the plan was made; plan with the same call")
+    axis_name = axis if sharded and plan.shard_dims[kernel_path] is not None else None
+    scale = module.get_variable("params", SCALE_PARAM)  # None: the layer reduces its own
+    matmul = _fsdp_matmul(linear, scale, axis_name, plan.config)
+    return dense_general(module, inputs, matmul, kernel=module.get_variable("params", "kernel"))
 
-  with nn.intercept_methods(intercept):
+  with nn.intercept_methods(dense_interceptor(run_linear)):
     return model.apply({"params": unflatten(flat)}, *args, method=method, **kwargs)
 
 

@@ -25,7 +25,8 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlowbit.fsdp.config import FsdpConfig
-from jaxlowbit.fsdp.scaling import WeightScaling, weight_scaling
+from jaxlowbit.fsdp.gather import weight_scaling
+from jaxlowbit.scaling import WeightScaling
 from jaxlowbit.recipes import Recipe, check_recipe
 
 Path = tuple[str, ...]  # a parameter's key path, as flax.traverse_util.flatten_dict gives it

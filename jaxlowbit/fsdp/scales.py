@@ -1,7 +1,7 @@
 """``precompute_scales``: every FSDP weight's global scale for the next step, in ONE all-reduce.
 
 Right after the optimizer step, each device computes, for every quantized linear, the
-statistic of its local shard (:mod:`jaxlowbit.fsdp.scaling`): amaxes (one, or one per
+statistic of its local shard (:mod:`jaxlowbit.scaling`): amaxes (one, or one per
 output channel) that reduce with MAX, and BitNet abs-sums that reduce with SUM. Both come
 out of a single ``pmax`` over the FSDP axis of one float32 vector::
 
@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxlowbit.fsdp.plan import FsdpPlan, Path, flatten
-from jaxlowbit.fsdp.scaling import Reduction
+from jaxlowbit.scaling import Reduction
 
 Scales = dict[Path, jax.Array]  # {kernel path: float32 () or [N] scale}
 

@@ -24,27 +24,24 @@ from flax.core import unfreeze
 
 from jaxlowbit.inference.nnx import calibrate_nnx
 from jaxlowbit.inference.params import DEFAULT_FILTER_FQNS
+from jaxlowbit.interception import PASS, LayerFilter, as_filter, dense_interceptor
 
 COLLECTION = "intermediates"
 AMAX_NAME = "jaxlowbit_act_amax"
 
 
-def _recording_interceptor(filter_fqns: Sequence[str]):
-  def intercept(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name == "__call__" and isinstance(module, (nn.Dense, nn.DenseGeneral)):
-      fqn = ".".join(str(p) for p in module.path)
-      if not any(f and f in fqn for f in filter_fqns):
-        x = args[0] if args else kwargs["inputs"]
-        amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)).reshape(-1, x.shape[-1]), axis=0)
-        module.sow(COLLECTION, AMAX_NAME, amax, init_fn=lambda: jnp.zeros_like(amax), reduce_fn=jnp.maximum)
-    return next_fun(*args, **kwargs)
+def _recording_interceptor(layer_filter: LayerFilter):
+  def record(module, x, path):
+    if not layer_filter.keeps(path, module):
+      amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)).reshape(-1, x.shape[-1]), axis=0)
+      module.sow(COLLECTION, AMAX_NAME, amax, init_fn=lambda: jnp.zeros_like(amax), reduce_fn=jnp.maximum)
+    return PASS
 
-  return intercept
+  return dense_interceptor(record)
 
 
-def _linen_amax(model: nn.Module, variables: Any, batch: Any, filter_fqns: tuple[str, ...], method) -> dict:
-  with nn.intercept_methods(_recording_interceptor(filter_fqns)):
+def _linen_amax(model: nn.Module, variables: Any, batch: Any, layer_filter: LayerFilter, method) -> dict:
+  with nn.intercept_methods(_recording_interceptor(layer_filter)):
     _, state = model.apply(variables, batch, mutable=[COLLECTION], method=method)
   flat = traverse_util.flatten_dict(unfreeze(state.get(COLLECTION, {})))
   return {".".join(str(p) for p in path[:-1]): v for path, v in flat.items() if path[-1] == AMAX_NAME}
@@ -72,15 +69,14 @@ def calibrate(
   Returns:
     ``{module path: float32 [*lead, K]}``.
   """
-  if isinstance(filter_fqns, str):
-    raise TypeError("calibrate: filter_fqns must be a sequence of strings, not a string")
+  layer_filter = as_filter(filter_fqns)
   if isinstance(model, nnx.Module):
-    return calibrate_nnx(model, batches, call, filter_fqns)
+    return calibrate_nnx(model, batches, call, layer_filter)
   if not isinstance(model, nn.Module):
     raise TypeError(f"calibrate: expected a flax Linen or NNX module, got {type(model).__name__}")
   if variables is None:
     raise ValueError("calibrate: a Linen model needs its variables ({'params': ...})")
-  apply = jax.jit(lambda v, b: _linen_amax(model, v, b, tuple(filter_fqns), method))
+  apply = jax.jit(lambda v, b: _linen_amax(model, v, b, layer_filter, method))
   result: dict[str, jax.Array] = {}
   for batch in batches:
     for fqn, amax in apply(variables, batch).items():

@@ -24,6 +24,7 @@ from jaxlowbit.inference.weights import (
     quantized_linear,
     smoothing_factors,
 )
+from jaxlowbit.interception import LayerFilter, as_filter
 
 
 class QuantizedWeight(nnx.Variable):
@@ -111,8 +112,7 @@ def convert_nnx(model: nnx.Module, scheme: str, filter_fqns: Sequence[str] = ("l
                 act_amax: Mapping[str, jax.Array] | None = None, alpha: float = SMOOTHING_ALPHA) -> nnx.Module:
   """See :func:`jaxlowbit.inference.convert_for_inference` (NNX branch); converts in place."""
   check_scheme(scheme, "convert_for_inference")
-  if isinstance(filter_fqns, str):
-    raise TypeError("convert_for_inference: filter_fqns must be a sequence of strings, not a string")
+  layer_filter = as_filter(filter_fqns)
   if act_amax is not None and scheme != "w8a8":
     raise ValueError(f"convert_for_inference: act_amax (SmoothQuant) applies to scheme w8a8 only, not {scheme}")
   if isinstance(model, nnx.Linear):
@@ -120,7 +120,7 @@ def convert_nnx(model: nnx.Module, scheme: str, filter_fqns: Sequence[str] = ("l
   remaining = dict(act_amax or {})
   for path, linear in _linears(model):
     fqn = _fqn(path)
-    if any(f and f in fqn for f in filter_fqns):
+    if layer_filter.keeps(fqn, linear):
       continue
     _replace(model, path, QuantizedLinear.from_linear(linear, scheme, remaining.pop(fqn, None), alpha))
   if remaining:
@@ -141,16 +141,17 @@ class _AmaxRecorder(nnx.Module):
     return self.linear(x)
 
 
-def calibrate_nnx(model: nnx.Module, batches, call=None, filter_fqns: Sequence[str] = ("lm_head",)) -> dict:
+def calibrate_nnx(model: nnx.Module, batches, call=None, filter_fqns: Sequence[str] | LayerFilter = ("lm_head",)) -> dict:
   """Max |x| per input channel of every (unfiltered) ``nnx.Linear``, over ``batches``.
 
   ``call(model, batch)`` runs the model (default ``model(batch)``); the linears are wrapped
   while it runs and restored afterwards. Returns ``{module path: [in_features] float32}``.
   """
   call = call or (lambda m, b: m(b))
+  layer_filter = as_filter(filter_fqns)
   wrapped = []
   for path, linear in _linears(model):
-    if any(f and f in _fqn(path) for f in filter_fqns):
+    if layer_filter.keeps(_fqn(path), linear):
       continue
     recorder = _AmaxRecorder(linear)
     _replace(model, path, recorder)

@@ -32,6 +32,7 @@ from jaxlowbit.inference.weights import (
     quantize_weight,
     smoothing_factors,
 )
+from jaxlowbit.interception import LayerFilter, as_filter
 
 DEFAULT_FILTER_FQNS = ("lm_head",)
 # The variables collection Linen keeps weights in; a leading key of that name is not part of a path.
@@ -57,14 +58,14 @@ def _flatten(params: Any) -> dict[tuple, Any]:
   return traverse_util.flatten_dict(tree)
 
 
-def is_convertible(path: Sequence[str], leaf: Any, filter_fqns: Sequence[str]) -> bool:
+def is_convertible(path: Sequence[str], leaf: Any, filter_fqns: Sequence[str] | LayerFilter) -> bool:
   """Whether ``quantize_params`` converts this leaf (see the module docstring)."""
   return (
       bool(path)
       and path[-1] == "kernel"
       and getattr(leaf, "ndim", 0) >= 2
       and jnp.issubdtype(leaf.dtype, jnp.floating)
-      and not any(f and f in path_fqn(path) for f in filter_fqns)
+      and not as_filter(filter_fqns).keeps(path_fqn(path))
   )
 
 
@@ -118,8 +119,7 @@ def quantize_params(
     other leaf is the input's own array. Run it with :func:`convert_for_inference`.
   """
   check_scheme(scheme, "quantize_params")
-  if isinstance(filter_fqns, str):
-    raise TypeError("quantize_params: filter_fqns must be a sequence of strings, e.g. ('lm_head',), not a string")
+  filter_fqns = as_filter(filter_fqns)
   if act_amax is not None and scheme != "w8a8":
     raise ValueError(f"quantize_params: act_amax (SmoothQuant) applies to scheme w8a8 only, not {scheme}")
   flat = _flatten(params)

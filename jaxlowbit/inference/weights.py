@@ -35,8 +35,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
+from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
-from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import dispatch, inference_dispatch
 
 SCHEMES = ("w8a16", "w8a8", "ternary")
@@ -52,9 +53,10 @@ LEAVES = {
 }
 CONVERTED_NAMES = frozenset({KERNEL_Q, KERNEL_PACKED, KERNEL_SCALE, SMOOTH})
 
-# Activation quantization per token, as the training recipes' forwards do it.
-INT8_TOKENS = QuantSpec("int8")  # Int8MixedPrecision: eps 1e-12
-BITNET_TOKENS = QuantSpec("int8", eps=ternary.ACTIVATION_EPS)  # BitNet: eps 1e-5
+# Activation quantization per token: exactly the training recipes' forwards (Int8MixedPrecision: eps
+# 1e-12; BitNet: eps 1e-5).
+INT8_TOKENS = INT8_ROWS
+BITNET_TOKENS = BITNET_ACTIVATIONS
 # SmoothQuant's migration strength (Xiao et al. 2023 use 0.5 for most models) and the floor
 # on both statistics, so dead channels give a finite factor.
 SMOOTHING_ALPHA = 0.5

@@ -1,8 +1,8 @@
-"""How FSDP quantizes each weight before the gather, and the statistics its global scale needs.
+"""How a weight is quantized with a *global* scale (FSDP's gathers), and the statistic that scale needs.
 
-A weight ``W [K, N]`` (input features K, output features N) is sharded along K. Its
-*global* scale comes from a statistic over the whole tensor, which every shard can
-quantize with:
+A weight ``W [K, N]`` (input features K, output features N) sharded along K is quantized shard by
+shard with one scale computed from a statistic over the whole tensor. Each recipe says which
+scaling its weight travels in (``Recipe.weight_scaling``):
 
 ==================  ==========================  ==================  ==========================
 scaling             recipe                      statistic           scale
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowbit_numerics import fp8, int8, ternary
-from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.stats import absmax
 
 INT8_WEIGHT_SCALINGS = ("tensor", "row")
@@ -72,6 +72,20 @@ class WeightScaling(enum.Enum):
     if self is WeightScaling.HIGH_PRECISION:
       raise ValueError("a high-precision weight has no low-bit payload")
     return jnp.dtype(jnp.int8)
+
+  @property
+  def spec(self) -> QuantSpec:
+    """The payload's quantization as a ``QuantSpec`` (what a recipe checks a gathered weight against)."""
+    specs = {
+        WeightScaling.INT8_TENSOR: QuantSpec("int8", per_tensor=True),
+        WeightScaling.INT8_CHANNEL: QuantSpec("int8"),
+        WeightScaling.FP8_TENSOR: QuantSpec(jnp.dtype(fp8.E4M3).name, per_tensor=True),
+        WeightScaling.FP8_CHANNEL: QuantSpec(jnp.dtype(fp8.E4M3).name, power_of_two=True),
+        WeightScaling.TERNARY: QuantSpec("int8", per_tensor=True, ternary=True),
+    }
+    if self not in specs:
+      raise ValueError("a high-precision weight has no low-bit payload")
+    return specs[self]
 
   def num_scales(self, n: int) -> int:
     """Scales of a ``[K, N]`` weight: N per channel, else one."""
@@ -119,26 +133,4 @@ class WeightScaling(enum.Enum):
     return scale
 
 
-def weight_scaling(recipe: Recipe | None, int8_weight_scaling: str = "row") -> WeightScaling:
-  """How FSDP gathers the weight of a linear that runs ``recipe``.
-
-  The weight travels low-bit when the forward matmul is low-bit; otherwise (``None``, or
-  ``Int8MixedPrecision(output=False)``) it travels in the compute dtype.
-  """
-  check_recipe(recipe, "weight_scaling")
-  if int8_weight_scaling not in INT8_WEIGHT_SCALINGS:
-    raise ValueError(f"int8_weight_scaling must be one of {INT8_WEIGHT_SCALINGS}, got {int8_weight_scaling!r}")
-  if recipe is None:
-    return WeightScaling.HIGH_PRECISION
-  if isinstance(recipe, Int8MixedPrecision):
-    if not recipe.output:
-      return WeightScaling.HIGH_PRECISION
-    return WeightScaling.INT8_TENSOR if int8_weight_scaling == "tensor" else WeightScaling.INT8_CHANNEL
-  if isinstance(recipe, Float8):
-    return WeightScaling.FP8_CHANNEL if recipe.rowwise else WeightScaling.FP8_TENSOR
-  if isinstance(recipe, BitNet):
-    return WeightScaling.TERNARY
-  raise AssertionError(recipe)
-
-
-__all__ = ["INT8_WEIGHT_SCALINGS", "Reduction", "WeightScaling", "weight_scaling"]
+__all__ = ["INT8_WEIGHT_SCALINGS", "Reduction", "WeightScaling"]

@@ -1,0 +1,118 @@
+"""BitNet b1.58: ternary absmean weights x int8 per-token activations (torchao ``bitnet``, BitNet FAQ).
+
+- W ternary: ``s = mean(|W|)`` (float32, >= 1e-5), ``Wq = clip(round(W / s), -1, 1)``.
+- x int8 per row (absmax, eps 1e-5); forward on int8 tensor cores.
+- backward straight-through: the gradient flows as if quantization were identity.
+- the model puts an RMSNorm before each BitNet linear (:attr:`BitNet.norm_before_linear`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxlowbit.operand import QuantizedMatrix, is_low_bit
+from jaxlowbit.recipes.base import (
+    GRAD_INPUT_SCOPE,
+    GRAD_WEIGHT_SCOPE,
+    OUTPUT_SCOPE,
+    OperandQuantization,
+    Recipe,
+    check_bools,
+    gemm,
+    hp_dot,
+    provided,
+    quantize_operand,
+)
+from jaxlowbit.scaling import WeightScaling
+from jaxlowbit_numerics import ternary
+from jaxlowbit_numerics.formats import QuantSpec
+from pallas_kernels import dispatch
+
+ACTIVATIONS = QuantSpec("int8", eps=ternary.ACTIVATION_EPS)
+TERNARY = QuantSpec("int8", per_tensor=True, ternary=True)
+GRADIENTS = QuantSpec("int8")
+# The activations' codes are exact int8 values: grad_weight reads them transposed, scales and all.
+INPUT = OperandQuantization(ACTIVATIONS, ACTIVATIONS, transposed_from_rows=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BitNet(Recipe):
+  """BitNet b1.58: ternary absmean weights, int8 per-token activations (torchao ``bitnet``).
+
+  The forward always runs ternary x int8 on int8 tensor cores. The backward is
+  straight-through (quantization acts as identity for the gradient): by default it runs
+  in high precision against the quantized operands, exactly like the BitNet fake-quant
+  reference. The flags move a backward matmul onto int8 tensor cores as well, at the
+  cost of quantizing g per row (``grad_input``) or per output feature (``grad_weight``).
+
+  Attributes:
+    grad_input: ``dx = g @ (s * Wq)^T`` with g in int8 (Wq is exact in int8).
+    grad_weight: ``dW = xq^T @ (sx * g)`` with xq exact int8 and ``sx * g`` in int8.
+  """
+
+  grad_input: bool = False
+  grad_weight: bool = False
+
+  norm_before_linear = True
+
+  def __post_init__(self):
+    check_bools(self, ("grad_input", "grad_weight"))
+
+  def input_quantization(self) -> OperandQuantization:
+    return INPUT
+
+  def weight_scaling(self, int8_weight_scaling: str = "row") -> WeightScaling:
+    del int8_weight_scaling
+    return WeightScaling.TERNARY
+
+  def forward(self, x, w):
+    with jax.named_scope(OUTPUT_SCOPE):
+      if is_low_bit(x):
+        x_rows, x_t = provided(x, "rows", ACTIVATIONS, self, "input"), x.transposed
+        out_dtype = x.dtype
+      else:
+        x_rows, x_t = QuantizedMatrix(*dispatch.quantize_rows(x, ACTIVATIONS), ACTIVATIONS), None
+        out_dtype = x.dtype
+      if is_low_bit(w):
+        w_t = provided(w, "transposed", TERNARY, self, "weight")
+      else:
+        w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY), TERNARY)  # Wq^T [N, K], one scale
+      y = gemm(x_rows, w_t, out_dtype)
+    # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
+    return y, (x_rows, x_t, w)
+
+  def backward(self, residuals, g, w_dtype):
+    x_rows, x_t, w = residuals
+    with jax.named_scope(GRAD_INPUT_SCOPE):
+      if is_low_bit(w):
+        w_rows = provided(w, "rows", TERNARY, self, "weight")
+      else:
+        w_rows = QuantizedMatrix(*dispatch.quantize_rows(w, TERNARY), TERNARY)
+      if self.grad_input:
+        g_rows, _ = quantize_operand(g, OperandQuantization(GRADIENTS))
+        dx = gemm(g_rows, w_rows, g.dtype)  # Wq is exact in int8
+      else:
+        dx = hp_dot(g, w_rows.dequantize(g.dtype).T, g.dtype)  # weight-sized: cheap
+    with jax.named_scope(GRAD_WEIGHT_SCOPE):
+      sx = x_rows.scale  # [M, 1]
+      # Both forms run in g's dtype (bf16 in training): the straight-through reference's
+      # fake-quantized x, and sx * g, are exact enough there and an f32 GEMM would be ~3x slower.
+      if self.grad_weight:
+        # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
+        xq_t = x_rows.data.T if x_t is None else x_t.data  # [K, M]: K-major for the GEMM
+        scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
+        _, g_t = quantize_operand(scaled_g, OperandQuantization(None, GRADIENTS))
+        dw = gemm(QuantizedMatrix(xq_t, jnp.ones((1, 1), jnp.float32), ACTIVATIONS), g_t, w_dtype)
+      else:
+        x_fake = (x_rows.data.astype(jnp.float32) * sx).astype(g.dtype)
+        dw = hp_dot(x_fake.T, g, w_dtype)
+    return dx, dw
+
+
+BitNet.presets = {
+    "bitnet": BitNet(),  # ternary x int8 forward, straight-through high-precision backward
+    "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),  # backward on int8 tensor cores too
+}
