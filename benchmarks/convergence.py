@@ -12,6 +12,11 @@ is installed) and writes JSON to ``--out``.
 Runs resume: calling it again continues unfinished runs and skips finished ones, so the
 recipes can be run in separate invocations (``--recipes int8``) and summarized at the end
 (``--report_only``). The default corpus is the Python standard library's sources: no network.
+
+Variants of one config (e.g. BitNet's backward): ``--runs NAME=CONFIG[;KEY=VALUE...],...`` runs
+each named variant instead, compared with the variant named ``bf16`` when there is one::
+
+    --runs "bf16=configs/bf16_125m.py,hp=configs/bitnet_125m.py;recipe=bitnet_hp_bwd"
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ BARRED = ("int8", "fp8")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_recipe(recipe: str, run_dir: pathlib.Path, steps: int, overrides: list[str]) -> int:
-  """Train (or finish training) one recipe; returns the exit code of ``train.main``."""
+def run_recipe(recipe: str, run_dir: pathlib.Path, steps: int, overrides: list[str], config: str | None = None) -> int:
+  """Train (or finish training) one recipe (or a named variant's ``config``); returns ``train.main``'s exit code."""
   command = [
       sys.executable, "-m", "train.main",
-      f"--config={REPO / 'configs' / f'{recipe}_125m.py'}",
+      f"--config={REPO / (config or f'configs/{recipe}_125m.py')}",
       f"--workdir={run_dir}",
       "--resume",
       f"--config.steps={steps}",
@@ -101,22 +106,33 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--workdir", default="runs/convergence", help="one run directory per recipe inside")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="config override for every run, e.g. --set batch_size=16 (passed as --config.KEY=VALUE)")
+  parser.add_argument("--runs", default="", help="named variants NAME=CONFIG[;KEY=VALUE...] (module docstring)")
   parser.add_argument("--report_only", action="store_true", help="do not train; summarize what is there")
   parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args(argv)
 
-  recipes = [r for r in args.recipes.split(",") if r]
-  unknown = sorted(set(recipes) - set(RECIPES))
-  if unknown:
-    raise SystemExit(f"--recipes: unknown {unknown}; choose from {RECIPES}")
   workdir = pathlib.Path(args.workdir)
   exit_codes = {}
-  if not args.report_only:
-    for recipe in recipes:
-      exit_codes[recipe] = run_recipe(recipe, workdir / recipe, args.steps, args.set)
-
-  # The table covers every recipe that has a run directory, so separate invocations add up.
-  rows = [summarize(r, workdir / r) for r in RECIPES if r in recipes or (workdir / r).exists()]
+  if args.runs:
+    variants = {}
+    for item in filter(None, args.runs.split(",")):
+      name, _, rest = item.partition("=")
+      config, *pairs = rest.split(";")
+      variants[name] = (config, pairs)
+    if not args.report_only:
+      for name, (config, pairs) in variants.items():
+        exit_codes[name] = run_recipe(name, workdir / name, args.steps, [*args.set, *pairs], config=config)
+    rows = [summarize(name, workdir / name) for name in variants]
+  else:
+    recipes = [r for r in args.recipes.split(",") if r]
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+      raise SystemExit(f"--recipes: unknown {unknown}; choose from {RECIPES}")
+    if not args.report_only:
+      for recipe in recipes:
+        exit_codes[recipe] = run_recipe(recipe, workdir / recipe, args.steps, args.set)
+    # The table covers every recipe that has a run directory, so separate invocations add up.
+    rows = [summarize(r, workdir / r) for r in RECIPES if r in recipes or (workdir / r).exists()]
   bf16 = next((r for r in rows if r["recipe"] == "bf16" and "error" not in r), None)
   for r in rows:
     if "error" in r or bf16 is None:

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from jaxlowbit.matmul import quantized_dot_general
+from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
+from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
 
 
@@ -92,8 +93,10 @@ class DenseCall:
     contract = tuple(range(n_batch, n_batch + len(self.axis)))
     return ((self.axis, contract), (self.batch_dims, tuple(range(n_batch))))
 
-  def flat_inputs(self, inputs: jax.Array) -> jax.Array:
+  def flat_inputs(self, inputs):
     """``inputs`` as ``[*free, K]`` (no batch dims): the contracted axes moved last and merged."""
+    if is_low_bit(inputs):
+      return inputs  # [M, K] already
     if self.batch_dims:
       raise NotImplementedError(f"{type(self.module).__name__}: batch_dims={self.batch_dims} is not supported here")
     free_shape = tuple(self.input_shape[a] for a in self.free)
@@ -107,7 +110,9 @@ class DenseCall:
 def resolve(module: nn.Module, inputs: jax.Array) -> DenseCall:
   """The :class:`DenseCall` of ``module(inputs)``; ValueError for axes that do not fit the input."""
   name = type(module).__name__
-  if not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
+  if is_low_bit(inputs):
+    _check_low_bit_input(module, inputs)
+  elif not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
     raise TypeError(f"{name}: inputs must be floating point, got {jnp.result_type(inputs)}")
   features = _as_tuple(module.features)
   axis = _as_tuple(getattr(module, "axis", -1))
@@ -122,8 +127,20 @@ def resolve(module: nn.Module, inputs: jax.Array) -> DenseCall:
   batch_dims = tuple(a % ndim for a in batch_dims)
   if len(set(axis + batch_dims)) != len(axis) + len(batch_dims):
     raise ValueError(f"{name}: axis {axis} and batch_dims {batch_dims} repeat an input dimension")
-  dtype = module.dtype or jnp.result_type(inputs.dtype, module.param_dtype)
+  dtype = inputs.dtype if is_low_bit(inputs) else module.dtype or jnp.result_type(inputs.dtype, module.param_dtype)
   return DenseCall(module, features, axis, batch_dims, tuple(inputs.shape), dtype)
+
+
+def _check_low_bit_input(module: nn.Module, inputs: LowBitOperand) -> None:
+  """A low-bit input (a fused producer's) is ``[M, K]`` contracted on its last axis, in the compute dtype."""
+  name = type(module).__name__
+  axis = _as_tuple(getattr(module, "axis", -1))
+  if inputs.ndim != 2 or tuple(a % 2 for a in axis) != (1,) or _as_tuple(getattr(module, "batch_dims", ())):
+    raise ValueError(f"{name}: a low-bit input must be [M, K] and contracted on its last axis (axis=-1, no "
+                     f"batch_dims); got shape {inputs.shape}, axis={getattr(module, 'axis', -1)}")
+  if module.dtype is not None and jnp.dtype(module.dtype) != inputs.dtype:
+    raise ValueError(f"{name}: a low-bit input of dtype {inputs.dtype} needs the layer's dtype to match, "
+                     f"got dtype={module.dtype}")
 
 
 # matmul(call, inputs in the compute dtype, kernel as given or created) -> [*batch, *free, *features]
@@ -162,7 +179,7 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
     bias = jnp.asarray(module.param("bias", bias_init, bias_shape, module.param_dtype), call.dtype)
   if not callable(matmul):
     matmul = recipe_matmul(matmul)
-  out = matmul(call, jnp.asarray(inputs, call.dtype), kernel)
+  out = matmul(call, inputs if is_low_bit(inputs) else jnp.asarray(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
     out = out + jnp.reshape(bias, expanded + call.features)
@@ -174,6 +191,8 @@ def recipe_matmul(recipe: Recipe | None) -> Matmul:
   check_recipe(recipe, "dense_general")
 
   def matmul(call: DenseCall, inputs: jax.Array, kernel: jax.Array) -> jax.Array:
+    if is_low_bit(inputs):  # [M, K] from a fused producer
+      return call.unflat_outputs(quantized_matmul(inputs, kernel.reshape(-1, call.kn[1]), recipe))
     kernel = kernel if recipe is not None else jnp.asarray(kernel, call.dtype)  # low-bit: from the master weight
     return quantized_dot_general(inputs, kernel, call.dimension_numbers, precision=call.module.precision,
                                  recipe=recipe)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxlowbit
+import jaxlowbit.fused
 from jaxlowbit.interception import LayerFilter
 
 # Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
@@ -90,6 +91,9 @@ class ModelConfig:
     quantize_attention, quantize_mlp, quantize_lm_head: which projections use ``recipe``.
     filter_fqns: projections whose path contains any of these strings stay high precision.
     bitnet_norms: insert the RMSNorm before each BitNet projection (BitNet model surgery).
+    fused_quantizers: a quantized projection's input is quantized by the op that produces it
+      (RMSNorm, SwiGLU: ``jaxlowbit.fused``) instead of after it; the same numbers, one pass
+      fewer. Off for models whose linears were converted for inference.
   """
 
   vocab_size: int = 384
@@ -115,6 +119,7 @@ class ModelConfig:
   quantize_lm_head: bool = False
   filter_fqns: tuple[str, ...] = ()
   bitnet_norms: bool = True
+  fused_quantizers: bool = True
 
   def __post_init__(self):
     jaxlowbit.recipes.check_recipe(self.recipe, "ModelConfig")
@@ -146,6 +151,18 @@ class ModelConfig:
     if kind not in wanted:
       raise ValueError(f"recipe_for: unknown projection path {path!r}")
     return self.recipe if wanted[kind] else None
+
+  def fused_input_recipe(self, *paths: str):
+    """The recipe the op feeding the projections at ``paths`` quantizes its output for, or None.
+
+    None unless fusion is on and every one of them runs the same recipe, that recipe takes a
+    pre-quantized input, and no BitNet norm sits in between (that norm is fused instead).
+    """
+    recipes = {self.recipe_for(path) for path in paths}
+    if not self.fused_quantizers or len(recipes) != 1 or any(self.norm_before(path) for path in paths):
+      return None
+    recipe = recipes.pop()
+    return recipe if recipe is not None and recipe.input_quantization() is not None else None
 
   def norm_before(self, path: str) -> bool:
     """Whether the projection at ``path`` gets its own RMSNorm (BitNet model surgery)."""
@@ -216,7 +233,7 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding (rotate-half form).
+  """Rotary position embedding (rotate-half form, as Hugging Face Llama checkpoints expect).
 
   Args:
     x: ``[B, T, heads, head_dim]`` queries or keys (head_dim even).
@@ -224,15 +241,20 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     theta: base frequency.
 
   Returns:
-    ``x`` rotated, same shape and dtype (angles computed in float32).
+    ``x`` rotated, same shape and dtype (angles computed in float32):
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` for the halves ``x1, x2`` of ``head_dim``. Computed on
+    ``x`` viewed as ``[..., 2, head_dim / 2]`` with the halves swapped by a reverse, so XLA fuses
+    it into one elementwise pass with no concatenate (forward or backward).
   """
   half = x.shape[-1] // 2
   freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, half]
-  sin = jnp.sin(angles)[None, :, None, :]
-  cos = jnp.cos(angles)[None, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  cos = jnp.cos(angles)[None, :, None, None, :]  # [1, T, 1, 1, half]
+  sin = jnp.sin(angles)
+  signed_sin = jnp.stack([-sin, sin], axis=-2)[None, :, None]  # [1, T, 1, 2, half]: -sin for x1's half
+  halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
+  rotated = halves * cos + halves[..., ::-1, :] * signed_sin
+  return rotated.reshape(x.shape).astype(x.dtype)
 
 
 def attention_impl(config: ModelConfig) -> str:
@@ -248,20 +270,37 @@ def attention_impl(config: ModelConfig) -> str:
   return "cudnn" if on_gpu and jnp.dtype(config.dtype) in CUDNN_DTYPES and head_ok else "xla"
 
 
-def rms_norm(config: ModelConfig, name: str) -> nn.RMSNorm:
-  return nn.RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
+class RMSNorm(nn.Module):
+  """``flax.linen.RMSNorm``'s parameter (``scale [C]``, ones) and numerics; optionally quantizing its
+  output for the linear that reads it (``jaxlowbit.fused.rms_norm_for``)."""
+
+  epsilon: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x: jax.Array, quantize_for=None):
+    """``x [..., C]`` -> ``[..., C]`` of ``dtype``, or a ``[M, C]`` low-bit operand for ``quantize_for``."""
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype)
 
 
-def projection(config: ModelConfig, x: jax.Array, path: str, features: int, std: float) -> jax.Array:
-  """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``.
+def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
+  return RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
 
+
+def projection(config: ModelConfig, x, path: str, features: int, std: float, lead: tuple[int, ...]) -> jax.Array:
+  """One linear ``x [*lead, K] -> [*lead, features]`` named by the last part of ``path``.
+
+  ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (``lead`` gives the shape back).
   Must be called inside a compact method (the layers attach to that module). Applies the
-  BitNet model surgery: with a BitNet recipe, ``x`` is first RMS-normalized by its own norm.
+  BitNet model surgery: with a BitNet recipe, ``x`` is first RMS-normalized by its own norm
+  (which quantizes its output for the projection when the model fuses quantizers).
   """
   name = path.split(".")[-1]
   recipe = config.recipe_for(path)
   if config.norm_before(path):
-    x = rms_norm(config, f"{name}_norm")(x)
+    x = rms_norm(config, f"{name}_norm")(x, quantize_for=recipe if config.fused_quantizers else None)
   dense = jaxlowbit.dense_for(
       recipe,
       features=features,
@@ -271,7 +310,7 @@ def projection(config: ModelConfig, x: jax.Array, path: str, features: int, std:
       kernel_init=nn.initializers.normal(std),
       name=name,
   )
-  return dense(x)
+  return dense(x).reshape(*lead, features)
 
 
 class Attention(nn.Module):
@@ -281,18 +320,19 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """``x [B, T, d_model]`` (dtype), ``positions [T]`` -> ``[B, T, d_model]`` (dtype)."""
+  def __call__(self, x, positions: jax.Array, lead: tuple[int, int]) -> jax.Array:
+    """``x [B, T, d_model]`` (dtype; or its ``[B T, d_model]`` low-bit operand), ``positions [T]``,
+    ``lead = (B, T)`` -> ``[B, T, d_model]`` (dtype)."""
     c = self.config
-    b, t, _ = x.shape
+    b, t = lead
     hd, q_dim, kv_dim = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     if c.fused_projections:
-      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std)
+      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std, lead)
       q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
     else:
-      q = projection(c, x, "layers.attn.q", q_dim, c.init_std)
-      k = projection(c, x, "layers.attn.k", kv_dim, c.init_std)
-      v = projection(c, x, "layers.attn.v", kv_dim, c.init_std)
+      q = projection(c, x, "layers.attn.q", q_dim, c.init_std, lead)
+      k = projection(c, x, "layers.attn.k", kv_dim, c.init_std, lead)
+      v = projection(c, x, "layers.attn.v", kv_dim, c.init_std, lead)
     q = rope(q.reshape(b, t, c.n_heads, hd), positions, c.rope_theta)
     k = rope(k.reshape(b, t, c.n_kv_heads, hd), positions, c.rope_theta)
     v = v.reshape(b, t, c.n_kv_heads, hd)
@@ -304,7 +344,7 @@ class Attention(nn.Module):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
       else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    return projection(c, out.reshape(b, t, q_dim), "layers.attn.out", c.d_model, _residual_std(c))
+    return projection(c, out.reshape(b, t, q_dim), "layers.attn.out", c.d_model, _residual_std(c), lead)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,20 +372,22 @@ def kv_cache_update(module: nn.Module, k: jax.Array, v: jax.Array, positions: ja
 
 
 class Mlp(nn.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  """SwiGLU: ``down(silu(gate(x)) * up(x))`` (silu and the product in float32)."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """``x [B, T, d_model]`` -> ``[B, T, d_model]``."""
+  def __call__(self, x, lead: tuple[int, ...]) -> jax.Array:
+    """``x [*lead, d_model]`` (or its ``[M, d_model]`` low-bit operand) -> ``[*lead, d_model]``."""
     c = self.config
     if c.fused_projections:
-      gate, up = jnp.split(projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std), 2, axis=-1)
+      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, lead)
     else:
-      gate = projection(c, x, "layers.mlp.gate", c.d_ff, c.init_std)
-      up = projection(c, x, "layers.mlp.up", c.d_ff, c.init_std)
-    return projection(c, nn.silu(gate) * up, "layers.mlp.down", c.d_model, _residual_std(c))
+      gate = projection(c, x, "layers.mlp.gate", c.d_ff, c.init_std, lead)
+      up = projection(c, x, "layers.mlp.up", c.d_ff, c.init_std, lead)
+      gate_up = jnp.concatenate([gate, up], axis=-1)
+    h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"))
+    return projection(c, h, "layers.mlp.down", c.d_model, _residual_std(c), lead)
 
 
 def _residual_std(config: ModelConfig) -> float:
@@ -362,8 +404,13 @@ class Block(nn.Module):
   def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
     c = self.config
     dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
-    x = x + dropout(Attention(c, self.decode, name="attn")(rms_norm(c, "attn_norm")(x), positions))
-    x = x + dropout(Mlp(c, name="mlp")(rms_norm(c, "mlp_norm")(x)))
+    lead = x.shape[:-1]
+    attn_paths = ("layers.attn.qkv",) if c.fused_projections else ("layers.attn.q", "layers.attn.k", "layers.attn.v")
+    mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
+    h = rms_norm(c, "attn_norm")(x, quantize_for=c.fused_input_recipe(*attn_paths))
+    x = x + dropout(Attention(c, self.decode, name="attn")(h, positions, lead))
+    h = rms_norm(c, "mlp_norm")(x, quantize_for=c.fused_input_recipe(*mlp_paths))
+    x = x + dropout(Mlp(c, name="mlp")(h, lead))
     return x, None
 
 
@@ -414,11 +461,12 @@ class Transformer(nn.Module):
       for i in range(c.n_layers):
         x, _ = block(c, self.decode, name=f"layers_{i}")(x, positions)
 
-    x = rms_norm(c, "final_norm")(x)
+    lead = x.shape[:-1]
     if c.tie_embeddings:
-      logits = embed.attend(x)
+      logits = embed.attend(rms_norm(c, "final_norm")(x))
     else:
-      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std)
+      x = rms_norm(c, "final_norm")(x, quantize_for=c.fused_input_recipe("lm_head"))
+      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std, lead)
     return logits.astype(jnp.float32)
 
 

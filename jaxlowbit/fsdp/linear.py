@@ -24,6 +24,7 @@ from jax import lax
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.gather import gather_weight, weight_scaling
 from jaxlowbit.matmul import match_varying_axes, quantized_matmul
+from jaxlowbit.operand import is_low_bit
 from jaxlowbit.recipes import Recipe, check_recipe
 
 
@@ -56,7 +57,7 @@ def fsdp_linear(
     ``[K/n, N]`` shard of the full gradient summed over devices, in w's dtype).
   """
   check_recipe(recipe, "fsdp_linear")
-  for name, a in (("x", x), ("w", w)):
+  for name, a in (("x", x), ("w", w)):  # a low-bit x (a fused producer's) has its logical dtype
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"fsdp_linear: {name} must be floating point, got {a.dtype}")
   if w.ndim != 2:
@@ -76,7 +77,7 @@ def fsdp_linear(
 
   if config.remat == "regather":  # keep nothing of the linear but its inputs: the backward gathers again
     linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)
-  y = linear(x.reshape(math.prod(batch_shape), k), w, scale)
+  y = linear(x if is_low_bit(x) else x.reshape(math.prod(batch_shape), k), w, scale)
   return y.reshape(*batch_shape, w.shape[1])
 
 

@@ -114,5 +114,7 @@ class BitNet(Recipe):
 
 BitNet.presets = {
     "bitnet": BitNet(),  # ternary x int8 forward, straight-through high-precision backward
-    "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),  # backward on int8 tensor cores too
+    "bitnet_hp_bwd": BitNet(),  # the backward in high precision, named explicitly
+    "bitnet_int8_gi": BitNet(grad_input=True),  # grad_input on int8 tensor cores (W is exact in int8)
+    "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),  # the whole backward on int8 tensor cores
 }

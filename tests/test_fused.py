@@ -1,0 +1,117 @@
+"""jaxlowbit.fused: RMSNorm / SwiGLU producers hand quantized_matmul a pre-quantized input.
+
+- the operand they produce is exactly the unfused op's output quantized for the recipe;
+- through quantized_matmul, forward equal to the unfused path and gradients as accurate
+  (against float64) as autodiff of the unfused path;
+- the model with fused quantizers trains like the model without (same loss, gradients as close
+  to a float32 model's).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+import jaxlowbit
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fused
+from jaxlowbit.recipes.base import quantize_operand
+from helpers import fresh_key, rel_err
+from train.model import ModelConfig, Transformer
+
+RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet(), BitNet(True, True)]
+BF16_ROUNDING = 2.0**-8  # relative spacing of bfloat16: one rounding of a gradient
+
+
+def _same_operand(got, rows, transposed):
+  np.testing.assert_array_equal(np.asarray(got.rows.data, np.float32), np.asarray(rows.data, np.float32))
+  np.testing.assert_array_equal(got.rows.scale, rows.scale)
+  np.testing.assert_array_equal(np.asarray(got.transposed.data, np.float32), np.asarray(transposed.data, np.float32))
+  np.testing.assert_array_equal(got.transposed.scale, transposed.scale)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+def test_producers_quantize_exactly_the_unfused_output(recipe):
+  kx, ks, kg = jax.random.split(fresh_key(), 3)
+  x = (jax.random.normal(kx, (2, 48, 64)) * 3).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(ks, (64,))
+  how = recipe.input_quantization()
+  _same_operand(fused.rms_norm_for(x, scale, 1e-5, recipe, jnp.bfloat16),
+                *quantize_operand(fused.rms_norm(x, scale, 1e-5, jnp.bfloat16).reshape(96, 64), how))
+  gate_up = jax.random.normal(kg, (96, 128)).astype(jnp.bfloat16)
+  _same_operand(fused.swiglu_for(gate_up, recipe), *quantize_operand(fused.swiglu(gate_up), how))
+
+
+def test_recipes_that_need_high_precision_inputs_get_them():
+  x = jnp.ones((4, 32), jnp.bfloat16)
+  for recipe in (None, Float8("rowwise_gw_hp"), Int8MixedPrecision(grad_weight=False)):
+    assert fused.fused_quantization(recipe) is None
+    out = fused.rms_norm_for(x, jnp.ones(32), 1e-5, recipe, jnp.bfloat16)
+    np.testing.assert_array_equal(out, fused.rms_norm(x, jnp.ones(32), 1e-5, jnp.bfloat16))
+
+
+def _exact_grads(fn, *args):
+  """float64 gradients of ``fn`` (a function of float arrays) at ``args``."""
+  with jax.enable_x64(True):
+    return jax.grad(fn, argnums=tuple(range(len(args))))(*(jnp.asarray(a, jnp.float64) for a in args))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+def test_gradients_through_the_producers_match_the_unfused_path(recipe):
+  kx, ks, kw, kg = jax.random.split(fresh_key(), 4)
+  x = jax.random.normal(kx, (64, 128)).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(ks, (128,))
+  w = jax.random.normal(kw, (128, 96)) / 12
+  gate_up = jax.random.normal(kg, (64, 256)).astype(jnp.bfloat16)
+  w_down = jax.random.normal(kw, (128, 96)) / 12
+
+  def norm_then(fuse):
+    op = fused.rms_norm_for if fuse else lambda x, s, e, r, d: fused.rms_norm(x, s, e, d)
+    return lambda x, s, w: jnp.sum(jaxlowbit.quantized_matmul(op(x, s, 1e-5, recipe, jnp.bfloat16), w, recipe)
+                                   .astype(jnp.float32) ** 2)
+
+  def swiglu_then(fuse):
+    op = fused.swiglu_for if fuse else lambda g, r: fused.swiglu(g)
+    return lambda g, w: jnp.sum(jaxlowbit.quantized_matmul(op(g, recipe), w, recipe).astype(jnp.float32) ** 2)
+
+  for make, args in ((norm_then, (x, scale, w)), (swiglu_then, (gate_up, w_down))):
+    got, want = jax.grad(make(True), argnums=(0, 1))(*args), jax.grad(make(False), argnums=(0, 1))(*args)
+    np.testing.assert_array_equal(make(True)(*args), make(False)(*args))  # the same forward
+    for a, b in zip(got, want):  # the same math, rounded in another order: a bf16 rounding apart at most
+      assert rel_err(a, b) <= 2 * BF16_ROUNDING, (make.__name__, rel_err(a, b))
+
+
+def test_norm_backward_is_as_accurate_as_autodiff():
+  kx, ks, kg = jax.random.split(fresh_key(), 3)
+  x = jax.random.normal(kx, (64, 128)).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(ks, (128,))
+  dy = jax.random.normal(kg, (64, 128)).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(lambda x, s: fused.rms_norm_for(x, s, 1e-5, Int8MixedPrecision(), jnp.bfloat16).carrier, x, scale)
+  dx, dscale = vjp(dy)
+  exact = lambda x, s: jnp.sum(x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * s * dy)  # noqa: E731
+  ex_dx, ex_dscale = _exact_grads(exact, x, scale)
+  assert rel_err(dx, ex_dx) <= BF16_ROUNDING  # dx is bf16: one rounding
+  assert rel_err(dscale, ex_dscale) <= 1e-5
+
+
+# (BitNet adds norms, so a float32 model of the same tree would not be BitNet's reference.)
+@pytest.mark.parametrize("recipe", [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise")], ids=str)
+def test_model_with_fused_quantizers_trains_like_without(recipe):
+  tokens = jax.random.randint(fresh_key(), (4, 33), 0, 384)
+  reference = Transformer(ModelConfig(recipe=None, dtype=jnp.float32))
+  params = reference.init(jax.random.key(0), tokens[:, :-1])
+
+  def grads(model):
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+        model.apply(p, tokens[:, :-1]), tokens[:, 1:]).mean()
+    value, g = jax.jit(jax.value_and_grad(loss))(params)
+    return float(value), traverse_util.flatten_dict(g["params"])
+
+  _, exact = grads(reference)
+  (fused_loss, fused_g), (plain_loss, plain_g) = (grads(Transformer(ModelConfig(recipe=recipe, fused_quantizers=f)))
+                                                  for f in (True, False))
+  assert abs(fused_loss - plain_loss) <= 1e-3 * plain_loss
+  for path, g in exact.items():  # quantization noise of the same size: fusion changes rounding order only
+    e_fused, e_plain = rel_err(fused_g[path], g), rel_err(plain_g[path], g)
+    assert e_fused <= 1.25 * e_plain + 1e-3, (path, e_fused, e_plain)
