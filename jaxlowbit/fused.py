@@ -21,6 +21,8 @@ product); the consuming Dense's output is ``[M, N]``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -32,9 +34,25 @@ from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit.recipes.base import quantize_operand
 
 
+# Off while a model converted for inference runs: its linears no longer run the training recipe.
+_ENABLED = contextvars.ContextVar("jaxlowbit_fused_quantizers", default=True)
+
+
+@contextlib.contextmanager
+def unfused():
+  """Within this context the producers return their op's high-precision output (never an operand)."""
+  token = _ENABLED.set(False)
+  try:
+    yield
+  finally:
+    _ENABLED.reset(token)
+
+
 def fused_quantization(recipe: Recipe | None) -> OperandQuantization | None:
   """What a producer delivers for ``recipe``'s linear, or None where it feeds it high precision."""
-  return None if recipe is None else recipe.input_quantization()
+  if recipe is None or not _ENABLED.get():
+    return None
+  return recipe.input_quantization()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,4 +168,4 @@ def swiglu_for(gate_up: jax.Array, recipe: Recipe | None) -> jax.Array | LowBitO
   return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how)
 
 
-__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for"]
+__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "unfused"]

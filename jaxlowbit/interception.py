@@ -17,6 +17,7 @@ with the handler's matmul.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -98,11 +99,13 @@ def dense_interceptor(handler: Handler) -> Callable:
   return intercept
 
 
-def intercepted_copy(module: nn.Module, interceptor: Callable, who: str, **class_attrs) -> nn.Module:
+def intercepted_copy(module: nn.Module, interceptor: Callable, who: str, context: Callable | None = None,
+                     **class_attrs) -> nn.Module:
   """A copy of unbound ``module`` that runs under ``nn.intercept_methods(interceptor)``.
 
   The copy is an instance of a subclass of ``type(module)`` (same name, same fields, same
-  parameter tree); ``class_attrs`` become attributes of that subclass. Its public methods run
+  parameter tree); ``class_attrs`` become attributes of that subclass; ``context()``, when given,
+  is entered around every intercepted call too. Its public methods run
   intercepted when the model is used as a submodule, and ``apply`` / ``init`` /
   ``init_with_output`` intercept whatever they run, so ``method=`` (the original class's
   method, a submodule's, a function) is intercepted too.
@@ -116,7 +119,7 @@ def intercepted_copy(module: nn.Module, interceptor: Callable, who: str, **class
 
   def wrap(method: Callable) -> Callable:
     def run_intercepted(self, *args, **kwargs):
-      with nn.intercept_methods(interceptor):
+      with nn.intercept_methods(interceptor), (context() if context else contextlib.nullcontext()):
         return method(self, *args, **kwargs)
 
     # Copy name and doc, and the @compact mark (a Dense intercepted at the top creates its bias):

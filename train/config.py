@@ -122,18 +122,38 @@ def llama_125m() -> ml_collections.ConfigDict:
 
 
 def llama_1b() -> ml_collections.ConfigDict:
-  """~0.97B parameters: Llama 3.2 1B's trunk (d 2048, 16 layers, 32/8 heads, SwiGLU 8192).
+  """~0.97B parameters: Llama 3.2 1B's trunk (d 2048, 16 layers, 32/8 heads, SwiGLU 8192), for one H200.
 
   The vocabulary is the byte tokenizer's (384 rows instead of Llama's 128k), so the
   parameters sit in the matmuls that the recipes quantize, which is what speed runs measure.
-  A step is 8 x 2048 tokens in two microbatches of 4 sequences, without rematerialization:
-  XLA's CPU memory estimate puts the GPU footprint near 35 GB for bf16 and 45 GB for BitNet
-  (its extra norms), under the 60 GB that JAX preallocates on an 80 GB H100.
+  Fast defaults, measured on one H200 (docs/benchmarks.md, "Training step"): a step is 8 x 2048
+  tokens in ONE microbatch, the 16 layers unrolled (a scan copies every layer's activations and
+  gradients in and out of its stacked buffers) and no rematerialization; compiling takes
+  10-30 s. On an 80 GB H100 add ``--config.grad_accum_steps=2`` (half the activation memory).
   """
   config = base_config()
   config.model.update(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, rope_theta=500_000.0)
-  config.update(steps=10_000, batch_size=8, grad_accum_steps=2, seq_len=2048, lr=3e-4, warmup_steps=500)
+  config.model.scan_layers = False
+  config.update(steps=10_000, batch_size=8, grad_accum_steps=1, seq_len=2048, lr=3e-4, warmup_steps=500)
   config.update(log_every=10, eval_every=500, eval_batches=8, checkpoint_every=1000)
+  return config
+
+
+def llama_8b() -> ml_collections.ConfigDict:
+  """~7.0B-parameter trunk of Llama 3 8B (d 4096, 32 layers, 32/8 heads, SwiGLU 14336) for 8 GPUs.
+
+  FSDP over every visible device (``mesh.fsdp=0``): parameters and optimizer state (96 GB in
+  float32 with AdamW) are split eight ways; quantized recipes gather their weights in 8 bits
+  (ternary: 2). Byte vocabulary as in :func:`llama_1b`. A step is 32 x 2048 tokens (four
+  sequences per GPU) in one microbatch, layers unrolled, no rematerialization: the same
+  settings as the 1B config, chosen by the 1B measurements (no 8-GPU machine was lent to
+  measure these; on GPUs with less memory than an H200 raise ``grad_accum_steps``).
+  """
+  config = base_config()
+  config.model.update(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, rope_theta=500_000.0)
+  config.model.scan_layers = False
+  config.update(steps=10_000, batch_size=32, grad_accum_steps=1, seq_len=2048, lr=3e-4, warmup_steps=500)
+  config.update(log_every=10, eval_every=500, eval_batches=4, checkpoint_every=1000, keep_checkpoints=2)
   return config
 
 

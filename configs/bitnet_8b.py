@@ -1,0 +1,15 @@
+"""Llama 3 8B's trunk with the byte-level vocabulary, FSDP over 8 GPUs (train/config.py: llama_8b).
+
+Recipe bitnet. BitNet b1.58: ternary weights x int8 activations, an RMSNorm before each BitNet projection;
+weights travel packed 2 bits per value under FSDP.
+
+    python -m train.main --config configs/bitnet_8b.py --workdir runs/bitnet_8b
+"""
+
+from train import config as train_config
+
+
+def get_config():
+  config = train_config.llama_8b()
+  config.recipe = "bitnet"
+  return config
