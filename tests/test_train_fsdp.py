@@ -51,6 +51,11 @@ LOSS_RTOL = 1e-5
 # and the default eps, every comparison below stayed within 8e-7 over 12 seeds (72 runs),
 # and the loss still falls 3-5% in the 5 steps, 30x the bound.
 LEARNING_RATE = 1e-3
+# BitNet only: its runs can land a ternary weight on the other side of a rounding boundary when
+# the two meshes sum its abs-mean scale in different orders (a tie flip); that moves the micro
+# model's loss by up to ~2e-4 (2 of 30 seeds: 4e-5 and 2e-4 at step 5; the other 28 <= 5e-7,
+# with and without fused quantizers). The first step has no update behind it: the tight bound.
+TIE_FLIP_RTOL = 1e-3
 
 
 def run_config(corpus: str, seed: int, recipe: str, fsdp: int, data: int = 1, **overrides):
@@ -85,16 +90,21 @@ def run(corpus, seed, tmp_path_factory):
   return run_once
 
 
-def assert_same_run(run_dir, reference_dir, validation: bool = True) -> None:
-  """Per-step training losses (and the final validation loss) of two runs within ``LOSS_RTOL``."""
+def assert_same_run(run_dir, reference_dir, validation: bool = True, rtol: float = LOSS_RTOL) -> None:
+  """Per-step training losses (and the final validation loss) of two runs within ``rtol`` (step 1: ``LOSS_RTOL``)."""
   actual, expected = train_losses(run_dir), train_losses(reference_dir)
   assert sorted(actual) == sorted(expected) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose(actual[1], expected[1], rtol=LOSS_RTOL)
   steps = range(1, STEPS + 1)
-  np.testing.assert_allclose([actual[s] for s in steps], [expected[s] for s in steps], rtol=LOSS_RTOL)
+  np.testing.assert_allclose([actual[s] for s in steps], [expected[s] for s in steps], rtol=rtol)
   # The runs must move for the comparison to mean something: 100x the bound.
   assert expected[STEPS] < (1 - 100 * LOSS_RTOL) * expected[1], expected
   if validation:
-    np.testing.assert_allclose(val_losses(run_dir)[STEPS], val_losses(reference_dir)[STEPS], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(val_losses(run_dir)[STEPS], val_losses(reference_dir)[STEPS], rtol=rtol)
+
+
+def rtol_for(recipe: str) -> float:
+  return TIE_FLIP_RTOL if recipe.startswith("bitnet") else LOSS_RTOL
 
 
 def has_scales(run_dir, step: int) -> bool:
@@ -138,7 +148,7 @@ def test_fsdp_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus
   """Per-step training losses and the final validation loss within 1e-5; the run really sharded."""
   (data, fsdp), (ref_data, ref_fsdp) = mesh, reference_mesh
   run_dir = run(recipe, fsdp, data)
-  assert_same_run(run_dir, run(recipe, ref_fsdp, ref_data))
+  assert_same_run(run_dir, run(recipe, ref_fsdp, ref_data), rtol=rtol_for(recipe))
 
   # It really ran FSDP: the mesh in the log, parameters and optimizer state sharded.
   assert start_record(run_dir)["devices"] == data * fsdp
@@ -176,7 +186,7 @@ def test_checkpoints_move_between_meshes(run, corpus, seed, tmp_path, capsys):
     out = capsys.readouterr().out  # a new mesh is no changed run
     assert f"mesh.fsdp {old_fsdp} -> {fsdp}" in out and "expect a different run" not in out, out
     assert start_record(run_dir)["step"] == 3 and start_record(run_dir)["devices"] == data * fsdp
-    assert_same_run(run_dir, uninterrupted)
+    assert_same_run(run_dir, uninterrupted, rtol=TIE_FLIP_RTOL)  # BitNet
     assert has_scales(run_dir, STEPS) == (fsdp > 1)
 
 
