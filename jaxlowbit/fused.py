@@ -27,11 +27,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jaxlowbit.operand import LowBitOperand, carrier_like, vary_over, varying_axes
+from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, vary_over, varying_axes
 from jaxlowbit.recipes import OperandQuantization, Recipe
-from jaxlowbit.recipes.base import quantize_operand
+from pallas_kernels import dispatch
+from pallas_kernels.quantize import RmsNorm, SwiGLU
 
 
 # Off while a model converted for inference runs: its linears no longer run the training recipe.
@@ -59,15 +59,9 @@ def fused_quantization(recipe: Recipe | None) -> OperandQuantization | None:
 # RMSNorm
 
 
-def rms_norm_statistics(x: jax.Array, eps: float) -> jax.Array:
-  """float32 ``rsqrt(mean(x^2) + eps)`` over the last axis, ``[..., 1]`` (flax's RMSNorm statistics)."""
-  x = x.astype(jnp.float32)
-  return lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
   """``flax.linen.RMSNorm``'s output: ``x * (rsqrt(mean(x^2) + eps) * scale)`` in float32, cast to ``dtype``."""
-  return (x.astype(jnp.float32) * (rms_norm_statistics(x, eps) * scale.astype(jnp.float32))).astype(dtype)
+  return RmsNorm(eps, jnp.dtype(dtype)).reference((x, scale))
 
 
 def _rms_norm_backward(dy, x, scale, rstd):
@@ -86,11 +80,20 @@ def _rms_norm_quantized(x, scale, eps: float, how: OperandQuantization, dtype) -
   return _rms_norm_quantized_fwd(x, scale, eps, how, dtype)[0]
 
 
+def _produce(inputs, prologue, how: OperandQuantization, dtype):
+  """The prologue's output quantized as ``how`` says (one fused kernel on a GPU): ``(operand, row stat)``."""
+  rows, transposed, stat = dispatch.fused_quantize(
+      inputs, prologue, how.rows, None if how.transposed_from_rows else how.transposed, how.transposed_from_rows)
+  as_matrix = lambda part, spec: None if part is None else QuantizedMatrix(*part, spec)  # noqa: E731
+  shape = (inputs[0].shape[0], prologue.width(inputs))
+  operand = LowBitOperand(as_matrix(rows, how.rows), as_matrix(transposed, how.transposed or how.rows),
+                          carrier_like(shape, dtype, *inputs))
+  return operand, stat
+
+
 def _rms_norm_quantized_fwd(x, scale, eps, how, dtype):
-  rstd = rms_norm_statistics(x, eps)
-  y = (x.astype(jnp.float32) * (rstd * scale.astype(jnp.float32))).astype(dtype)
-  rows, transposed = quantize_operand(y, how)
-  return LowBitOperand(rows, transposed, carrier_like(x.shape, dtype, x, scale)), (x, scale, rstd)
+  operand, rstd = _produce((x, scale), RmsNorm(eps, dtype), how, dtype)
+  return operand, (x, scale, rstd[:, None])
 
 
 def _rms_norm_quantized_bwd(eps, how, dtype, residuals, ct):
@@ -125,8 +128,7 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
 
 def swiglu(gate_up: jax.Array) -> jax.Array:
   """``silu(gate) * up`` of ``gate_up [..., 2H]`` (``[gate | up]``) in float32, cast back: ``[..., H]``."""
-  gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-  return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
+  return SwiGLU().reference((gate_up,))
 
 
 def _swiglu_backward(dh, gate_up):
@@ -144,9 +146,7 @@ def _swiglu_quantized(gate_up, how: OperandQuantization) -> LowBitOperand:
 
 
 def _swiglu_quantized_fwd(gate_up, how):
-  rows, transposed = quantize_operand(swiglu(gate_up), how)
-  m, h = gate_up.shape[0], gate_up.shape[1] // 2
-  return LowBitOperand(rows, transposed, carrier_like((m, h), gate_up.dtype, gate_up)), gate_up
+  return _produce((gate_up,), SwiGLU(), how, gate_up.dtype)[0], gate_up
 
 
 def _swiglu_quantized_bwd(how, gate_up, ct):

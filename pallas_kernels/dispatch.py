@@ -6,6 +6,7 @@ implementation runs is decided here and nowhere else:
 
 - :func:`quantize_rows`   ``[R, C]`` -> int8/fp8 ``[R, C]`` + one scale per row
 - :func:`quantize_cols_t` ``[R, C]`` -> int8/fp8 ``[C, R]`` + one scale per column (transposed)
+- :func:`fused_quantize`  both, of the output of an RMSNorm or SwiGLU that is never written
 - :func:`scaled_matmul`   ``[M, K] x [N, K]`` -> ``[M, N]`` with the scales applied
 
 Backends:
@@ -23,24 +24,13 @@ import jax.numpy as jnp
 
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import policy
+from pallas_kernels import quantize as quantize_kernels
 from pallas_kernels.policy import select_backend
-from pallas_kernels.reference import (
-    check_operands,
-    quantize_cols_t_reference,
-    quantize_rows_reference,
-    scaled_matmul_reference,
-)
+from pallas_kernels.quantize import Identity, Prologue
+from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend"]
-
-
-def _quantize_on_kernel(x: jax.Array, spec: QuantSpec, transposed: bool) -> bool:
-  """Whether a fused quantization kernel takes ``x`` (2-D, supported spec and shape, GPU)."""
-  from pallas_kernels import quantize as kernels  # keeps Pallas imports off the CPU import path
-
-  if not policy.quantize_on_kernel():
-    return False
-  return x.ndim == 2 and kernels.supported(spec, *x.shape, transposed=transposed)
+__all__ = ["fused_quantize", "quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul",
+           "select_backend"]
 
 
 # Every quantization and low-bit GEMM runs inside one of these scopes, so profiles
@@ -49,42 +39,51 @@ QUANTIZE_SCOPE = "jaxlowbit_quantize"
 GEMM_SCOPE = "jaxlowbit_gemm"
 
 
+def fused_quantize(
+    inputs: tuple[jax.Array, ...],
+    prologue: Prologue,
+    rows_spec: QuantSpec | None,
+    cols_spec: QuantSpec | None = None,
+    rows_t: bool = False,
+):
+  """``prologue(*inputs)`` quantized per row and/or per column (transposed), without writing it.
+
+  Args:
+    inputs: the prologue's inputs: ``x [R, C]`` (``Identity``); ``x [R, C], gamma [C]``
+      (``RmsNorm``); ``gate_up [R, 2H]`` (``SwiGLU``).
+    prologue: a :mod:`pallas_kernels.quantize` prologue.
+    rows_spec: per-row quantization ``(q [R, C'], float32 scale [R, 1] or [1, 1])``, or None.
+    cols_spec: per-column quantization written transposed ``(q^T [C', R], scale [C', 1] or [1, 1])``.
+    rows_t: the rows' int8 codes written transposed instead (``(q^T [C', R], scale [1, R])``).
+
+  Returns:
+    ``(rows or None, transposed or None, stat or None)`` (``stat``: the prologue's float32 row
+    statistic ``[R]``, RmsNorm's ``rstd``). The kernel on a GPU where it takes the shape, the
+    XLA reference elsewhere; the same numbers up to rounding ties.
+  """
+  spec = rows_spec or cols_spec
+  r, c = inputs[0].shape[0], prologue.width(inputs)
+  with jax.named_scope(QUANTIZE_SCOPE):
+    if policy.quantize_on_kernel() and inputs[0].ndim == 2 and quantize_kernels.supported(
+        spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
+      return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
+    return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t)
+
+
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [R, C]`` of ``spec.dtype``, float32 dequant scale ``[R, 1]`` or ``[1, 1]``)."""
-  with jax.named_scope(QUANTIZE_SCOPE):
-    return _quantize_rows(x, spec)
-
-
-def _quantize_rows(x, spec):
-  if _quantize_on_kernel(x, spec, transposed=False):
-    from pallas_kernels.quantize import quantize_rows_kernel
-
-    return quantize_rows_kernel(x, spec)
-  return quantize_rows_reference(x, spec)
+  return fused_quantize((x,), Identity(), spec)[0]
 
 
 def quantize_cols_t(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [C, R]``: per-column quantization written transposed, scale ``[C, 1]`` or ``[1, 1]``)."""
-  with jax.named_scope(QUANTIZE_SCOPE):
-    return _quantize_cols_t(x, spec)
-
-
-def _quantize_cols_t(x, spec):
-  if _quantize_on_kernel(x, spec, transposed=True):
-    from pallas_kernels.quantize import quantize_cols_t_kernel
-
-    return quantize_cols_t_kernel(x, spec)
-  return quantize_cols_t_reference(x, spec)
+  return fused_quantize((x,), Identity(), None, spec)[1]
 
 
 def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec):
   """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can."""
-  if _quantize_on_kernel(x, spec, transposed=False):
-    from pallas_kernels.quantize import quantize_rows_and_cols_t_kernel
-
-    with jax.named_scope(QUANTIZE_SCOPE):
-      return quantize_rows_and_cols_t_kernel(x, spec)
-  return quantize_rows(x, spec), quantize_cols_t(x, spec)
+  rows, transposed, _ = fused_quantize((x,), Identity(), spec, spec)
+  return rows, transposed
 
 
 def scaled_matmul(

@@ -1,23 +1,38 @@
-"""Fused quantization kernels (Pallas, Triton backend): one read of a bf16/f32 tensor.
+"""Quantization kernels (Pallas, Triton backend), optionally fused with the op that makes their input.
 
-- :func:`quantize_rows_kernel`: ``x [R, C]`` -> int8/fp8 ``q [R, C]`` + one scale per row.
-  Each program owns ``block_r`` rows: a first sweep over the row computes the abs-max (and,
-  on request, per-column partial maxima of those rows), a second sweep, which re-reads the
-  rows from L2, writes the quantized copy. DRAM sees one read and one 1-byte write.
-- :func:`quantize_cols_t_kernel`: ``x [R, C]`` -> ``q^T [C, R]`` quantized per column,
-  written transposed in tiles: the layout grad_weight's GEMM wants, with no transpose pass.
-- :func:`quantize_rows_and_cols_t_kernel`: both of the above from two reads of ``x``
-  (the row sweep also produces the column maxima the transposed copy needs).
+Each kernel quantizes the values of a *prologue* applied to its inputs, so that fused ops never
+write their high-precision output:
 
-Numerics are exactly :func:`jaxlowbit_numerics.formats.quantize` (the tests compare the two), up to
-float division rounding: ``round(x / scale)`` may land on the other side of a .5 tie.
-The Triton lowering has no round-half-even, so :func:`_round_half_even` builds it from
-floor (exactly, with no float error: ``y - floor(y)`` is exact).
+- :class:`Identity`: ``x [R, C]`` itself;
+- :class:`RmsNorm`: ``x [R, C]``, ``gamma [C]`` -> ``round(x * (rsqrt(mean(x^2) + eps) * gamma))``,
+  as ``flax.linen.RMSNorm`` computes it (float32 statistics, rounded to the compute dtype);
+- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(silu(gate) * up)`` ``[R, H]``.
+
+Kernels:
+
+- the *rows* kernel: each program owns ``block_rows`` rows; a statistics sweep (the norm's
+  sum of squares), an abs-max sweep (and, on request, per-column partial maxima of those rows)
+  and a write sweep (the per-row quantization), re-reading the rows from L2 between sweeps.
+  It can also only measure (per-tensor scales need every row's amax before any write).
+- the *tile* kernel: ``TILE x TILE`` tiles, written transposed (``[C, R]``: the layout
+  grad_weight's GEMM wants) with per-column scales, or with the rows' own scales (BitNet
+  reuses its exact int8 activations), and, for per-tensor scales, the rows layout too.
+
+Public entry points: :func:`quantize_rows_kernel`, :func:`quantize_cols_t_kernel`,
+:func:`quantize_rows_and_cols_t_kernel` (identity prologue) and :func:`fused_quantize_kernel`
+(any prologue, any of the layouts). :func:`fused_quantize_reference` is the XLA definition of
+the last: the prologue in jnp, then the references of ``pallas_kernels.reference``.
+
+Numerics are exactly those of the reference up to float rounding: ``round(x / scale)`` may land
+on the other side of a .5 tie, and the norm's sum of squares is added in another order (its
+rsqrt may differ in the last bit, which can move a rounded value by one step). The Triton
+lowering has no round-half-even, so :func:`_round_half_even` builds it from floor (exactly).
 NaN or inf in a row (column) makes its amax inf, as in the reference (``stats.absmax``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,24 +43,100 @@ from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics import fp8, int8
 from jaxlowbit_numerics.formats import QuantSpec
-from jaxlowbit_numerics.stats import absmax
 from pallas_kernels import tuning
+from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from pallas_kernels.vma import out_struct
 
 TILE = 64  # square tile of the transposing kernel
 TILE_WARPS = 4
 
 
-def supported(spec: QuantSpec, r: int, c: int, transposed: bool) -> bool:
-  """Whether a kernel takes this spec and shape (else callers use the reference).
+# ---------------------------------------------------------------------------------------------
+# Prologues: the values a kernel quantizes, one [rows, cols] block of the output at a time.
 
-  Per-tensor scales are taken by the transposing kernel only: a per-tensor row copy is a
-  plain elementwise pass that XLA already runs at full speed.
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+  """The input itself: ``x [R, C]``."""
+
+  stats = False
+
+  def width(self, inputs) -> int:
+    return inputs[0].shape[1]
+
+  def values(self, refs, rows, cols, stat):
+    del stat
+    return refs[0][rows, cols].astype(jnp.float32)
+
+  def reference(self, inputs) -> jax.Array:
+    return inputs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNorm:
+  """``x [R, C]``, ``gamma [C]`` -> ``x * (rsqrt(mean(x^2) + eps) * gamma)`` rounded to ``dtype``.
+
+  The row statistic the kernels carry is ``rstd = rsqrt(mean(x^2) + eps)`` (float32, ``[R]``).
   """
-  if spec.ternary or (spec.per_tensor and not transposed):
-    return False
-  block_rows = tuning.quantize_rows_config(spec.jnp_dtype)[0]
-  return r % TILE == 0 and c % TILE == 0 and r % block_rows == 0
+
+  eps: float
+  dtype: jnp.dtype
+
+  stats = True
+
+  def width(self, inputs) -> int:
+    return inputs[0].shape[1]
+
+  def partial_stat(self, refs, rows, cols):
+    x = refs[0][rows, cols].astype(jnp.float32)
+    return jnp.sum(x * x, axis=1)
+
+  def finish_stat(self, total, width: int):
+    return lax.rsqrt(total / width + self.eps)
+
+  def values(self, refs, rows, cols, rstd):
+    x = refs[0][rows, cols].astype(jnp.float32)
+    gamma = refs[1][cols].astype(jnp.float32)
+    return (x * (rstd[:, None] * gamma[None, :])).astype(self.dtype).astype(jnp.float32)
+
+  def reference(self, inputs) -> jax.Array:
+    x, gamma = inputs
+    x = x.astype(jnp.float32)
+    rstd = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * (rstd * gamma.astype(jnp.float32))).astype(self.dtype)
+
+  def reference_stat(self, inputs) -> jax.Array:
+    x = inputs[0].astype(jnp.float32)
+    return lax.rsqrt(jnp.mean(x * x, axis=-1) + self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLU:
+  """``gate_up [R, 2H]`` (``[gate | up]``) -> ``silu(gate) * up`` in float32, rounded to its dtype: ``[R, H]``."""
+
+  stats = False
+
+  def width(self, inputs) -> int:
+    return inputs[0].shape[1] // 2
+
+  def values(self, refs, rows, cols, stat):
+    del stat
+    ref = refs[0]
+    h = ref.shape[1] // 2
+    gate = ref[rows, cols].astype(jnp.float32)
+    up = ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32)
+    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(ref.dtype).astype(jnp.float32)
+
+  def reference(self, inputs) -> jax.Array:
+    gate, up = jnp.split(inputs[0].astype(jnp.float32), 2, axis=-1)
+    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(inputs[0].dtype)
+
+
+Prologue = Identity | RmsNorm | SwiGLU
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization arithmetic shared by the kernels.
 
 
 def _col_chunk(c: int, chunk: int) -> int:
@@ -85,83 +176,206 @@ def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec) -> jax.Array:
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)
 
 
-def _rows_kernel(x_ref, q_ref, s_ref, *colmax_ref, spec: QuantSpec, block_rows: int, chunk: int):
+def _magnitude(x: jax.Array) -> jax.Array:
+  return jnp.where(x != x, jnp.inf, jnp.abs(x))  # NaN counts as inf (stats.absmax)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels.
+
+
+def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, block_rows: int, chunk: int,
+                 width: int, write: bool, with_colmax: bool):
+  """Outputs, in order: [q, scale] if ``write``, else [row amax]; [colmax] if asked; [stat] if the prologue has one."""
+  inputs, outs = refs[:n_inputs], list(refs[n_inputs:])
   i = pl.program_id(0)
   rows = pl.ds(i * block_rows, block_rows)
-  n_chunks = x_ref.shape[1] // chunk
+  n_chunks = width // chunk
+  stat = None
+  if prologue.stats:
+    total = lax.fori_loop(0, n_chunks, lambda j, acc: acc + prologue.partial_stat(inputs, rows, pl.ds(j * chunk, chunk)),
+                          jnp.zeros((block_rows,), jnp.float32))
+    stat = prologue.finish_stat(total, width)
+  colmax_ref = outs[1 if not write else 2] if with_colmax else None
 
-  def sweep_stats(j, amax):
+  def sweep_amax(j, amax):
     cols = pl.ds(j * chunk, chunk)
-    x = x_ref[rows, cols].astype(jnp.float32)
-    magnitude = jnp.where(x != x, jnp.inf, jnp.abs(x))  # NaN counts as inf (stats.absmax)
-    if colmax_ref:
-      colmax_ref[0][pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
+    magnitude = _magnitude(prologue.values(inputs, rows, cols, stat))
+    if colmax_ref is not None:
+      colmax_ref[pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
     return jnp.maximum(amax, jnp.max(magnitude, axis=1))
 
-  amax = lax.fori_loop(0, n_chunks, sweep_stats, jnp.zeros((block_rows,), jnp.float32))
-  param, scale = _scales(amax, spec)
+  amax = lax.fori_loop(0, n_chunks, sweep_amax, jnp.zeros((block_rows,), jnp.float32))
+  if write:
+    q_ref, s_ref = outs[0], outs[1]
+    param, scale = _scales(amax, spec)
 
-  def sweep_write(j, _):
-    cols = pl.ds(j * chunk, chunk)
-    q_ref[rows, cols] = _apply(x_ref[rows, cols].astype(jnp.float32), param[:, None], spec)
-    return 0
+    def sweep_write(j, _):
+      cols = pl.ds(j * chunk, chunk)
+      q_ref[rows, cols] = _apply(prologue.values(inputs, rows, cols, stat), param[:, None], spec)
+      return 0
 
-  lax.fori_loop(0, n_chunks, sweep_write, 0)
-  s_ref[rows] = scale
+    lax.fori_loop(0, n_chunks, sweep_write, 0)
+    s_ref[rows] = scale
+  else:
+    outs[0][rows] = amax
+  if prologue.stats:
+    outs[-1][rows] = stat
 
 
-def _cols_t_kernel(x_ref, param_ref, q_ref, *, spec: QuantSpec):
+def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_row: bool, with_rows: bool):
+  """Inputs, then [stat] (prologue statistics) and the quantizer parameter ([C] per column or [R] per row);
+  outputs: [q^T] and, with ``with_rows``, [q] in the rows layout."""
+  inputs = refs[:n_inputs]
+  rest = refs[n_inputs:]
+  stat_ref = rest[0] if prologue.stats else None
+  param_ref = rest[1 if prologue.stats else 0]
+  qt_ref = rest[2 if prologue.stats else 1]
   i, j = pl.program_id(0), pl.program_id(1)
   rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
-  x = x_ref[rows, cols].astype(jnp.float32)
-  q_ref[cols, rows] = _apply(x, param_ref[cols][None, :], spec).T
+  stat = stat_ref[rows] if stat_ref is not None else None
+  param = param_ref[rows][:, None] if per_row else param_ref[cols][None, :]
+  q = _apply(prologue.values(inputs, rows, cols, stat), param, spec)
+  qt_ref[cols, rows] = q.T
+  if with_rows:
+    refs[-1][rows, cols] = q
 
 
-def _rows_call(x, spec: QuantSpec, with_colmax: bool, interpret: bool):
-  r, c = x.shape
-  block_rows, chunk, warps = tuning.quantize_rows_config(spec.jnp_dtype)
-  outs = [out_struct((r, c), spec.jnp_dtype, x), out_struct((r,), jnp.float32, x)]
+def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_colmax: bool, interpret: bool):
+  r, c = inputs[0].shape[0], prologue.width(inputs)
+  block_rows, chunk, warps = tuning.quantize_rows_config(spec.jnp_dtype, prologue)
+  outs = [out_struct((r, c), spec.jnp_dtype, *inputs), out_struct((r,), jnp.float32, *inputs)] if write else [
+      out_struct((r,), jnp.float32, *inputs)]
   if with_colmax:
-    outs.append(out_struct((r // block_rows, c), jnp.float32, x))
+    outs.append(out_struct((r // block_rows, c), jnp.float32, *inputs))
+  if prologue.stats:
+    outs.append(out_struct((r,), jnp.float32, *inputs))
+  kernel = functools.partial(_rows_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, block_rows=block_rows,
+                             chunk=_col_chunk(c, chunk), width=c, write=write, with_colmax=with_colmax)
   return pl.pallas_call(
-      functools.partial(_rows_kernel, spec=spec, block_rows=block_rows, chunk=_col_chunk(c, chunk)),
+      kernel,
       out_shape=tuple(outs),
       grid=(r // block_rows,),
       compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_rows",
-  )(x)
+  )(*inputs)
 
 
-def _cols_t_call(x, param, spec: QuantSpec, interpret: bool):
-  r, c = x.shape
+def _tile_call(inputs, prologue: Prologue, stat, param, spec: QuantSpec, per_row: bool, with_rows: bool,
+               interpret: bool):
+  r, c = inputs[0].shape[0], prologue.width(inputs)
+  operands = [*inputs, *([stat] if prologue.stats else []), param]
+  outs = [out_struct((c, r), spec.jnp_dtype, *operands)]
+  if with_rows:
+    outs.append(out_struct((r, c), spec.jnp_dtype, *operands))
   return pl.pallas_call(
-      functools.partial(_cols_t_kernel, spec=spec),
-      out_shape=out_struct((c, r), spec.jnp_dtype, x, param),
+      functools.partial(_tile_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, per_row=per_row,
+                        with_rows=with_rows),
+      out_shape=tuple(outs),
       grid=(r // TILE, c // TILE),
       compiler_params=plt.CompilerParams(num_warps=TILE_WARPS, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_cols_t",
-  )(x, param)
+  )(*operands)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prologue = Identity()) -> bool:
+  """Whether a kernel takes this spec and shape (else callers use the reference).
+
+  Per-tensor scales are taken with the transposed layout (one kernel writes both layouts) or
+  with a prologue; a bare per-tensor row copy is a plain elementwise pass that XLA already runs
+  at full speed.
+  """
+  if spec.ternary or (spec.per_tensor and not transposed and isinstance(prologue, Identity)):
+    return False
+  block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
+  return r % TILE == 0 and c % TILE == 0 and r % block_rows == 0
+
+
+def fused_quantize_kernel(
+    inputs: tuple[jax.Array, ...],
+    prologue: Prologue,
+    rows_spec: QuantSpec | None,
+    cols_spec: QuantSpec | None = None,
+    rows_t: bool = False,
+    interpret: bool = False,
+):
+  """``prologue(*inputs)`` quantized without writing it: ``(rows, transposed, stat)``.
+
+  Args:
+    inputs: the prologue's inputs (``x [R, C]``; ``x, gamma [C]``; ``gate_up [R, 2H]``).
+    prologue: :class:`Identity`, :class:`RmsNorm` or :class:`SwiGLU`.
+    rows_spec: quantize the values per row: ``(q [R, C'], scale [R, 1] or [1, 1])``; or None.
+    cols_spec: also quantize them per column, written transposed: ``(q^T [C', R], scale [C', 1]
+      or [1, 1])``; or None.
+    rows_t: instead, write the rows' codes transposed (``q^T [C', R]`` with the rows' scales as
+      ``[1, R]``): BitNet's exact activations for its grad_weight. Needs ``rows_spec``.
+    interpret: run in Pallas interpret mode (CPU tests).
+
+  Returns:
+    ``(rows or None, transposed or None, stat or None)``: ``stat`` is the prologue's float32 row
+    statistic ``[R]`` (RmsNorm: ``rstd``), None for prologues without one.
+  """
+  spec = rows_spec or cols_spec
+  if cols_spec is not None and rows_spec is not None and cols_spec != rows_spec:
+    raise ValueError(f"fused_quantize_kernel: one spec for both layouts, got {rows_spec} and {cols_spec}")
+  if rows_t and (rows_spec is None or cols_spec is not None or not rows_spec.is_int8 or rows_spec.per_tensor):
+    raise ValueError("fused_quantize_kernel: rows_t writes the rows' int8 codes transposed: give an int8 per-row "
+                     "rows_spec only")
+  c = prologue.width(inputs)
+  if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
+    amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
+    param, scale = _scales(jnp.max(amax), spec)
+    stat = stat[0] if stat else None
+    outs = _tile_call(inputs, prologue, stat, jnp.broadcast_to(param, (c,)), spec, per_row=False,
+                      with_rows=rows_spec is not None, interpret=interpret)
+    rows = (outs[1], scale.reshape(1, 1)) if rows_spec is not None else None
+    transposed = (outs[0], scale.reshape(1, 1)) if cols_spec is not None or rows_t else None
+    return rows, transposed, stat
+  outs = _rows_call(inputs, prologue, spec, write=rows_spec is not None, with_colmax=cols_spec is not None,
+                    interpret=interpret)
+  stat = outs[-1] if prologue.stats else None
+  rows = (outs[0], outs[1][:, None]) if rows_spec is not None else None
+  if cols_spec is not None:
+    colmax = outs[2 if rows_spec is not None else 1]
+    param_t, scale_t = _scales(jnp.max(colmax, axis=0), spec)
+    qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, with_rows=False, interpret=interpret)[0]
+    return rows, (qt, scale_t[:, None]), stat
+  if rows_t:  # int8 divides by its dequantization scale itself (see _scales)
+    qt = _tile_call(inputs, prologue, stat, outs[1], spec, per_row=True, with_rows=False, interpret=interpret)[0]
+    return rows, (qt, outs[1][None, :]), stat
+  return rows, None, stat
+
+
+def fused_quantize_reference(inputs, prologue: Prologue, rows_spec, cols_spec=None, rows_t: bool = False):
+  """:func:`fused_quantize_kernel` in XLA: the prologue in jnp, then ``formats.quantize``."""
+  y = prologue.reference(inputs)
+  rows = quantize_rows_reference(y, rows_spec) if rows_spec is not None else None
+  transposed = None
+  if cols_spec is not None:
+    transposed = quantize_cols_t_reference(y, cols_spec)
+  elif rows_t:
+    transposed = (rows[0].T, rows[1].reshape(1, -1))
+  stat = prologue.reference_stat(inputs) if prologue.stats else None
+  return rows, transposed, stat
 
 
 def quantize_rows_kernel(x: jax.Array, spec: QuantSpec, interpret: bool = False):
   """``x [R, C]`` -> (``q [R, C]``, dequant scale ``[R, 1]``); see :func:`supported`."""
-  q, scale, *_ = _rows_call(x, spec, False, interpret)
-  return q, scale[:, None]
+  return fused_quantize_kernel((x,), Identity(), spec, interpret=interpret)[0]
 
 
 def quantize_cols_t_kernel(x: jax.Array, spec: QuantSpec, interpret: bool = False):
-  """``x [R, C]`` -> (``q^T [C, R]`` quantized per column, dequant scale ``[C, 1]``)."""
-  if spec.per_tensor:
-    param, scale = _scales(absmax(x).reshape(()), spec)
-    return _cols_t_call(x, jnp.broadcast_to(param, (x.shape[1],)), spec, interpret), scale.reshape(1, 1)
-  param, scale = _scales(absmax(x, axis=0)[0], spec)  # one XLA read of x
-  return _cols_t_call(x, param, spec, interpret), scale[:, None]
+  """``x [R, C]`` -> (``q^T [C, R]`` quantized per column, dequant scale ``[C, 1]`` or ``[1, 1]``)."""
+  return fused_quantize_kernel((x,), Identity(), None, spec, interpret=interpret)[1]
 
 
 def quantize_rows_and_cols_t_kernel(x: jax.Array, spec: QuantSpec, interpret: bool = False):
   """Both quantizations of ``x [R, C]`` with ``spec``: ((q, [R, 1] scale), (q^T, [C, 1] scale))."""
-  q, scale, partial_max = _rows_call(x, spec, True, interpret)
-  param_t, scale_t = _scales(jnp.max(partial_max, axis=0), spec)
-  return (q, scale[:, None]), (_cols_t_call(x, param_t, spec, interpret), scale_t[:, None])
+  rows, transposed, _ = fused_quantize_kernel((x,), Identity(), spec, spec, interpret=interpret)
+  return rows, transposed

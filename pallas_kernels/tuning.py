@@ -18,6 +18,8 @@ FP8_CONFIG = GemmConfig(grid_minor_dim=Dim.N)
 
 # quantize_tune_h200.json (16384x8192 bf16): rows per program, columns per load, warps.
 QUANTIZE_ROWS = {"int8": (8, 2048, 8), "fp8": (8, 512, 8)}
+# The SwiGLU prologue loads two inputs (gate and up) per column: half the columns per load.
+PROLOGUE_CHUNK_DIVISOR = {"SwiGLU": 2}
 
 # (dtype kind, M bucket, N bucket, K bucket) -> config for shapes that tune differently.
 TABLE: dict[tuple[str, int, int, int], GemmConfig] = {}
@@ -38,6 +40,7 @@ def config_for(m: int, n: int, k: int, dtype) -> GemmConfig:
   return TABLE.get((kind, _bucket(m), _bucket(n), _bucket(k)), default)
 
 
-def quantize_rows_config(dtype) -> tuple[int, int, int]:
-  """(rows per program, columns per load, warps) of the row-quantization kernel."""
-  return QUANTIZE_ROWS[_kind(dtype)]
+def quantize_rows_config(dtype, prologue=None) -> tuple[int, int, int]:
+  """(rows per program, columns per load, warps) of the row-quantization kernel (``pallas_kernels.quantize``)."""
+  block_rows, chunk, warps = QUANTIZE_ROWS[_kind(dtype)]
+  return block_rows, chunk // PROLOGUE_CHUNK_DIVISOR.get(type(prologue).__name__, 1), warps

@@ -121,3 +121,64 @@ def test_kernels_trace_and_lower_inside_shard_map():
   text = sharded.trace(x, sx, wq, sw).lower(lowering_platforms=("cuda",)).as_text()
   for kernel in ("jaxlowbit_quantize_rows", "jaxlowbit_w8a16_matmul", "jaxlowbit_a8w8_matmul", "mosaic_gpu"):
     assert kernel in text, kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused prologues (RMSNorm, SwiGLU) in interpret mode against their XLA reference.
+
+INT8 = QuantSpec("int8")
+E4M3_POW2 = QuantSpec("float8_e4m3fn", power_of_two=True)
+E4M3_TENSOR = QuantSpec("float8_e4m3fn", per_tensor=True)
+BITNET = QuantSpec("int8", eps=1e-5)
+# (rows spec, cols spec, rows_t): INT8, FP8 rowwise, FP8 tensorwise, BitNet, a transposed copy only.
+LAYOUTS = [(INT8, INT8, False), (E4M3_POW2, E4M3_POW2, False), (E4M3_TENSOR, E4M3_TENSOR, False),
+           (BITNET, None, True), (None, INT8, False)]
+
+
+def _codes_close(got, want, spec, max_fraction=0.01):
+  """Equal codes except where a rounding boundary moved (the norm's sum order, exp's ulps): one step."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  differ = got != want
+  assert differ.mean() <= max_fraction, differ.mean()
+  if spec.is_int8:
+    assert np.all(np.abs(got - want)[differ] <= 1)
+  else:  # one fp8 step: within the format's relative spacing
+    assert np.all(np.abs(got - want)[differ] <= 0.13 * np.abs(want)[differ] + 1e-6)
+
+
+def _check_fused(inputs, prologue, rows_spec, cols_spec, rows_t):
+  got = qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True)
+  want = qk.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t)
+  for g, w, spec in zip(got[:2], want[:2], (rows_spec, cols_spec or rows_spec)):
+    assert (g is None) == (w is None)
+    if g is not None:
+      assert g[0].shape == w[0].shape and g[0].dtype == w[0].dtype and g[1].shape == w[1].shape
+      _codes_close(g[0], w[0], spec)
+      np.testing.assert_allclose(g[1], w[1], rtol=1e-5)
+  if got[2] is not None:
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rows_spec, cols_spec, rows_t", LAYOUTS, ids=str)
+def test_fused_rms_norm_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t):
+  kx, kg = jax.random.split(fresh_key())
+  x = (jax.random.normal(kx, (128, 192)) * 3).astype(jnp.bfloat16)
+  gamma = 1 + 0.2 * jax.random.normal(kg, (192,))
+  _check_fused((x, gamma), qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)), rows_spec, cols_spec, rows_t)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rows_spec, cols_spec, rows_t", LAYOUTS, ids=str)
+def test_fused_swiglu_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t):
+  gate_up = (jax.random.normal(fresh_key(), (128, 256)) * 2).astype(jnp.bfloat16)
+  _check_fused((gate_up,), qk.SwiGLU(), rows_spec, cols_spec, rows_t)
+
+
+def test_fused_kernel_nan_row_interpret():
+  x = jax.random.normal(fresh_key(), (64, 128)).at[5, 7].set(jnp.nan).astype(jnp.bfloat16)
+  rows, cols, _ = qk.fused_quantize_kernel((x, jnp.ones(128)), qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)), INT8, INT8,
+                                           interpret=True)
+  with np.errstate(invalid="ignore"):
+    deq = np.asarray(rows[0], np.float32) * np.asarray(rows[1])
+  assert np.all(np.isnan(deq[5])) and np.all(np.isfinite(np.delete(deq, 5, axis=0)))
