@@ -181,6 +181,92 @@ def bench_quantize(m=16384, k=8192):
   return rows
 
 
+def bench_fused(m=16384, d=2048, h=8192):
+  """Fused RMSNorm / SwiGLU quantizers against the op in XLA followed by the quantize kernels (1B shapes).
+
+  Ideal bytes: the inputs read once, the quantized outputs written once (the fused kernels read
+  the inputs twice when a per-column copy is written: its scales need every row first).
+  """
+  kx, kg, kh = jax.random.split(jax.random.key(2), 3)
+  x = jax.random.normal(kx, (m, d), jnp.bfloat16)
+  gamma = 1 + 0.1 * jax.random.normal(kg, (d,), jnp.float32)
+  gate_up = jax.random.normal(kh, (m, 2 * h), jnp.bfloat16)
+  copy_ms = time_ms(jax.jit(lambda x: x * 2), gate_up)
+  copy_gbs = 2 * gate_up.size * 2 / copy_ms / 1e6
+  rows = [{"name": "copy (x*2, bf16)", "ms": copy_ms, "gb_s": copy_gbs, "of_copy": 1.0}]
+  specs = {"int8": (QuantSpec("int8"), QuantSpec("int8"), False),
+           "fp8_rowwise": (QuantSpec("float8_e4m3fn", power_of_two=True),) * 2 + (False,),
+           "fp8_tensorwise": (QuantSpec("float8_e4m3fn", per_tensor=True),) * 2 + (False,),
+           "bitnet": (QuantSpec("int8", eps=1e-5), None, True)}
+  ops = {"rmsnorm": ((x, gamma), qkernels.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)), m * d),
+         "swiglu": ((gate_up,), qkernels.SwiGLU(), m * h)}
+  for op_name, (inputs, prologue, out_elems) in ops.items():
+    in_bytes = sum(a.size * a.dtype.itemsize for a in inputs)
+    for spec_name, (rows_spec, cols_spec, rows_t) in specs.items():
+      ideal = in_bytes + 2 * out_elems  # two 8-bit layouts
+      fused = jax.jit(lambda *a, p=prologue, r=rows_spec, c=cols_spec, t=rows_t: qkernels.fused_quantize_kernel(
+          a, p, r, c, t))
+      unfused = jax.jit(lambda *a, p=prologue, r=rows_spec, c=cols_spec, t=rows_t: qkernels.fused_quantize_kernel(
+          (p.reference(a),), qkernels.Identity(), r, c, t))
+      reference = jax.jit(lambda *a, p=prologue, r=rows_spec, c=cols_spec, t=rows_t: qkernels.fused_quantize_reference(
+          a, p, r, c, t))
+      for impl, fn in (("fused", fused), ("xla op + kernel", unfused), ("xla", reference)):
+        row = {"name": f"{op_name} {spec_name} {impl}"}
+        try:
+          if impl == "fused":
+            got, want = fn(*inputs), reference(*inputs)
+            row["mismatch"] = max(float(np.mean(np.asarray(g, np.float32) != np.asarray(w, np.float32)))
+                                  for g, w in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])))
+          ms = time_ms(fn, *inputs)
+          row.update(ms=ms, gb_s=ideal / ms / 1e6, of_copy=ideal / ms / 1e6 / copy_gbs)
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+  return rows
+
+
+def tune_fused(m=16384):
+  """Sweep the fused quantizers' block shapes per prologue at 1B shapes (rows + transposed int8 / fp8)."""
+  kx, kg = jax.random.split(jax.random.key(3))
+  cases = {
+      "Identity2048": ((jax.random.normal(kx, (m, 2048), jnp.bfloat16),), qkernels.Identity()),
+      "Identity8192": ((jax.random.normal(kx, (m, 8192), jnp.bfloat16),), qkernels.Identity()),
+      "RmsNorm2048": ((jax.random.normal(kx, (m, 2048), jnp.bfloat16), 1 + jax.random.normal(kg, (2048,)) / 10),
+                      qkernels.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))),
+      "SwiGLU8192": ((jax.random.normal(kx, (m, 16384), jnp.bfloat16),), qkernels.SwiGLU()),
+  }
+  rows = []
+  for spec in (QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True)):
+    kind = "int8" if spec.is_int8 else "fp8"
+    for name, (inputs, prologue) in cases.items():
+      key = (kind, type(prologue).__name__)
+      saved_rows, saved_tile = dict(tuning.QUANTIZE_ROWS_BY_PROLOGUE), dict(tuning.QUANTIZE_TILE)
+      width = prologue.width(inputs)
+      for block, chunk, warps in itertools.product([4, 8, 16], sorted({2048, min(width, 4096)}), [4, 8]):
+        tuning.QUANTIZE_ROWS_BY_PROLOGUE[key] = (block, chunk, warps)
+        rows.append(_time_fused(f"{name} {kind} rows", inputs, prologue, spec, block=block, chunk=chunk, warps=warps))
+      best = min((r for r in rows if r.get("op") == f"{name} {kind} rows" and "ms" in r), key=lambda r: r["ms"])
+      tuning.QUANTIZE_ROWS_BY_PROLOGUE[key] = (best["block"], best["chunk"], best["warps"])
+      for tile_r, tile_c, warps in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 128, 8), (32, 128, 4)]:
+        tuning.QUANTIZE_TILE[type(prologue).__name__] = (tile_r, tile_c, warps)
+        rows.append(_time_fused(f"{name} {kind} tile", inputs, prologue, spec, tile=(tile_r, tile_c), warps=warps))
+      tuning.QUANTIZE_ROWS_BY_PROLOGUE.clear(), tuning.QUANTIZE_ROWS_BY_PROLOGUE.update(saved_rows)
+      tuning.QUANTIZE_TILE.clear(), tuning.QUANTIZE_TILE.update(saved_tile)
+  return rows
+
+
+def _time_fused(op, inputs, prologue, spec, **config):
+  row = {"op": op, **config}
+  try:
+    fn = jax.jit(lambda *a: qkernels.fused_quantize_kernel(a, prologue, spec, spec))
+    row["ms"] = time_ms(fn, *inputs, iters=5, reps=3)
+  except Exception as e:
+    row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+  print(row, flush=True)
+  return row
+
+
 def tune_quantize(m=16384, k=8192):
   """Sweep the row kernel's block shape (rows per program, columns per load, warps)."""
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
@@ -213,6 +299,8 @@ def main():
   parser.add_argument("--tune-dtype", default="int8", choices=["int8", "fp8"])
   parser.add_argument("--quantize", action="store_true")
   parser.add_argument("--tune-quantize", action="store_true")
+  parser.add_argument("--fused", action="store_true", help="fused RMSNorm / SwiGLU quantizers at 1B shapes")
+  parser.add_argument("--tune-fused", action="store_true", help="sweep the fused quantizers' block shapes")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/<name>.json)")
   args = parser.parse_args()
   if args.tune:
@@ -224,6 +312,16 @@ def main():
     rows = tune_quantize()
     path = write_json("quantize_tune", rows, args.out)
     print(table(rows[:10], ["spec", "block", "chunk", "warps", "ms", "of_copy", "error"]))
+  elif args.tune_fused:
+    rows = tune_fused()
+    path = write_json("fused_quantize_tune", rows, args.out)
+    for op in dict.fromkeys(r["op"] for r in rows):
+      best = min((r for r in rows if r["op"] == op and "ms" in r), key=lambda r: r["ms"], default={"op": op})
+      print(best)
+  elif args.fused:
+    rows = bench_fused()
+    path = write_json("fused_quantize", rows, args.out)
+    print(table(rows, ["name", "ms", "gb_s", "of_copy", "mismatch", "error"]))
   elif args.quantize:
     rows = bench_quantize()
     path = write_json("quantize", rows, args.out)

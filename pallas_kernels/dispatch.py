@@ -64,10 +64,20 @@ def fused_quantize(
   spec = rows_spec or cols_spec
   r, c = inputs[0].shape[0], prologue.width(inputs)
   with jax.named_scope(QUANTIZE_SCOPE):
-    if policy.quantize_on_kernel() and inputs[0].ndim == 2 and quantize_kernels.supported(
-        spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
-      return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
-    return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t)
+    if not policy.quantize_on_kernel() or inputs[0].ndim != 2:
+      return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t)
+    stat = None
+    if not isinstance(prologue, Identity) and not policy.fuse_prologue(type(prologue).__name__):
+      # The op in XLA, its output written once, then the plain quantizers on it.
+      stat = prologue.reference_stat(inputs) if prologue.stats else None
+      inputs, prologue = (prologue.reference(inputs),), Identity()
+    if not quantize_kernels.supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
+      rows, transposed, own_stat = quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec,
+                                                                             rows_t)
+    else:
+      rows, transposed, own_stat = quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec,
+                                                                          rows_t)
+    return rows, transposed, own_stat if stat is None else stat
 
 
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:

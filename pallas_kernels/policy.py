@@ -34,6 +34,13 @@ PER_TENSOR_MIN_OPS = 4096**3
 # Problems smaller than one CTA tile (128 x 256) in M or N would be mostly padding.
 GEMM_MIN_M, GEMM_MIN_N = 128, 256
 
+# --- Fused quantizers (pallas_kernels.quantize prologues), fused_quantize_tune_h200.json -----------
+# Rows + transposed int8 copy of an RMSNorm of 16384 x 2048: fused kernel 0.147 ms against 0.18 for
+# the norm in XLA and the quantize kernels on its written output. SwiGLU of 16384 x 16384 -> 8192:
+# fused 0.81 ms against 0.70 (XLA's elementwise pass is cheaper than the kernels' recomputation), so
+# the SwiGLU producer keeps the op in XLA and quantizes its output.
+FUSED_PROLOGUES = frozenset({"RmsNorm"})
+
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
 # Chained-layer timings (us per linear, 4096x14336 / 14336x4096 weights, one run):
 # W8A16: kernel 28/30 vs XLA 35/31 at M=1; XLA 20-21 vs kernel 24-27 at M=2..8 (XLA's split-K GEMM
@@ -112,6 +119,11 @@ def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: boo
   if requested == "pallas" or gemm_worth_it(m, n, k, per_tensor):
     return "pallas"
   return "xla"
+
+
+def fuse_prologue(prologue_name: str) -> bool:
+  """Whether a fused quantizer computes its prologue in the kernel (else XLA computes it first)."""
+  return prologue_name in FUSED_PROLOGUES
 
 
 def quantize_on_kernel() -> bool:

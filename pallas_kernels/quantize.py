@@ -47,12 +47,23 @@ from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from pallas_kernels.vma import out_struct
 
-TILE = 64  # square tile of the transposing kernel
-TILE_WARPS = 4
 
 
 # ---------------------------------------------------------------------------------------------
 # Prologues: the values a kernel quantizes, one [rows, cols] block of the output at a time.
+
+
+def round_to(y: jax.Array, dtype) -> jax.Array:
+  """``y`` rounded to ``dtype``, also where XLA would otherwise keep it in float32.
+
+  XLA may drop a float32 -> bfloat16 -> float32 round trip inside a fusion (it allows excess
+  precision by default), which would quantize other values than the kernels (and an unfused
+  model, whose op writes its rounded output) do. ``reduce_precision`` is never dropped.
+  """
+  info = jnp.finfo(dtype)
+  if info.bits < 32:
+    y = lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  return y.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +114,7 @@ class RmsNorm:
     x, gamma = inputs
     x = x.astype(jnp.float32)
     rstd = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * (rstd * gamma.astype(jnp.float32))).astype(self.dtype)
+    return round_to(x * (rstd * gamma.astype(jnp.float32)), self.dtype)
 
   def reference_stat(self, inputs) -> jax.Array:
     x = inputs[0].astype(jnp.float32)
@@ -129,7 +140,7 @@ class SwiGLU:
 
   def reference(self, inputs) -> jax.Array:
     gate, up = jnp.split(inputs[0].astype(jnp.float32), 2, axis=-1)
-    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(inputs[0].dtype)
+    return round_to(gate / (1.0 + jnp.exp(-gate)) * up, inputs[0].dtype)
 
 
 Prologue = Identity | RmsNorm | SwiGLU
@@ -197,12 +208,16 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
                           jnp.zeros((block_rows,), jnp.float32))
     stat = prologue.finish_stat(total, width)
   colmax_ref = outs[1 if not write else 2] if with_colmax else None
+  # A row block that fits in one chunk is loaded once and kept in registers for both sweeps.
+  resident = prologue.values(inputs, rows, pl.ds(0, chunk), stat) if n_chunks == 1 else None
+
+  def values(j):
+    return resident if resident is not None else prologue.values(inputs, rows, pl.ds(j * chunk, chunk), stat)
 
   def sweep_amax(j, amax):
-    cols = pl.ds(j * chunk, chunk)
-    magnitude = _magnitude(prologue.values(inputs, rows, cols, stat))
+    magnitude = _magnitude(values(j))
     if colmax_ref is not None:
-      colmax_ref[pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
+      colmax_ref[pl.ds(i, 1), pl.ds(j * chunk, chunk)] = jnp.max(magnitude, axis=0)[None, :]
     return jnp.maximum(amax, jnp.max(magnitude, axis=1))
 
   amax = lax.fori_loop(0, n_chunks, sweep_amax, jnp.zeros((block_rows,), jnp.float32))
@@ -211,8 +226,7 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
     param, scale = _scales(amax, spec)
 
     def sweep_write(j, _):
-      cols = pl.ds(j * chunk, chunk)
-      q_ref[rows, cols] = _apply(prologue.values(inputs, rows, cols, stat), param[:, None], spec)
+      q_ref[rows, pl.ds(j * chunk, chunk)] = _apply(values(j), param[:, None], spec)
       return 0
 
     lax.fori_loop(0, n_chunks, sweep_write, 0)
@@ -223,7 +237,8 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
     outs[-1][rows] = stat
 
 
-def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_row: bool, with_rows: bool):
+def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_row: bool, with_rows: bool,
+                 tile: tuple[int, int]):
   """Inputs, then [stat] (prologue statistics) and the quantizer parameter ([C] per column or [R] per row);
   outputs: [q^T] and, with ``with_rows``, [q] in the rows layout."""
   inputs = refs[:n_inputs]
@@ -232,7 +247,8 @@ def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_
   param_ref = rest[1 if prologue.stats else 0]
   qt_ref = rest[2 if prologue.stats else 1]
   i, j = pl.program_id(0), pl.program_id(1)
-  rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+  tile_r, tile_c = tile
+  rows, cols = pl.ds(i * tile_r, tile_r), pl.ds(j * tile_c, tile_c)
   stat = stat_ref[rows] if stat_ref is not None else None
   param = param_ref[rows][:, None] if per_row else param_ref[cols][None, :]
   q = _apply(prologue.values(inputs, rows, cols, stat), param, spec)
@@ -269,12 +285,13 @@ def _tile_call(inputs, prologue: Prologue, stat, param, spec: QuantSpec, per_row
   outs = [out_struct((c, r), spec.jnp_dtype, *operands)]
   if with_rows:
     outs.append(out_struct((r, c), spec.jnp_dtype, *operands))
+  tile_r, tile_c, warps = tuning.quantize_tile_config(prologue)
   return pl.pallas_call(
       functools.partial(_tile_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, per_row=per_row,
-                        with_rows=with_rows),
+                        with_rows=with_rows, tile=(tile_r, tile_c)),
       out_shape=tuple(outs),
-      grid=(r // TILE, c // TILE),
-      compiler_params=plt.CompilerParams(num_warps=TILE_WARPS, num_stages=2),
+      grid=(r // tile_r, c // tile_c),
+      compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_cols_t",
   )(*operands)
@@ -294,7 +311,9 @@ def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prolo
   if spec.ternary or (spec.per_tensor and not transposed and isinstance(prologue, Identity)):
     return False
   block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
-  return r % TILE == 0 and c % TILE == 0 and r % block_rows == 0
+  tile_r, tile_c, _ = tuning.quantize_tile_config(prologue)
+  tiles = r % tile_r == 0 and c % tile_c == 0
+  return r % block_rows == 0 and c % 16 == 0 and (tiles or not (transposed or spec.per_tensor))
 
 
 def fused_quantize_kernel(
@@ -328,6 +347,11 @@ def fused_quantize_kernel(
     raise ValueError("fused_quantize_kernel: rows_t writes the rows' int8 codes transposed: give an int8 per-row "
                      "rows_spec only")
   c = prologue.width(inputs)
+  if not supported(spec, inputs[0].shape[0], c, transposed=cols_spec is not None or rows_t, prologue=prologue):
+    block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
+    raise ValueError(f"fused_quantize_kernel: {type(prologue).__name__} of {[a.shape for a in inputs]} with {spec}: "
+                     f"rows must divide by {block_rows} and the tile {tuning.quantize_tile_config(prologue)[:2]}; "
+                     "use pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
     param, scale = _scales(jnp.max(amax), spec)

@@ -28,7 +28,7 @@ def _same(got, want):
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
 def test_quantize_kernels_interpret_match_reference(spec, dtype):
-  x = (jax.random.normal(fresh_key(), (64, 192)) * 5).astype(dtype)
+  x = (jax.random.normal(fresh_key(), (128, 256)) * 5).astype(dtype)
   (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(x, spec, interpret=True)
   rq, rs = quantize_rows_reference(x, spec)
   cq, cs = quantize_cols_t_reference(x, spec)
@@ -41,7 +41,7 @@ def test_quantize_kernels_interpret_match_reference(spec, dtype):
 
 
 def test_quantize_cols_t_per_tensor_interpret():
-  x = jax.random.normal(fresh_key(), (128, 64))
+  x = jax.random.normal(fresh_key(), (128, 128))
   spec = QuantSpec("float8_e5m2", per_tensor=True)
   qt, st = qk.quantize_cols_t_kernel(x, spec, interpret=True)
   rq, rs = quantize_cols_t_reference(x, spec)
@@ -67,7 +67,8 @@ def test_quantize_kernel_nan_row_interpret():
 
 def test_supported_shapes():
   assert qk.supported(QuantSpec("int8"), 128, 256, transposed=False)
-  assert not qk.supported(QuantSpec("int8"), 100, 256, transposed=False)
+  assert not qk.supported(QuantSpec("int8"), 102, 256, transposed=False)  # rows per program
+  assert not qk.supported(QuantSpec("int8"), 100, 256, transposed=True)  # transposing tiles
   assert not qk.supported(QuantSpec("int8", per_tensor=True), 128, 256, transposed=False)
   assert qk.supported(QuantSpec("int8", per_tensor=True), 128, 256, transposed=True)
   assert not qk.supported(QuantSpec("int8", per_tensor=True, ternary=True), 128, 256, transposed=True)
@@ -163,8 +164,8 @@ def _check_fused(inputs, prologue, rows_spec, cols_spec, rows_t):
 @pytest.mark.parametrize("rows_spec, cols_spec, rows_t", LAYOUTS, ids=str)
 def test_fused_rms_norm_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t):
   kx, kg = jax.random.split(fresh_key())
-  x = (jax.random.normal(kx, (128, 192)) * 3).astype(jnp.bfloat16)
-  gamma = 1 + 0.2 * jax.random.normal(kg, (192,))
+  x = (jax.random.normal(kx, (128, 256)) * 3).astype(jnp.bfloat16)
+  gamma = 1 + 0.2 * jax.random.normal(kg, (256,))
   _check_fused((x, gamma), qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)), rows_spec, cols_spec, rows_t)
 
 
