@@ -30,6 +30,7 @@ import traceback
 import jax
 import numpy as np
 
+from benchmarks import common
 from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
@@ -133,6 +134,31 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, lines), note])
 
 
+def write_result(args, device, peak: float | None, overrides: dict, rows: list[dict]) -> pathlib.Path:
+  """The JSON of the rows so far (speed-ups against the first row that ran)."""
+  base = next((r for r in rows if "error" not in r), None)
+  for r in rows:
+    if "error" not in r and base is not None:
+      r["speedup_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
+  result = {
+      "benchmark": "train_throughput",
+      "device": device.device_kind,
+      "platform": device.platform,
+      "jax": jax.__version__,
+      "python": platform.python_version(),
+      "commit": common.commit(),
+      "steps": args.steps,
+      "warmup": args.warmup,
+      "overrides": overrides,
+      "peak_tflops": peak,
+      "rows": rows,
+  }
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + "\n")
+  return out
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated config files")
@@ -167,27 +193,10 @@ def main(argv: list[str] | None = None) -> None:
       traceback.print_exc()
       row = {"name": name, "recipe": recipe or "?", "error": f"{type(e).__name__}: {e}"}
     rows.append(row)
+    write_result(args, device, peak, overrides, rows)  # after every config: a later crash keeps these
     gc.collect()
 
-  base = next((r for r in rows if "error" not in r), None)
-  for r in rows:
-    if "error" not in r and base is not None:
-      r["speedup_vs_first"] = r["tokens_per_s"] / base["tokens_per_s"]
-  result = {
-      "benchmark": "train_throughput",
-      "device": device.device_kind,
-      "platform": device.platform,
-      "jax": jax.__version__,
-      "python": platform.python_version(),
-      "steps": args.steps,
-      "warmup": args.warmup,
-      "overrides": overrides,
-      "peak_tflops": peak,
-      "rows": rows,
-  }
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2) + "\n")
+  out = write_result(args, device, peak, overrides, rows)
   print(f"\nwrote {out}\n")
   print(format_table(rows))
   if any("error" in r for r in rows):
