@@ -7,10 +7,10 @@ Swap a layer::
     y = jaxlowbit.quantized_matmul(x, w, jaxlowbit.Float8("rowwise"))
     model = jaxlowbit.convert(model, jaxlowbit.BitNet(), filter_fqns=("lm_head",))
 
-NNX layers live in ``jaxlowbit.nnx``.
+NNX layers live in ``jaxlowbit.nnx`` (imported with the package).
 """
 
-from jaxlowbit import fsdp, inference, optim, qstate, quantized_training
+from jaxlowbit import fsdp, inference, nnx, optim, qstate, quantized_training
 from jaxlowbit.convert import conversion_report, convert, worth_quantizing
 from jaxlowbit_numerics.fp8 import dequantize_fp8, quantize_fp8
 from jaxlowbit_numerics.int8 import dequantize_int8, quantize_int8
@@ -44,6 +44,7 @@ __all__ = [
     "dequantize_ternary",
     "fsdp",
     "inference",
+    "nnx",
     "optim",
     "pack_2bit",
     "quantize_fp8",

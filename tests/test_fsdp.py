@@ -37,6 +37,7 @@ from helpers import fresh_key, rel_err, sqnr_db
 FSDP, DATA = 4, 2
 TRAIN_STEPS = 5
 LOSS_RTOL = 1e-5  # the bound: equal losses within 1e-5 relative (fp32 parameters)
+TIE_FLIP_RTOL = 1e-3  # BitNet, after step 1: a weight flipped across a rounding tie (see below)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -192,10 +193,13 @@ def test_training_sharded_equals_unsharded(recipe, config, mesh):
   np.testing.assert_allclose(sharded, runs["lockstep"], rtol=LOSS_RTOL)
   assert runs["param_rel_err"] < LOSS_RTOL
   assert runs["scales_rel_err"] <= (1e-6 if isinstance(recipe, BitNet) else 0.0)  # abs-sums round per sharding
-  # And the two runs left to themselves. Rounding differences in the summed gradients move a
-  # few weights across a ternary rounding boundary after some steps, so BitNet's runs drift
-  # apart by more (worst of 20 runs 5.6e-6; every other recipe <= 1.8e-7 in 8 runs each).
-  free_running_rtol = 3 * LOSS_RTOL if isinstance(recipe, BitNet) else LOSS_RTOL
+  # And the two runs left to themselves. The first step starts from equal weights: equal losses.
+  np.testing.assert_allclose(sharded[0], runs["unsharded"][0], rtol=LOSS_RTOL)
+  # After that, rounding differences in the summed gradients can move a weight across a ternary
+  # rounding tie (absmean scale summed in another order), and one flipped weight moves this
+  # tiny model's loss by up to ~2e-4 relative: BitNet's free-running runs may differ by a tie
+  # flip (the lockstep comparison above stays tight). Every other recipe <= 1.8e-7 in 8 runs.
+  free_running_rtol = TIE_FLIP_RTOL if isinstance(recipe, BitNet) else LOSS_RTOL
   np.testing.assert_allclose(sharded, runs["unsharded"], rtol=free_running_rtol)
 
 

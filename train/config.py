@@ -29,20 +29,24 @@ from train.model import ModelConfig
 # config.recipe names: "bf16" (high precision: every matmul in config.model.dtype) and every
 # preset a jaxlowbit recipe declares (jaxlowbit/recipes/: int8, fp8_tensorwise, bitnet, ...).
 RECIPES = {"bf16": None, **named_recipes()}
+
+
+class ConfigError(ValueError):
+  """A config field holds a value the trainer cannot run with (the message names it and says what to do)."""
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 MESH_AUTO = 0  # config.mesh.fsdp: every visible device not used by mesh.data
 
 
 def recipe_from_name(name: str):
-  """The jaxlowbit recipe called ``name`` (None for ``"bf16"``); ValueError naming the choices."""
+  """The jaxlowbit recipe called ``name`` (None for ``"bf16"``); ConfigError naming the choices."""
   if name not in RECIPES:
-    raise ValueError(f"config.recipe={name!r} is not a known recipe; choose one of {', '.join(RECIPES)}")
+    raise ConfigError(f"config.recipe={name!r} is not a known recipe; choose one of {', '.join(RECIPES)}")
   return RECIPES[name]
 
 
 def _dtype(name: str, field: str):
   if name not in DTYPES:
-    raise ValueError(f"config.model.{field}={name!r}; choose one of {', '.join(DTYPES)}")
+    raise ConfigError(f"config.model.{field}={name!r}; choose one of {', '.join(DTYPES)}")
   return DTYPES[name]
 
 
@@ -185,24 +189,110 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   return ModelConfig(**values, recipe=recipe_from_name(config.recipe))
 
 
+# Fields that must be integers >= 1, and the ranges of the numeric ones (the rest of check()).
+POSITIVE_INTS = ("steps", "batch_size", "grad_accum_steps", "seq_len", "log_every", "eval_every", "eval_batches",
+                 "checkpoint_every", "keep_checkpoints")
+POSITIVE_MODEL_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+# (field, low, high, low included, high included); None: unbounded.
+RANGES = (
+    ("lr", 0.0, None, False, True),
+    ("min_lr_ratio", 0.0, 1.0, True, True),
+    ("weight_decay", 0.0, None, True, True),
+    ("b1", 0.0, 1.0, True, False),
+    ("b2", 0.0, 1.0, True, False),
+    ("eps", 0.0, None, False, True),
+    ("grad_clip", 0.0, None, True, True),
+    ("model.dropout_rate", 0.0, 1.0, True, False),
+    ("model.rope_theta", 0.0, None, False, True),
+    ("model.norm_eps", 0.0, None, False, True),
+    ("model.init_std", 0.0, None, False, True),
+    ("data.val_fraction", 0.0, 1.0, False, False),
+)
+DATA_SOURCES = ("text", "tokens", "synthetic", "hf")
+
+
+def _get(config, field: str):
+  for key in field.split("."):
+    config = config[key]
+  return config
+
+
+def _in_range(value, low, high, low_in, high_in) -> bool:
+  if low is not None and (value < low or (value == low and not low_in)):
+    return False
+  return high is None or value < high or (value == high and high_in)
+
+
+def _unknown_fields(config, reference, prefix="") -> list[str]:
+  unknown = []
+  for key in config.keys():
+    if key not in reference:
+      unknown.append(prefix + key)
+    elif isinstance(config[key], ml_collections.ConfigDict) and isinstance(reference[key], ml_collections.ConfigDict):
+      unknown += _unknown_fields(config[key], reference[key], f"{prefix}{key}.")
+  return unknown
+
+
 def check(config: ml_collections.ConfigDict) -> None:
-  """ValueError for inconsistent fields (before anything is built; the devices: :func:`mesh_shape`)."""
-  recipe_from_name(config.recipe)
+  """ConfigError for any field the trainer cannot run with, naming it (the devices: :func:`mesh_shape`).
+
+  Every field is checked here, before anything is built: names (recipe, optimizer, dtypes, data
+  source, FSDP options), integer sizes >= 1, numeric ranges (:data:`RANGES`), the model's shape
+  rules (``ModelConfig``) and fields this trainer does not know.
+  """
+  unknown = _unknown_fields(config, base_config())
+  if unknown:
+    raise ConfigError(f"config has unknown field(s) {unknown}; see train/config.py base_config() for every field")
+  for field in POSITIVE_INTS + tuple(f"model.{f}" for f in POSITIVE_MODEL_INTS):
+    value = _get(config, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f"config.{field} must be an integer >= 1, got {value!r}")
+  for field, low, high, low_in, high_in in RANGES:
+    value = _get(config, field)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not _in_range(value, low, high, low_in,
+                                                                                      high_in):
+      upper = "inf)" if high is None else f"{high}{']' if high_in else ')'}"
+      bounds = f"{'[' if low_in else '('}{low}, {upper}"
+      raise ConfigError(f"config.{field} must lie in {bounds}, got {value!r}")
   if config.batch_size % config.grad_accum_steps:
-    raise ValueError(
+    raise ConfigError(
         f"config.batch_size={config.batch_size} is not a multiple of grad_accum_steps={config.grad_accum_steps}"
     )
-  for field in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-    if config[field] < 1:
-      raise ValueError(f"config.{field} must be >= 1, got {config[field]}")
   if config.warmup_steps < 0 or config.warmup_steps > config.steps:
-    raise ValueError(f"config.warmup_steps={config.warmup_steps} must lie in [0, steps={config.steps}]")
+    raise ConfigError(f"config.warmup_steps={config.warmup_steps} must lie in [0, steps={config.steps}]")
+  if config.data.source not in DATA_SOURCES:
+    raise ConfigError(f"config.data.source={config.data.source!r}; choose one of {DATA_SOURCES}")
+  if config.peak_tflops is not None and config.peak_tflops <= 0:
+    raise ConfigError(f"config.peak_tflops must be > 0 (or None: look up the device), got {config.peak_tflops}")
   if config.mesh.data < 1 or config.mesh.fsdp < 0:
-    raise ValueError(
+    raise ConfigError(
         f"config.mesh.data={config.mesh.data} must be >= 1 and config.mesh.fsdp={config.mesh.fsdp} >= 0 "
         "(0: all devices, 1: no FSDP)"
     )
-  fsdp_config(config)
+  try:
+    from train.optimizer import adamw_factory  # noqa: PLC0415  (the optimizer module imports this one)
+
+    adamw_factory(config.optimizer)
+    fsdp_config(config)
+    model_config(config)  # the model's own rules: heads divide d_model, known remat policy, ...
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from e
+
+
+def adjust(config: ml_collections.ConfigDict) -> list[str]:
+  """Make a config that only asks for something too long runnable; the notices say what changed.
+
+  A warmup longer than the run (``--config.steps=50`` on a config warming up over 500 steps:
+  what people try first) is shortened to the whole run.
+  """
+  notes = []
+  if isinstance(config.warmup_steps, int) and isinstance(config.steps, int) and config.warmup_steps > config.steps > 0:
+    notes.append(f"note: config.warmup_steps={config.warmup_steps} is longer than the run; warming up over all "
+                 f"{config.steps} steps instead")
+    config.warmup_steps = config.steps
+  return notes
 
 
 def mesh_shape(
@@ -229,21 +319,21 @@ def mesh_shape(
   data, size = config.mesh.data, config.mesh.fsdp
   if size == MESH_AUTO:
     if devices % data:
-      raise ValueError(f"config.mesh.data={data} does not divide the {devices} visible devices")
+      raise ConfigError(f"config.mesh.data={data} does not divide the {devices} visible devices")
     size = devices // data
   if data * size > devices:
-    raise ValueError(
+    raise ConfigError(
         f"config.mesh: data={data} x fsdp={size} needs {data * size} devices but {devices} are visible; "
         "lower them, or set --config.mesh.fsdp=0 to use every device"
     )
   if processes > 1 and data * size != devices:
-    raise ValueError(
+    raise ConfigError(
         f"config.mesh: data={data} x fsdp={size} uses {data * size} of the {devices} devices of this "
         f"{processes}-process run; a multi-process run must use all of them (--config.mesh.fsdp=0)"
     )
   micro = config.batch_size // config.grad_accum_steps
   if micro % (data * size):
-    raise ValueError(
+    raise ConfigError(
         f"config.batch_size={config.batch_size} makes microbatches of {micro} sequences "
         f"(grad_accum_steps={config.grad_accum_steps}), which do not split over the {data * size} devices of the "
         f"mesh (data={data} x fsdp={size}); make batch_size a multiple of "
@@ -256,11 +346,11 @@ def fsdp_config(config: ml_collections.ConfigDict) -> fsdp.FsdpConfig:
   """``jaxlowbit.fsdp.FsdpConfig`` from ``config.fsdp`` (ValueError naming the field and its choices)."""
   options = config.fsdp
   if options.int8_weight_scaling not in INT8_WEIGHT_SCALINGS:
-    raise ValueError(
+    raise ConfigError(
         f"config.fsdp.int8_weight_scaling={options.int8_weight_scaling!r}; choose one of {INT8_WEIGHT_SCALINGS}"
     )
   if options.remat not in fsdp.REMAT_MODES:
-    raise ValueError(f"config.fsdp.remat={options.remat!r}; choose one of {fsdp.REMAT_MODES}")
+    raise ConfigError(f"config.fsdp.remat={options.remat!r}; choose one of {fsdp.REMAT_MODES}")
   return fsdp.FsdpConfig(int8_weight_scaling=options.int8_weight_scaling, remat=options.remat)
 
 

@@ -14,11 +14,18 @@ Robustness:
   the step. That state is never saved; the newest checkpoint on disk is the last good one.
   (Metrics are fetched every ``log_every`` steps and before every save, so the run stops at
   most ``log_every - 1`` steps after the bad one, and never saves past it.)
-- Ctrl-C (SIGINT): the loop finishes the step it is in, saves a checkpoint and returns with
-  ``status="interrupted"`` (``train.main`` exits 130). A second Ctrl-C stops at once; the
-  state is then saved only if it is still intact.
-- Resume: the checkpoint holds the state (params, optimizer state, step, rng) and the data
-  stream's position, so a resumed run reproduces an uninterrupted one exactly.
+- Ctrl-C (SIGINT) or SIGTERM (what schedulers send before preempting a job): the loop finishes
+  the step it is in, saves a checkpoint and returns with ``status="interrupted"``
+  (``train.main`` exits 130 or 143). A second signal stops at once; the state is then saved only
+  if it is still intact.
+- Checkpoints carry a manifest of their files' checksums; resuming skips a corrupt or unreadable
+  newest checkpoint (and says so) for the newest intact one, and a failed save (disk full,
+  permissions) stops the run with :class:`~train.checkpoint.CheckpointSaveError` keeping the last
+  good checkpoint. Resuming with a config whose state has other shapes is refused before any
+  restore (:func:`train.run_control.check_resumable`).
+- Resume: the checkpoint holds the state (params, optimizer state, step, rng), the data
+  stream's position and the losses of the log interval in progress, so a resumed run
+  reproduces an uninterrupted one exactly, logged losses included.
 - Drills: ``config.inject_nan_at_step = s`` turns the parameters NaN right before step ``s``
   (in the loop, not in the jitted step), to exercise the non-finite path end to end.
 """
@@ -43,8 +50,21 @@ from train import config as train_config
 from train.metrics import say
 from train.model import param_count, train_flops_per_token
 from train.optimizer import learning_rate_schedule
-from train.run_control import StopRequest, alive, any_process, changed_fields, field_change, finite
+from train.run_control import (
+    StopRequest,
+    alive,
+    any_process,
+    changed_fields,
+    check_resumable,
+    close_quietly,
+    field_change,
+    finite,
+)
 from train.steps import step_functions
+
+
+# The data item of a checkpoint also holds the losses of its unfinished log interval.
+LOG_LOSSES = "log_losses"
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -53,13 +73,17 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass
 class TrainResult:
-  """How :func:`train` ended: ``status`` is ``"completed"`` or ``"interrupted"``."""
+  """How :func:`train` ended: ``status`` is ``"completed"`` or ``"interrupted"``.
+
+  ``stop_signal`` is the signal that interrupted the run (``signal.SIGINT`` / ``SIGTERM``), if one did.
+  """
 
   status: str
   step: int
   loss: float | None
   val_loss: float | None
   checkpoint_step: int | None
+  stop_signal: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +109,8 @@ def train(
   Raises:
     NonFiniteLossError: the loss or gradient norm became NaN/inf (see the module docstring).
   """
+  for note in train_config.adjust(config):  # e.g. a warmup longer than a short run
+    say(note)
   train_config.mesh_shape(config)  # the config's fields, and that it fits the devices (before the data is read)
   run_dir = pathlib.Path(workdir)
   run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +145,8 @@ def train(
 
   # 3. State: the latest checkpoint when resuming, else a fresh init.
   checkpointer = checkpoint.Checkpointer(run_dir, config.keep_checkpoints, config.async_checkpointing)
+  for path in checkpointer.leftovers:
+    say(f"removed {path}: the leftover of a save that did not finish")
   latest = checkpointer.latest_step()
   if latest is not None and not config.resume:
     checkpointer.close()
@@ -127,24 +155,36 @@ def train(
         "or choose another --workdir"
     )
   config_file = run_dir / checkpoint.CONFIG_FILE
+  log_losses: list[float] = []  # losses of the log interval the checkpoint was saved in
   if latest is not None:
     if config_file.exists():
       old, new = json.loads(config_file.read_text()), json.loads(train_config.to_json(config))
       changed = changed_fields(old, new) - {"resume"}
       # Another mesh only places the same run differently (the checkpoint is resharded).
       moved = sorted(field for field in changed if field.split(".")[0] == "mesh")
+      check_resumable(old, config, changed - set(moved))  # other shapes: refused before any restore
       if changed - set(moved):
         say(f"warning: resuming with changed config fields {sorted(changed - set(moved))}: expect a different run")
       if moved:
         say(f"config.mesh changed ({', '.join(field_change(old, new, field) for field in moved)}): "
             "the checkpoint is resharded onto this run's devices")
-    state, data_state = checkpointer.restore(latest, functions.restore_target())  # orbax reshards to this mesh
+    try:  # orbax reshards to this mesh; corrupt checkpoints are skipped for the newest intact one
+      latest, state, data_state, problems = checkpointer.restore_latest(functions.restore_target())
+    except checkpoint.CheckpointError:
+      checkpointer.close()
+      raise
+    for problem in problems:
+      say(f"warning: {problem}")
     if runtime.mesh_shape is not None and state.scales is None:  # FSDP resuming an unsharded run's checkpoint
       state = functions.with_scales(state)
     datasets.train.restore(data_state)
+    log_losses = list(data_state.get(LOG_LOSSES, []))
     if main_process:
       metrics.truncate_after(run_dir, latest)
     say(f"resumed from {checkpointer.directory / str(latest)} (data position {datasets.train.position})")
+    if latest >= config.steps:
+      say(f"this run already finished: its checkpoint is at step {latest} and config.steps={config.steps}; "
+          "raise --config.steps to train further")
   else:
     if config.resume:
       say(f"no checkpoint in {checkpointer.directory}: starting from step 0")
@@ -158,8 +198,10 @@ def train(
   start_position = datasets.train.position
 
   def data_state_at(step: int) -> dict[str, Any]:
-    """The stream's state after ``step`` (derived from the step, so it always matches the state)."""
-    return {**datasets.train.state(), "position": start_position + (step - start_step) * config.batch_size}
+    """The stream's state after ``step`` (derived from the step, so it always matches the state), and the
+    losses logged since the last log line, so a resumed run logs the same interval means."""
+    return {**datasets.train.state(), "position": start_position + (step - start_step) * config.batch_size,
+            LOG_LOSSES: list(losses)}
 
   writer = metrics.MetricsWriter(run_dir, config.tensorboard, enabled=main_process)
   writer.write({"step": start_step, "event": "start", "params": counts["total"], "matmul_params": counts["matmul"],
@@ -171,7 +213,7 @@ def train(
   # them, so the host never waits for the device between steps.
   step = start_step
   pending: list[tuple[int, dict[str, jax.Array]]] = []
-  losses: list[float] = []  # host losses since the last log line
+  losses: list[float] = log_losses  # host losses since the last log line
   grad_norm = float("nan")
   last_loss = val_loss = None
   saved_step = latest  # the step whose checkpoint is on disk already (None for a fresh run)
@@ -184,7 +226,7 @@ def train(
     for s, values in jax.device_get(pending):
       loss, norm = float(values["loss"]), float(values["grad_norm"])
       if not (math.isfinite(loss) and math.isfinite(norm)):
-        last_good = checkpointer.latest_step()
+        last_good = checkpointer.last_good_step()
         raise NonFiniteLossError(
             f"step {s}: loss {loss}, gradient norm {norm}. The run stopped and this state was not saved; "
             f"the last good checkpoint is step {last_good} in {checkpointer.directory}. Lower config.lr or raise "
@@ -270,27 +312,27 @@ def train(
           excluded_s += time.perf_counter() - paused
   except KeyboardInterrupt:
     status = "interrupted"
-  except NonFiniteLossError:
+  except (NonFiniteLossError, checkpoint.CheckpointError):
     writer.close()
-    checkpointer.close()  # finishes saves of earlier, good steps
+    close_quietly(checkpointer)  # finishes saves of earlier, good steps
     raise
 
   # 5. Finish: on interruption, save where we are (if the state is intact and finite).
   if status == "interrupted":
     if not alive(state):
-      say(f"interrupted mid-step; kept the last checkpoint (step {checkpointer.latest_step()})")
+      say(f"interrupted mid-step; kept the last checkpoint (step {checkpointer.last_good_step()})")
     elif saved_step != int(state.step):
       step = int(state.step)  # the state is the authority (an interrupt may land between two statements)
       try:
         if not finite(state.params):
           raise NonFiniteLossError(f"step {step}: parameters are not finite; kept the last checkpoint")
         save(step)
-      except NonFiniteLossError:
+      except (NonFiniteLossError, checkpoint.CheckpointError):
         writer.close()
-        checkpointer.close()
+        close_quietly(checkpointer)
         raise
       say(f"interrupted at step {step}: saved a checkpoint; continue with --resume")
   writer.close()
-  checkpointer.close()
+  checkpointer.close()  # a save that fails only now raises CheckpointSaveError here
   last_checkpoint = checkpointer.latest_step() if saved_step is None else saved_step
-  return TrainResult(status, step, last_loss, val_loss, last_checkpoint)
+  return TrainResult(status, step, last_loss, val_loss, last_checkpoint, stop.signal)

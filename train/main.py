@@ -4,8 +4,9 @@ Flags:
   --config      a config file (``configs/*.py``); override any field with
                 ``--config.key=value``, e.g. ``--config.recipe=int8 --config.model.n_layers=8``.
   --workdir     the run directory (checkpoints, ``config.json``, ``metrics.jsonl``).
-  --resume      continue from the latest checkpoint in ``--workdir`` (= ``--config.resume=True``).
+  --resume      continue from the latest intact checkpoint in ``--workdir`` (= ``--config.resume=True``).
   --cluster     multi-host: let ``jax.distributed`` detect SLURM / Open MPI / Kubernetes.
+  --verbosity   absl's: ``--verbosity=0`` or more also prints the traceback of an error.
 
 Devices: with more than one visible device the run is FSDP over all of them
 (``--config.mesh.fsdp=0``, the default; ``=1`` turns it off, ``--config.mesh.data=N`` makes N
@@ -14,22 +15,40 @@ data-parallel FSDP groups). Multi-host: start this command once per host (or per
 ``--cluster`` under a cluster manager); ``jaxlowbit.fsdp.initialize_distributed`` joins the
 processes into one run before anything else touches JAX. See docs/training.md.
 
-Exit codes: 0 done; 130 interrupted by Ctrl-C after saving a checkpoint (128 + SIGINT, the
-shell's convention); 3 loss became NaN/inf (the last good checkpoint is kept); 1 other errors.
+Errors print one line, ``error: <what and what to do>``. Exit codes:
+
+===  ==================================================================================
+0    done (also: ``--resume`` of a run that already finished, which says so)
+1    any other error
+2    a bad command line or config (unknown field, value out of range, a resume whose config
+     changes the saved state's shapes, a --workdir that holds another run)
+3    the loss became NaN/inf; the last good checkpoint is kept
+4    a checkpoint could not be saved (disk full, permissions) or none restores intact; the
+     last good checkpoint is kept
+130  stopped by Ctrl-C (SIGINT) after saving a checkpoint (128 + SIGINT)
+143  stopped by SIGTERM (preemption) after saving a checkpoint (128 + SIGTERM)
+===  ==================================================================================
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxlowbit import fsdp
-from train import loop
+from train import checkpoint, loop
+from train import config as train_config
 
-EXIT_INTERRUPTED = 130
+EXIT_ERROR = 1
+EXIT_USAGE = 2
 EXIT_NONFINITE = 3
+EXIT_CHECKPOINT = 4
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, config.json, metrics.jsonl")
@@ -37,11 +56,46 @@ _RESUME = flags.DEFINE_bool("resume", False, "continue from the latest checkpoin
 _CLUSTER = flags.DEFINE_bool("cluster", False, "multi-host: let jax.distributed detect SLURM / Open MPI / Kubernetes")
 flags.mark_flags_as_required(["config", "workdir"])
 
+# Exceptions and the exit code each ends the run with (the first that matches).
+EXIT_CODES = (
+    (loop.NonFiniteLossError, EXIT_NONFINITE),
+    (checkpoint.CheckpointError, EXIT_CHECKPOINT),
+    (train_config.ConfigError, EXIT_USAGE),
+    (FileExistsError, EXIT_USAGE),  # a workdir with checkpoints and no --resume
+)
+
+
+def fail(message: str, code: int, with_traceback: bool) -> None:
+  """Print ``error: message`` (the traceback first, under --verbosity) and exit with ``code``."""
+  if with_traceback:
+    traceback.print_exc()
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def _verbose() -> bool:
+  return flags.FLAGS["verbosity"].present
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag or an unknown config field said in one line (exit 2)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(f"{e}; see --helpfull", EXIT_USAGE, with_traceback=False)
+  except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
+    overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
+    fail(f"the config has no field {str(e).strip(chr(34) + chr(39))!r} (overrides: {', '.join(overrides)}); every "
+         "field is listed in train/config.py base_config()", EXIT_USAGE, with_traceback=False)
+  except (ValueError, TypeError) as e:  # an override of the wrong type
+    fail(f"bad --config override: {e}", EXIT_USAGE, with_traceback=False)
+  return argv  # unreachable
+
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
+    fail(f"unexpected arguments: {argv[1:]}", EXIT_USAGE, with_traceback=False)
+  if not _verbose():
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows them
   fsdp.initialize_distributed(cluster=_CLUSTER.value)  # multi-host: join the run (a no-op unless configured)
   config = _CONFIG.value
@@ -49,15 +103,14 @@ def main(argv: list[str]) -> None:
     config.resume = True
   try:
     result = loop.train(config, _WORKDIR.value)
-  except loop.NonFiniteLossError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_NONFINITE)
-  except FileExistsError as e:  # a workdir with checkpoints and no --resume
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  except KeyboardInterrupt:  # a second Ctrl-C before the loop started
+    fail("interrupted", EXIT_INTERRUPTED, with_traceback=False)
+  except Exception as e:  # noqa: BLE001  (every error ends in one line and a documented code)
+    code = next((code for kind, code in EXIT_CODES if isinstance(e, kind)), EXIT_ERROR)
+    fail(str(e) if code != EXIT_ERROR else f"{type(e).__name__}: {e}", code, with_traceback=_verbose())
   if result.status == "interrupted":
-    sys.exit(EXIT_INTERRUPTED)
+    sys.exit(EXIT_TERMINATED if result.stop_signal == signal.SIGTERM else EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -3,40 +3,57 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from train import config as train_config
+from train import steps
 from train.metrics import say
 
 
+# The signals that ask a run to stop: Ctrl-C, and what SLURM, Kubernetes and most schedulers send
+# before they preempt a job.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class StopRequest:
-  """Set by SIGINT while :meth:`installed` (main thread only); a second SIGINT raises KeyboardInterrupt."""
+  """Set by SIGINT or SIGTERM while :meth:`installed` (main thread only); a second one raises KeyboardInterrupt.
+
+  Attributes:
+    requested: a stop was asked for.
+    signal: which signal asked (``signal.SIGINT`` / ``signal.SIGTERM``), or None.
+  """
 
   def __init__(self):
     self.requested = False
+    self.signal: int | None = None
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     if self.requested:
       raise KeyboardInterrupt
-    self.requested = True
-    say("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)")
+    self.requested, self.signal = True, signum
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    say(f"\n{name}: finishing this step, then saving a checkpoint (again to stop at once)")
 
   @contextlib.contextmanager
   def installed(self):
     if threading.current_thread() is not threading.main_thread():
       yield self
       return
-    previous = signal.signal(signal.SIGINT, self._handle)
+    previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
     try:
       yield self
     finally:
-      signal.signal(signal.SIGINT, previous)
+      for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def changed_fields(old: dict, new: dict, prefix: str = "") -> set[str]:
@@ -61,6 +78,65 @@ def field_change(old: dict, new: dict, field: str) -> str:
   return f"{field} {values[0]} -> {values[1]}"
 
 
+def shapes_differ(a, b) -> bool:
+  """Whether two abstract states differ in structure, shapes or dtypes."""
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return True
+  return any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def check_resumable(old: dict, config: ml_collections.ConfigDict, changed: set[str]) -> None:
+  """Refuse, before any restore, to resume a checkpoint of config ``old`` with ``config`` when the state's shapes differ.
+
+  Names each changed field that alone changes the state's structure, shapes or dtypes (model
+  sizes, a recipe that adds norms, the optimizer's state, ...) with its old and new values.
+
+  Raises:
+    train.config.ConfigError: the checkpoint cannot hold this config's state.
+  """
+  changed = {field for field in changed if field.split(".")[0] not in steps.RUNTIME_ONLY_FIELDS}
+  if not changed:
+    return
+  new = json.loads(train_config.to_json(config))
+  try:
+    before = steps.abstract_state(ml_collections.ConfigDict(old))
+  except Exception:  # an old config this version cannot build: the restore will say what does not fit
+    return
+  if not shapes_differ(before, steps.abstract_state(config)):
+    return
+  culprits = []
+  for field in sorted(changed):
+    one = ml_collections.ConfigDict(old)
+    parent, leaf = one, field.split(".")[-1]
+    for key in field.split(".")[:-1]:
+      parent = parent[key]
+    try:
+      parent[leaf] = _value_at(new, field)
+      if shapes_differ(before, steps.abstract_state(one)):
+        culprits.append(field)
+    except Exception:
+      culprits.append(field)
+  names = ", ".join(field_change(old, new, field) for field in (culprits or sorted(changed)))
+  raise train_config.ConfigError(
+      f"cannot resume: {names} changes the shapes of the saved state (parameters or optimizer state), so the "
+      "checkpoint cannot continue this run; restore the field(s) or start a new --workdir"
+  )
+
+
+def _value_at(tree: dict, field: str):
+  for key in field.split("."):
+    tree = tree[key]
+  return tree
+
+
+def close_quietly(checkpointer) -> None:
+  """Close ``checkpointer`` on an error path, where a failing save must not hide the error in flight."""
+  try:
+    checkpointer.close()
+  except Exception as e:  # noqa: BLE001  (reported, then the original error continues)
+    say(f"warning: {e}")
+
+
 def finite(tree) -> bool:
   """Whether every leaf of ``tree`` is finite (fetches them)."""
   return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
@@ -76,4 +152,7 @@ def any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
-__all__ = ["StopRequest", "alive", "any_process", "changed_fields", "field_change", "finite"]
+__all__ = [
+    "STOP_SIGNALS", "StopRequest", "alive", "any_process", "changed_fields", "check_resumable", "close_quietly",
+    "field_change", "finite", "shapes_differ",
+]

@@ -25,7 +25,7 @@ from train import checkpoint
 from train import config as train_config
 from train.model import Transformer
 from train.optimizer import make_optimizer
-from train.runtime import Runtime, make_runtime
+from train.runtime import Runtime, Unsharded, make_runtime
 
 
 @flax.struct.dataclass
@@ -69,6 +69,12 @@ def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config)
     )
 
   return init
+
+
+def abstract_state(config: ml_collections.ConfigDict) -> TrainState:
+  """The shapes and dtypes of ``config``'s state (``jax.ShapeDtypeStruct`` leaves; sharding aside)."""
+  runtime = Unsharded(Transformer(train_config.model_config(config)))
+  return jax.eval_shape(make_init(runtime, make_optimizer(config), config))
 
 
 def make_train_step(runtime: Runtime, optimizer: optax.GradientTransformation, config):
@@ -194,6 +200,6 @@ def _step_functions(key: str) -> StepFunctions:
 
 
 __all__ = [
-    "RUNTIME_ONLY_FIELDS", "StepFunctions", "TrainState", "make_eval_step", "make_init", "make_train_step",
-    "step_functions",
+    "RUNTIME_ONLY_FIELDS", "StepFunctions", "TrainState", "abstract_state", "make_eval_step", "make_init",
+    "make_train_step", "step_functions",
 ]

@@ -1,0 +1,282 @@
+"""Fault drills: what a run does when its checkpoints rot, its disk fills, it is preempted or resumed wrongly.
+
+Each drill injects one fault into a micro run (``test_train_loop.micro_config``) and checks what
+the user sees (one clear line, a documented exit code) and what is kept (the newest intact
+checkpoint, a run that continues exactly). docs/training.md has the table.
+"""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_train_loop import REPO, TINY, corpus, micro_config, restore, train_losses  # noqa: F401  (fixture)
+
+from train import checkpoint, loop
+from train import config as train_config
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, corpus):  # noqa: F811
+  """A micro run stopped at step 10 (checkpoints 4, 8, 10), and the uninterrupted run's losses."""
+  root = tmp_path_factory.mktemp("faults")
+  config = micro_config(corpus)
+  full = loop.train(config, root / "full")
+  assert full.status == "completed"
+  result = loop.train(config, root / "stopped", should_stop=lambda step: step == 10)
+  assert result.status == "interrupted" and result.checkpoint_step == 10
+  return root / "stopped", train_losses(root / "full")
+
+
+def copy_run(stopped, tmp_path) -> pathlib.Path:
+  run_dir = tmp_path / "run"
+  shutil.copytree(stopped, run_dir)
+  return run_dir
+
+
+def largest_file(step_dir: pathlib.Path) -> pathlib.Path:
+  files = [p for p in step_dir.rglob("*") if p.is_file() and p.name != checkpoint.MANIFEST]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+def flip_bit(path: pathlib.Path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  path.write_bytes(bytes(data))
+
+
+def truncate(path: pathlib.Path) -> None:
+  data = path.read_bytes()
+  path.write_bytes(data[: len(data) // 2])
+
+
+FAULTS = {"bit_flip": flip_bit, "truncation": truncate, "missing_file": os.remove}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(fault, stopped_run, tmp_path, corpus, capsys):  # noqa: F811
+  stopped, expected = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  FAULTS[fault](largest_file(run_dir / "checkpoints" / "10"))
+
+  config = micro_config(corpus, resume=True)
+  result = loop.train(config, run_dir)
+  out = capsys.readouterr().out
+  assert "checkpoint 10" in out and "skipped it" in out, out
+  assert f"resumed from {run_dir / 'checkpoints' / '8'}" in out, out
+  assert result.status == "completed" and result.step == 12
+  assert train_losses(run_dir) == expected  # steps 9-12 redone from step 8: bit for bit
+
+
+def test_only_verified_checkpoints_are_last_good_and_none_intact_is_an_error(stopped_run, tmp_path, corpus):  # noqa: F811
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  checkpointer = checkpoint.Checkpointer(run_dir, keep=10)
+  try:
+    assert checkpointer.last_good_step() == 10
+    flip_bit(largest_file(run_dir / "checkpoints" / "10"))
+    assert checkpointer.verify(10).startswith("corrupt") and checkpointer.verify(8) is None
+    assert checkpointer.last_good_step() == 8
+  finally:
+    checkpointer.close()
+
+  for step in (4, 8):
+    truncate(largest_file(run_dir / "checkpoints" / str(step)))
+  with pytest.raises(checkpoint.CorruptCheckpointError, match="no checkpoint .* restores intact"):
+    loop.train(micro_config(corpus, resume=True), run_dir)
+
+
+def test_disk_full_says_one_line_and_keeps_the_last_good_checkpoint(tmp_path, corpus, monkeypatch):  # noqa: F811
+  """The free-space check refuses the step-8 save; nothing of it is written, step 4 stays intact."""
+  usage = shutil.disk_usage
+  saves = []
+  original_save = checkpoint.Checkpointer.save
+
+  def save(self, step, state, data_state):
+    saves.append(step)
+    return original_save(self, step, state, data_state)
+
+  def disk_usage(path):
+    total, used, free = usage(path)
+    return type(usage(path))(total, used, 0 if len(saves) > 1 else free)  # full after the first save
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", save)
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+  run_dir = tmp_path / "full_disk"
+  with pytest.raises(checkpoint.CheckpointSaveError) as error:
+    loop.train(micro_config(corpus), run_dir)
+  message = str(error.value)
+  assert "\n" not in message and message.startswith("step 8: not enough disk space"), message
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]
+  monkeypatch.undo()
+  assert restore(run_dir, micro_config(corpus))[0] == 4
+
+
+def test_a_failing_write_is_one_line_and_leftovers_go(tmp_path, corpus, monkeypatch, capsys):  # noqa: F811
+  """An injected write error (ENOSPC) inside orbax's save: one line naming the cause; the next start
+  removes what a failed save left behind."""
+  original = checkpoint.ocp.CheckpointManager.save
+
+  def failing_save(self, step, *args, **kwargs):
+    if step == 8:
+      (pathlib.Path(self.directory) / "8.orbax-checkpoint-tmp-1234").mkdir()  # what orbax leaves
+      raise OSError(28, "No space left on device")
+    return original(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", failing_save)
+  run_dir = tmp_path / "enospc"
+  with pytest.raises(checkpoint.CheckpointSaveError, match=r"^step 8: saving .* failed: the disk is full"):
+    loop.train(micro_config(corpus), run_dir)
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]  # removed at once
+
+  monkeypatch.undo()
+  leftover = run_dir / "checkpoints" / "8.orbax-checkpoint-tmp-99"
+  leftover.mkdir()  # e.g. a SIGKILL mid-save
+  result = loop.train(micro_config(corpus, resume=True), run_dir)
+  assert not leftover.exists() and f"removed {leftover}" in capsys.readouterr().out
+  assert result.status == "completed" and result.step == 12
+
+
+def test_sigterm_during_a_save_finishes_it_and_stops(tmp_path, corpus, monkeypatch):  # noqa: F811
+  original = checkpoint.Checkpointer.save
+
+  def save_and_get_terminated(self, step, state, data_state):
+    if step == 4:
+      os.kill(os.getpid(), signal.SIGTERM)  # arrives while the save is being written
+    return original(self, step, state, data_state)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", save_and_get_terminated)
+  handler = signal.getsignal(signal.SIGTERM)
+  result = loop.train(micro_config(corpus, checkpoint_every=4), tmp_path / "term")
+  assert signal.getsignal(signal.SIGTERM) is handler
+  assert result.status == "interrupted" and result.stop_signal == signal.SIGTERM
+  assert result.step in (4, 5) and result.checkpoint_step == result.step
+  checkpointer = checkpoint.Checkpointer(tmp_path / "term", keep=10)
+  try:
+    assert checkpointer.last_good_step() == result.step  # verified, manifest written
+  finally:
+    checkpointer.close()
+
+
+def write_config_file(tmp_path, corpus, **overrides) -> pathlib.Path:  # noqa: F811
+  path = tmp_path / "micro_config.py"
+  path.write_text(
+      "import sys\n"
+      f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+      "import test_train_loop\n"
+      f"def get_config():\n  return test_train_loop.micro_config({corpus!r}, **{overrides!r})\n"
+  )
+  return path
+
+
+def start_main(*args: str) -> subprocess.Popen:
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  return subprocess.Popen([sys.executable, "-m", "train.main", *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_during_a_step_saves_and_exits_143(tmp_path, corpus):  # noqa: F811
+  config_file = write_config_file(tmp_path, corpus, steps=100_000, checkpoint_every=100_000, eval_every=100_000)
+  run_dir = tmp_path / "preempted"
+  proc = start_main(f"--config={config_file}", f"--workdir={run_dir}")
+  metrics_file = run_dir / "metrics.jsonl"
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:  # wait until it trains (logs every step)
+    if metrics_file.exists() and '"loss"' in metrics_file.read_text():
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=240)
+  assert proc.returncode == 143, out[-2000:] + err[-3000:]
+  assert "saved a checkpoint; continue with --resume" in out and "Traceback" not in err
+  step, state, data_state = restore(run_dir, micro_config(corpus))
+  assert step >= 1 and int(state.step) == step and data_state["position"] == step * 4
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("model__d_model", 48, "model.d_model 32 -> 48"),
+        ("model__n_layers", 2, "model.n_layers 1 -> 2"),
+        ("recipe", "bitnet", "recipe bf16 -> bitnet"),
+        ("optimizer", "adamw_8bit", "optimizer adamw -> adamw_8bit"),
+    ],
+)
+def test_resume_with_a_shape_changing_field_is_refused_before_any_restore(
+    field, value, shown, stopped_run, tmp_path, corpus, monkeypatch  # noqa: F811
+):
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+
+  def no_restore(*args, **kwargs):
+    raise AssertionError("restore attempted")
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "restore", no_restore)
+  config = micro_config(corpus, resume=True, **{field: value})
+  with pytest.raises(train_config.ConfigError, match="cannot resume") as error:
+    loop.train(config, run_dir)
+  assert shown in str(error.value), str(error.value)
+
+
+def test_logged_losses_on_resume_equal_the_uninterrupted_run(tmp_path, corpus):  # noqa: F811
+  """log_every=5, stopped at step 7: the step-10 line averages steps 6-10 as the uninterrupted run's does."""
+  config = micro_config(corpus, log_every=5, checkpoint_every=100)
+  loop.train(config, tmp_path / "full")
+  stopped = loop.train(config, tmp_path / "split", should_stop=lambda step: step == 7)
+  assert stopped.checkpoint_step == 7
+  config.resume = True
+  loop.train(config, tmp_path / "split")
+  expected, actual = train_losses(tmp_path / "full"), train_losses(tmp_path / "split")
+  assert sorted(actual) == [5, 10, 12] and actual == expected  # bit for bit
+
+
+def test_resume_of_a_finished_run_says_so(stopped_run, tmp_path, corpus, capsys):  # noqa: F811
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  result = loop.train(micro_config(corpus, resume=True, steps=10), run_dir)
+  assert result.status == "completed" and result.step == 10
+  assert "this run already finished" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "override, shown",
+    [
+        ("--config.lr=-1", "lr"),
+        ("--config.grad_accum_steps=0", "grad_accum_steps"),
+        ("--config.model.dropout_rate=1.5", "dropout_rate"),
+        ("--config.no_such_field=1", "no_such_field"),
+        ("--config.recipe=int4", "recipe"),
+    ],
+)
+def test_a_bad_config_is_one_error_line_and_exit_2(override, shown, tmp_path):
+  proc = start_main(f"--config={TINY}", f"--workdir={tmp_path / 'bad'}", override)
+  out, err = proc.communicate(timeout=240)
+  assert proc.returncode == 2, out[-2000:] + err[-3000:]
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert lines[-1].startswith("error: ") and shown in lines[-1], err
+  assert "Traceback" not in err
+  assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_a_bad_config_value_names_the_field():
+  for field, value in [("eval_batches", 0), ("grad_clip", -1.0), ("warmup_steps", -1), ("seq_len", 0)]:
+    config = train_config.load_file(TINY)
+    config[field] = value
+    with pytest.raises(train_config.ConfigError, match=field):
+      train_config.check(config)
+  config = train_config.load_file(TINY)
+  config.model.d_model = 0
+  with pytest.raises(train_config.ConfigError, match="d_model"):
+    train_config.check(config)
+
+
+def test_a_short_run_clamps_the_warmup_with_a_notice():
+  config = train_config.load_file(REPO / "configs" / "bitnet_1b.py")
+  config.steps = 50
+  notes = train_config.adjust(config)
+  assert config.warmup_steps == 50 and any("warmup" in note for note in notes), notes
+  train_config.check(config)  # now runnable
