@@ -22,14 +22,20 @@ adamw_fp8_o2   e4m3, scale amax/448         float16, scale amax/65504    256    
 (bitsandbytes' 8-bit Adam; torchao's 4-bit AdamW after Li et al. 2023; torchao's FP8 AdamW;
 MS-AMP's O2 optimizer.) Each step dequantizes ``m`` and ``v`` to float32, runs the Adam update
 in float32 and re-quantizes; the update of that step uses the float32 moments. Tensors with
-fewer than :data:`MIN_QUANTIZED_SIZE` elements, or whose size has no trailing run of axes that
-is a multiple of the block (see :mod:`jaxlowbit.qstate`), keep float32 moments and follow
-``optax.adamw`` bit for bit.
+fewer than :data:`MIN_QUANTIZED_SIZE` elements, or that :func:`jaxlowbit.qstate.blockable`
+refuses, keep float32 moments and follow ``optax.adamw`` bit for bit. A NaN or inf gradient
+element turns its block's moments NaN (never a finite value), as it turns optax's.
 
-Sharding: a quantized moment is a :class:`~jaxlowbit.qstate.BlockQuantized` ``(codes,
-scale)`` whose blocks run along the parameter's trailing axes, so FSDP sharding of dim 0
-never splits a block; shard dim 0 of ``codes`` and ``scale`` like the parameter's dim 0 (or let
-``jit`` propagate it from the parameters).
+Sharding: every state leaf is one array with its parameter's rank and leading shape (the
+state's ``mu``/``nu`` hold codes ``[*lead, N]``, ``mu_scale``/``nu_scale`` block scales
+``[*lead, ceil(N / block)]``; see :mod:`jaxlowbit.qstate`), so the parameter's sharding applies
+to its state unchanged: FSDP, a ``PartitionSpec`` per parameter, Flax logical axis names
+(``nn.get_partition_spec`` of the state) and ``nnx.Optimizer`` all work as with
+``optax.adamw``. :func:`state_shardings` maps parameter shardings to the state's.
+
+Under ``optax.inject_hyperparams`` the learning rate, betas, eps and weight decay become
+run-time values; ``block_size`` and ``min_size`` are static (leave them at their defaults, or
+list them in ``static_args``).
 
 bf16 weights without a float32 master copy: :func:`apply_updates_stochastic` (or the
 :func:`stochastic_rounding` transformation last in the chain) rounds ``p + u`` to bf16
@@ -39,18 +45,22 @@ stochastically, so updates far below bf16's resolution still move the weights on
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxlowbit_numerics import fp8
+from jax.sharding import NamedSharding, PartitionSpec
+
 from jaxlowbit.qstate import (
     BlockFormat,
     BlockQuantized,
+    blockable,
     dequantize_blockwise,
-    group_start,
     quantize_blockwise,
     zeros_blockwise,
 )
@@ -67,17 +77,21 @@ BLOCK_FP8 = 256
 
 
 class ScaleByAdamQuantizedState(NamedTuple):
-  """State of :func:`scale_by_adam_quantized`.
+  """State of :func:`scale_by_adam_quantized`: every leaf an array shaped like its parameter.
 
   Attributes:
     count: int32 scalar, the number of steps taken.
-    mu, nu: trees shaped like the parameters; each leaf is a float32 array (small tensors) or a
-      :class:`~jaxlowbit.qstate.BlockQuantized`.
+    mu, nu: trees shaped like the parameters: the codes of a quantized tensor (``[*lead, N]``,
+      4-bit ``[*lead, N / 2]``) or the moment itself for a tensor kept in float32.
+    mu_scale, nu_scale: trees shaped like the parameters: float32 block scales ``[*lead,
+      ceil(N / block)]`` (ones for a tensor kept in float32; a scalar parameter's is a scalar).
   """
 
   count: jax.Array
   mu: optax.Updates
   nu: optax.Updates
+  mu_scale: optax.Updates
+  nu_scale: optax.Updates
 
 
 def _check_format(fmt: BlockFormat, moment: str, who: str) -> None:
@@ -87,8 +101,8 @@ def _check_format(fmt: BlockFormat, moment: str, who: str) -> None:
     raise ValueError(f"{who}: the first moment is signed; {fmt} cannot hold it")
 
 
-def _quantizable(x: jax.Array, block: int, min_size: int) -> bool:
-  return x.size >= min_size and group_start(x.shape, block) is not None
+def _scale_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
+  return (*shape[:-1], -(-shape[-1] // block)) if shape else ()
 
 
 def scale_by_adam_quantized(
@@ -113,8 +127,8 @@ def scale_by_adam_quantized(
     min_size: tensors with fewer elements keep unquantized moments.
 
   Returns:
-    An ``optax.GradientTransformation``. Updates of quantized tensors are float32; the others
-    follow ``optax.scale_by_adam`` exactly.
+    An ``optax.GradientTransformation`` whose state is a :class:`ScaleByAdamQuantizedState`.
+    Updates of quantized tensors are float32; the others follow ``optax.scale_by_adam`` exactly.
   """
   who = "scale_by_adam_quantized"
   _check_format(m_format, "m", who)
@@ -124,15 +138,25 @@ def scale_by_adam_quantized(
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   block = m_format.block
 
+  def quantized(shape) -> bool:
+    return math.prod(shape) >= min_size and blockable(shape, m_format) and blockable(shape, v_format)
+
   def init_fn(params):
-    def init_leaf(p, fmt, dtype):
-      if _quantizable(p, block, min_size):
-        return zeros_blockwise(p.shape, fmt)
+    def moment(p, fmt, dtype):
+      if quantized(p.shape):
+        return zeros_blockwise(p.shape, fmt).codes
       return jnp.zeros(p.shape, dtype or p.dtype)
 
-    mu = jax.tree.map(lambda p: init_leaf(p, m_format, mu_dtype), params)
-    nu = jax.tree.map(lambda p: init_leaf(p, v_format, None), params)
-    return ScaleByAdamQuantizedState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+    def scale(p):
+      return jnp.zeros(_scale_shape(p.shape, block), jnp.float32) + (0.0 if quantized(p.shape) else 1.0)
+
+    return ScaleByAdamQuantizedState(
+        count=jnp.zeros([], jnp.int32),
+        mu=jax.tree.map(lambda p: moment(p, m_format, mu_dtype), params),
+        nu=jax.tree.map(lambda p: moment(p, v_format, None), params),
+        mu_scale=jax.tree.map(scale, params),
+        nu_scale=jax.tree.map(scale, params),
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -142,14 +166,14 @@ def scale_by_adam_quantized(
     bc2 = 1 - b2**count_inc
     bc1_next = 1 - b1 ** optax.safe_increment(count_inc)
 
-    def leaf(g, m, v):
+    def leaf(g, m, v, m_scale, v_scale):
       if g is None:
-        return None, m, v
-      quantized = isinstance(m, BlockQuantized)
-      if quantized:
+        return None, m, v, m_scale, v_scale
+      is_quantized = quantized(g.shape)
+      if is_quantized:
         g = g.astype(jnp.float32)
-        m = dequantize_blockwise(m, m_format, g.shape)
-        v = dequantize_blockwise(v, v_format, g.shape)
+        m = dequantize_blockwise(BlockQuantized(m, m_scale), m_format, g.shape)
+        v = dequantize_blockwise(BlockQuantized(v, v_scale), v_format, g.shape)
       m_new = (1 - b1) * g + b1 * m
       v_new = (1 - b2) * (g * g) + b2 * v
       if nesterov:
@@ -158,17 +182,62 @@ def scale_by_adam_quantized(
         m_hat = m_new / bc1.astype(m_new.dtype)
       v_hat = v_new / bc2.astype(v_new.dtype)
       u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-      if quantized:
-        return u, quantize_blockwise(m_new, m_format), quantize_blockwise(v_new, v_format)
+      if is_quantized:
+        (m_codes, m_scale), (v_codes, v_scale) = quantize_blockwise(m_new, m_format), quantize_blockwise(v_new, v_format)
+        return u, m_codes, v_codes, m_scale, v_scale
       if mu_dtype is not None:
         m_new = m_new.astype(mu_dtype)
-      return u, m_new, v_new.astype(v.dtype)
+      return u, m_new, v_new.astype(v.dtype), m_scale, v_scale
 
-    out = jax.tree.map(leaf, updates, state.mu, state.nu, is_leaf=lambda x: x is None)
+    out = jax.tree.map(leaf, updates, state.mu, state.nu, state.mu_scale, state.nu_scale,
+                       is_leaf=lambda x: x is None)
     pick = lambda i: jax.tree.map(lambda _, o: o[i], updates, out, is_leaf=lambda x: x is None)  # noqa: E731
-    return pick(0), ScaleByAdamQuantizedState(count=count_inc, mu=pick(1), nu=pick(2))
+    return pick(0), ScaleByAdamQuantizedState(count_inc, pick(1), pick(2), pick(3), pick(4))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def state_shardings(optimizer: optax.GradientTransformation, state, param_shardings, replicated=None, mesh=None):
+  """The shardings of ``optimizer``'s ``state``, from its parameters' shardings.
+
+  Every parameter-shaped leaf (optax's moments, this module's codes and block scales) takes its
+  parameter's sharding; a dimension that its mesh axes do not divide in that leaf (the block
+  scales of a small last axis) is left unsharded. Everything else (step counts,
+  hyperparameters) gets ``replicated``.
+
+  Args:
+    optimizer: the optax transformation that made ``state``.
+    state: its state, or ``jax.eval_shape`` of its ``init``.
+    param_shardings: a tree like the parameters of ``NamedSharding`` s, or of ``PartitionSpec`` s
+      with ``mesh``.
+    replicated: what non-parameter leaves get (default: replicated, ``NamedSharding`` or
+      ``PartitionSpec()`` like ``param_shardings``).
+    mesh: the mesh of ``PartitionSpec`` shardings (read from ``NamedSharding`` s otherwise).
+
+  Returns:
+    A tree like ``state`` of the same kind of sharding.
+  """
+
+  def fit(leaf, sharding):
+    spec, leaf_mesh = (sharding.spec, sharding.mesh) if isinstance(sharding, NamedSharding) else (sharding, mesh)
+    if not isinstance(spec, PartitionSpec):
+      raise TypeError(f"state_shardings: expected NamedSharding or PartitionSpec leaves, got {sharding!r}")
+    entries = list(spec) + [None] * (len(leaf.shape) - len(spec))
+    if leaf_mesh is not None:
+      for dim, axes in enumerate(entries[: len(leaf.shape)]):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if leaf.shape[dim] % math.prod(leaf_mesh.shape[name] for name in names):
+          entries[dim] = None
+    fitted = PartitionSpec(*entries[: len(leaf.shape)])
+    return NamedSharding(sharding.mesh, fitted) if isinstance(sharding, NamedSharding) else fitted
+
+  if replicated is None:
+    named = [s.mesh for s in jax.tree.leaves(param_shardings) if isinstance(s, NamedSharding)]
+    replicated = NamedSharding(named[0], PartitionSpec()) if named else PartitionSpec()
+  return optax.tree_map_params(
+      optimizer, fit, state, param_shardings, transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, (NamedSharding, PartitionSpec)),
+  )  # fmt: skip
 
 
 def _adamw(
@@ -181,9 +250,25 @@ def _adamw(
   )
 
 
-def _check_block(block_size: int, who: str, default: int) -> None:
-  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2 or block_size % 2:
+def _static(value, default: int, name: str, who: str) -> int:
+  """A static int argument (None: ``default``); a traced or array value gets a clear error."""
+  if value is None:
+    return default
+  if isinstance(value, (jax.Array, np.ndarray)):
+    raise TypeError(
+        f"{who}: {name} is static (it fixes the state's shapes) but got an array; under "
+        f"optax.inject_hyperparams list it in static_args=({name!r},) or leave it at its default"
+    )
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise TypeError(f"{who}: {name} must be an int (default {default}), got {value!r}")
+  return value
+
+
+def _check_block(block_size, who: str, default: int) -> int:
+  block_size = _static(block_size, default, "block_size", who)
+  if block_size < 2 or block_size % 2:
     raise ValueError(f"{who}: block_size must be an even int >= 2 (default {default}), got {block_size!r}")
+  return block_size
 
 
 def adamw_8bit(
@@ -197,21 +282,22 @@ def adamw_8bit(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     nesterov: bool = False,
-    block_size: int = BLOCK_8BIT,
-    min_size: int = MIN_QUANTIZED_SIZE,
+    block_size: int | None = None,
+    min_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.adamw`` with 8-bit block-wise moments (dynamic tree map; bitsandbytes' 8-bit Adam).
 
   Args:
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in
       ``optax.adamw`` (``mu_dtype`` applies to the tensors that stay unquantized).
-    block_size: elements per block and scale (even; 256 as in bitsandbytes and torchao).
-    min_size: tensors with fewer elements keep float32 moments (4096).
+    block_size: elements per block and scale (even; None: 256 as in bitsandbytes and torchao).
+    min_size: tensors with fewer elements keep float32 moments (None: 4096).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (a chain, like ``optax.adamw``'s).
   """
-  _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
+  block_size = _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
+  min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_8bit")
   moments = scale_by_adam_quantized(
       BlockFormat("dynamic", 8, True, block_size),
       BlockFormat("dynamic", 8, False, block_size, nonzero=True),
@@ -231,8 +317,8 @@ def adamw_4bit(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     nesterov: bool = False,
-    block_size: int = BLOCK_4BIT,
-    min_size: int = MIN_QUANTIZED_SIZE,
+    block_size: int | None = None,
+    min_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.adamw`` with 4-bit block-wise moments, two codes per byte (torchao's 4-bit AdamW).
 
@@ -242,13 +328,14 @@ def adamw_4bit(
   Args:
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in
       ``optax.adamw``.
-    block_size: elements per block and scale (even; 128 as in Li et al. 2023 and torchao).
-    min_size: tensors with fewer elements keep float32 moments (4096).
+    block_size: elements per block and scale (even; None: 128 as in Li et al. 2023 and torchao).
+    min_size: tensors with fewer elements keep float32 moments (None: 4096).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
   """
-  _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
+  block_size = _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
+  min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_4bit")
   moments = scale_by_adam_quantized(
       BlockFormat("dynamic", 4, True, block_size),
       BlockFormat("linear", 4, False, block_size, nonzero=True),
@@ -268,9 +355,9 @@ def adamw_fp8(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     nesterov: bool = False,
-    v_dtype: Any = fp8.E4M3,
-    block_size: int = BLOCK_FP8,
-    min_size: int = MIN_QUANTIZED_SIZE,
+    v_dtype: Any = None,
+    block_size: int | None = None,
+    min_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.adamw`` with FP8 moments: e4m3 with a block scale ``amax / 448`` (torchao's FP8 AdamW).
 
@@ -282,17 +369,18 @@ def adamw_fp8(
   Args:
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in
       ``optax.adamw``.
-    v_dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float16`` (MS-AMP O2).
-    block_size: elements per block and scale (even; 256 as in torchao).
-    min_size: tensors with fewer elements keep float32 moments (4096).
+    v_dtype: ``jnp.float8_e4m3fn`` (None, the default) or ``jnp.float16`` (MS-AMP O2).
+    block_size: elements per block and scale (even; None: 256 as in torchao).
+    min_size: tensors with fewer elements keep float32 moments (None: 4096).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
   """
-  _check_block(block_size, "adamw_fp8", BLOCK_FP8)
+  block_size = _check_block(block_size, "adamw_fp8", BLOCK_FP8)
+  min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_fp8")
   kinds = {jnp.dtype(fp8.E4M3): "e4m3", jnp.dtype(jnp.float16): "fp16"}
   try:
-    v_kind = kinds[jnp.dtype(v_dtype)]
+    v_kind = kinds[jnp.dtype(fp8.E4M3 if v_dtype is None else v_dtype)]
   except (KeyError, TypeError):
     raise TypeError(
         f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
@@ -305,11 +393,28 @@ def adamw_fp8(
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
-def adamw_fp8_o2(learning_rate: optax.ScalarOrSchedule, *args, **kwargs) -> optax.GradientTransformationExtraArgs:
-  """MS-AMP O2's optimizer: :func:`adamw_fp8` with ``v_dtype=jnp.float16`` (``m`` e4m3, ``v`` float16)."""
-  if "v_dtype" in kwargs:
-    raise TypeError("adamw_fp8_o2: v_dtype is float16 by definition; use adamw_fp8(v_dtype=...) to choose")
-  return adamw_fp8(learning_rate, *args, v_dtype=jnp.float16, **kwargs)
+def adamw_fp8_o2(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    nesterov: bool = False,
+    block_size: int | None = None,
+    min_size: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """MS-AMP O2's optimizer: :func:`adamw_fp8` with ``v_dtype=jnp.float16`` (``m`` e4m3, ``v`` float16).
+
+  Arguments as :func:`adamw_fp8` (spelled out, so ``optax.inject_hyperparams`` sees them).
+  """
+  return adamw_fp8(
+      learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
+      nesterov=nesterov, v_dtype=jnp.float16, block_size=block_size, min_size=min_size,
+  )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- bf16 weights
@@ -454,5 +559,6 @@ __all__ = [
     "apply_updates_stochastic",
     "make",
     "scale_by_adam_quantized",
+    "state_shardings",
     "stochastic_rounding",
 ]

@@ -6,15 +6,16 @@ block keeps one float32 scale and ``B`` low-bit codes:
     scale[b] = max|x[b]| (a code map) or max|x[b]| / fmax (a float format)
     codes[b] = encode(x[b] / scale[b])           x[b] ~= decode(codes[b]) * scale[b]
 
-Which elements form a block (the sharding rule). The blocks run along the *trailing* axes:
-``S = lead + group`` where ``group = S[k:]`` is the shortest run of trailing axes whose size
-``T = prod(group)`` is a multiple of ``B`` (:func:`group_start` finds ``k``). Every block lies
-inside one ``group`` slice, so sharding any of the leading axes ``S[:k]`` (FSDP shards dim 0 of a
-``[K, N]`` kernel; ``group`` is then ``N`` alone) never splits a block. Sharding an axis inside
-the group keeps blocks whole when each shard holds a multiple of ``B`` elements of the flattened
-group. Stored arrays are ``codes [*lead, T]`` (``[*lead, T / 2]`` for 4 bits) and
-``scale [*lead, T / B]``: their dim 0 partitions the same elements as the tensor's dim 0
-(row-major), so they take the tensor's dim-0 sharding unchanged.
+Which elements form a block (the sharding rule). Blocks run along the *last* axis: a tensor of
+shape ``S = lead + (N,)`` is stored as
+
+    codes  [*lead, N]              (4-bit maps: [*lead, N / 2], two codes per byte)
+    scale  [*lead, ceil(N / B)]    float32, one per block; a row's last block may be shorter
+
+so both keep the tensor's rank and leading shape: any sharding of the tensor's leading axes (a
+``PartitionSpec``, Flax logical axis names, FSDP's dim 0) applies to ``codes`` and ``scale``
+unchanged, and a sharded last axis keeps blocks whole when each shard holds a multiple of ``B``
+elements. :func:`stored_shapes` gives both shapes.
 
 Formats (:class:`BlockFormat`):
 
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowbit_numerics import fp8
+from jaxlowbit_numerics import fp8, stats
 
 Kind = Literal["dynamic", "linear", "e4m3", "fp16"]
 
@@ -104,12 +105,12 @@ class BlockFormat:
 
 
 class BlockQuantized(NamedTuple):
-  """A block-wise quantized tensor of logical shape ``S = lead + group`` (see module doc).
+  """A block-wise quantized tensor of logical shape ``[*lead, N]`` (see the module doc).
 
   Attributes:
-    codes: ``[*lead, T]`` uint8 (8-bit maps), float8_e4m3fn or float16, or ``[*lead, T / 2]``
+    codes: ``[*lead, N]`` uint8 (8-bit maps), float8_e4m3fn or float16, or ``[*lead, N / 2]``
       uint8 (4-bit maps, two codes per byte).
-    scale: ``[*lead, T / block]`` float32 dequantization multiplier per block.
+    scale: ``[*lead, ceil(N / block)]`` float32 dequantization multiplier per block.
   """
 
   codes: jax.Array
@@ -294,37 +295,39 @@ def unpack_4bit(packed: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- tensors
 
 
-def group_start(shape: tuple[int, ...], block: int) -> int | None:
-  """The first axis ``k`` of the blocked trailing group ``shape[k:]`` (None: not blockable).
-
-  ``k`` is the largest axis with ``prod(shape[k:]) % block == 0`` (the shortest trailing run),
-  so blocks stay within a slice of the leading axes ``shape[:k]``. A ``[K, N]`` kernel with
-  ``N % block == 0`` gives ``k = 1``; ``[D, H, 64]`` with block 256 and ``H * 64 % 256 == 0``
-  gives ``k = 1``; size not a multiple of ``block`` gives None.
-  """
-  size = 1
-  for k in range(len(shape) - 1, -1, -1):
-    size *= shape[k]
-    if size % block == 0 and size > 0:
-      return k
-  return None
+def blockable(shape: tuple[int, ...], fmt: BlockFormat) -> bool:
+  """Whether a tensor of ``shape`` can be stored in ``fmt``: rank >= 1, not empty, and an even
+  last axis for 4-bit codes (a byte holds two codes of one row)."""
+  return len(shape) >= 1 and math.prod(shape) > 0 and (fmt.storage_bits != 4 or shape[-1] % 2 == 0)
 
 
 def stored_shapes(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """``(codes shape, scale shape)`` of a tensor of ``shape``; ValueError if not blockable."""
-  k = group_start(tuple(shape), fmt.block)
-  if k is None:
+  """``(codes shape, scale shape)`` of a tensor of ``shape`` (see the module doc); ValueError if
+  :func:`blockable` says no."""
+  shape = tuple(shape)
+  if not blockable(shape, fmt):
     raise ValueError(
-        f"shape {tuple(shape)} (size {math.prod(shape)}) has no trailing axes whose size is a multiple of "
-        f"block={fmt.block}; keep such tensors in float32 (the optimizers do) or change the block"
+        f"shape {shape} cannot be stored block-wise in {fmt}: it needs rank >= 1, at least one element and, "
+        "for 4-bit codes, an even last axis; keep such tensors in float32 (the optimizers do)"
     )
-  lead, t = tuple(shape[:k]), math.prod(shape[k:])
-  return lead + (t // 2 if fmt.storage_bits == 4 else t,), lead + (t // fmt.block,)
+  *lead, n = shape
+  codes_n = n // 2 if fmt.storage_bits == 4 else n
+  return (*lead, codes_n), (*lead, -(-n // fmt.block))
 
 
-def _blocks(x: jax.Array, fmt: BlockFormat) -> jax.Array:
-  codes_shape, scale_shape = stored_shapes(x.shape, fmt)
-  return x.reshape(*scale_shape, fmt.block)
+def _to_blocks(x: jax.Array, block: int) -> jax.Array:
+  """``[*lead, N]`` -> ``[*lead, ceil(N / block), block]``, the last block zero-padded."""
+  n = x.shape[-1]
+  pad = -n % block
+  if pad:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+  return x.reshape(*x.shape[:-1], (n + pad) // block, block)
+
+
+def _from_blocks(blocks: jax.Array, n: int) -> jax.Array:
+  """Inverse of :func:`_to_blocks`: ``[*lead, nb, B']`` -> ``[*lead, N']``, the padding cut off."""
+  flat = blocks.reshape(*blocks.shape[:-2], -1)
+  return flat[..., :n] if flat.shape[-1] != n else flat
 
 
 def _smallest_positive(dtype) -> float:
@@ -332,17 +335,19 @@ def _smallest_positive(dtype) -> float:
 
 
 def quantize_blockwise(x: jax.Array, fmt: BlockFormat, method: str = "arithmetic") -> BlockQuantized:
-  """Quantize ``x`` (floating, shape ``S``) block-wise; see the module doc for the layout.
+  """Quantize ``x`` (floating, shape ``[*lead, N]``) block-wise; see the module doc for the layout.
 
-  NaN in a block makes its scale NaN, so the block dequantizes to NaN (never silently zero).
-  With ``fmt.nonzero``, positive elements keep at least the smallest positive code.
+  NaN or inf in a block makes its scale NaN, so the whole block dequantizes to NaN (never to a
+  finite value, on every backend). With ``fmt.nonzero``, positive elements keep at least the
+  smallest positive code.
   """
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize_blockwise: expected a floating-point array, got dtype {x.dtype}")
-  blocks = _blocks(x.astype(jnp.float32), fmt)
-  amax = jnp.max(jnp.abs(blocks), axis=-1)
-  safe = jnp.maximum(amax, AMAX_FLOOR)
-  inv = (fmt.fmax / safe)[..., None]  # multiplier into the code range; NaN amax stays NaN
+  codes_shape, _ = stored_shapes(x.shape, fmt)
+  blocks = _to_blocks(x.astype(jnp.float32), fmt.block)
+  amax = stats.absmax(blocks, axis=-1)[..., 0]  # NaN and inf count as inf
+  safe = jnp.where(jnp.isfinite(amax), jnp.maximum(amax, AMAX_FLOOR), 1.0)
+  inv = (fmt.fmax / safe)[..., None]  # multiplier into the code range
   y = blocks * inv
   if fmt.kind in _FLOAT_DTYPES:
     y = jnp.clip(y, -fmt.fmax, fmt.fmax)
@@ -357,18 +362,18 @@ def quantize_blockwise(x: jax.Array, fmt: BlockFormat, method: str = "arithmetic
       if fmt.kind == "dynamic":
         codes = jnp.where((blocks > 0) & (codes == zero), jnp.uint8(zero + 1), codes)
     scale = amax
+  scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
   if fmt.storage_bits == 4:
-    codes = pack_4bit(codes)  # within each block, so a block's bytes stay together
-  return BlockQuantized(codes.reshape(*scale.shape[:-1], -1), scale)
+    codes = pack_4bit(codes)  # within each block: a block's bytes stay together
+  return BlockQuantized(_from_blocks(codes, codes_shape[-1]), scale)
 
 
 def dequantize_blockwise(q: BlockQuantized, fmt: BlockFormat, shape: tuple[int, ...]) -> jax.Array:
   """float32 tensor of ``shape`` from :func:`quantize_blockwise`'s output."""
-  codes = q.codes.reshape(*q.scale.shape, -1)
-  if fmt.storage_bits == 4:
-    codes = unpack_4bit(codes)
+  codes = unpack_4bit(q.codes) if fmt.storage_bits == 4 else q.codes
   values = codes.astype(jnp.float32) if fmt.kind in _FLOAT_DTYPES else decode(codes, fmt)
-  return (values * q.scale[..., None]).reshape(shape)
+  scale = jnp.repeat(q.scale, fmt.block, axis=-1, total_repeat_length=q.scale.shape[-1] * fmt.block)
+  return (values * scale[..., : values.shape[-1]]).reshape(shape)
 
 
 def zeros_blockwise(shape: tuple[int, ...], fmt: BlockFormat) -> BlockQuantized:
@@ -393,7 +398,7 @@ __all__ = [
     "dynamic_map",
     "encode",
     "encode_reference",
-    "group_start",
+    "blockable",
     "linear_map",
     "nbytes",
     "pack_4bit",

@@ -204,17 +204,18 @@ def test_training_sharded_equals_unsharded(recipe, config, mesh):
 
 
 def test_training_bound_catches_shards_in_the_wrong_order(mesh, monkeypatch):
-  # Negative control: a device-order bug (every gathered weight rotated by one shard) is
-  # outside the bound from the first step (a near-uniform first prediction hides most of it).
+  # Negative control: a device-order bug (every gathered weight rotated by one shard) is far
+  # outside the bound within three steps. (A near-uniform first prediction can hide most of it
+  # at step 1: 8 seeds gave 1e-4..3e-3 relative at steps 1-3, one other seed 2e-5 at step 1.)
   from jaxlowbit.fsdp import wire
 
   key = fresh_key()
-  tokens, labels = data(key, 1)
+  tokens, labels = data(key, 3)
   reference = train(Int8MixedPrecision(), None, ROW, tokens, labels, jax.random.fold_in(key, 1))
   gather = wire.gather
   monkeypatch.setattr(wire, "gather", lambda message, axis: jnp.roll(gather(message, axis), 1, axis=0))
   rotated = train(Int8MixedPrecision(), mesh, ROW, tokens, labels, jax.random.fold_in(key, 1))
-  assert abs(rotated[0] - reference[0]) > 10 * LOSS_RTOL * reference[0]  # ~80x in practice
+  assert np.max(np.abs(np.asarray(rotated) - reference) / np.asarray(reference)) > 10 * LOSS_RTOL
 
 
 # -------------------------------------------------------------------------------------------

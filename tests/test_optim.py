@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlowbit import optim, qstate
-from jaxlowbit.qstate import BlockQuantized
 from helpers import fresh_key, rel_err
 
 LOWBIT = ["adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"]
@@ -25,9 +24,9 @@ def _params(key):
   k1, k2, k3 = jax.random.split(key, 3)
   return {
       "kernel": jax.random.normal(k1, (128, 512)) * 0.02,  # blocks along the last axis
-      "heads": jax.random.normal(k2, (32, 8, 64)) * 0.02,  # last axis 64 < block: group (8, 64)
+      "heads": jax.random.normal(k2, (32, 8, 64)) * 0.02,  # last axis 64 < block: one short block per row
       "norm": jnp.ones((512,)),  # < 4096 elements: float32 moments
-      "odd": jax.random.normal(k3, (100, 50)),  # 5000 elements, no trailing run divisible by 256
+      "odd": jax.random.normal(k3, (100, 51)) * 0.02,  # odd rows: 8-bit/FP8 blocks of 51, 4-bit float32
   }
 
 
@@ -79,15 +78,21 @@ def test_updates_track_optax_adamw(name):
   key, params, ref = _tracking_reference()
   _, state, ours = _trajectory(optim.make(name, **TRACK_KW), params, key, 10)
   for t, (u, r) in enumerate(zip(ours, ref)):
-    for leaf in ("kernel", "heads"):
+    quantized = ("kernel", "heads") if name == "adamw_4bit" else ("kernel", "heads", "odd")
+    for leaf in quantized:
       err = rel_err(u[leaf], r[leaf])
       assert err <= (1e-6 if t == 0 else UPDATE_RTOL[name]), (t, leaf, err)  # step 1 uses float32 moments
-    for leaf in ("norm", "odd"):  # unquantized tensors: optax.adamw bit for bit
+    for leaf in set(params) - set(quantized):  # unquantized tensors: optax.adamw bit for bit
       np.testing.assert_array_equal(u[leaf], r[leaf])
-  mu = state[0].mu
-  assert isinstance(mu["kernel"], BlockQuantized) and isinstance(mu["heads"], BlockQuantized)
-  assert mu["norm"].dtype == jnp.float32 and mu["odd"].dtype == jnp.float32, "small/unblockable stay float32"
-  assert mu["heads"].codes.shape[0] == 32, "leading axes are kept, so dim-0 sharding carries over"
+  adam = state[0]
+  for leaf in quantized:  # every state leaf keeps its parameter's rank and leading shape
+    assert adam.mu[leaf].dtype != jnp.float32 and adam.mu[leaf].shape[:-1] == params[leaf].shape[:-1]
+    assert adam.mu_scale[leaf].shape[:-1] == params[leaf].shape[:-1] and adam.mu_scale[leaf].dtype == jnp.float32
+  assert adam.mu["heads"].shape == ((32, 8, 32) if name == "adamw_4bit" else (32, 8, 64))
+  assert adam.mu_scale["heads"].shape == (32, 8, 1) and adam.nu_scale["kernel"].shape[-1] == 512 // (
+      128 if name == "adamw_4bit" else 256)
+  assert adam.mu["norm"].dtype == jnp.float32 and adam.mu_scale["norm"].shape == (512 // (128 if name == "adamw_4bit" else 256),), "small: float32"
+  assert np.all(np.asarray(adam.mu_scale["norm"]) == 1.0), "with unit scales"
 
 
 def _model_shapes():
@@ -190,7 +195,7 @@ def test_fsdp_sharded_update_matches_unsharded(name):
   p_ref, s_ref = jax.jit(run)(jax.device_put(params, one), jax.device_put(grads, one))
   stacked = jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s)), spec)  # each step's gradients FSDP-sharded
   p_sh, s_sh = jax.jit(run, in_shardings=(shardings, stacked), out_shardings=(shardings, None))(params, grads)
-  codes = s_sh[0].mu["kernel"].codes
+  codes = s_sh[0].mu["kernel"]
   assert codes.sharding.spec[0] == "fsdp", f"the state follows the params' dim-0 sharding, got {codes.sharding}"
   assert len(codes.addressable_shards) == 8 and codes.addressable_shards[0].data.shape[0] == 8
   jax.tree.map(np.testing.assert_array_equal, p_sh, p_ref)

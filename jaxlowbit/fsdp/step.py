@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxlowbit.fsdp.plan import FsdpPlan
+from jaxlowbit.optim import state_shardings
 from jaxlowbit.fsdp.scales import Scales, precompute_scales
 
 # loss_fn(params, scales, batch, *extras) -> float32 scalar: mean loss over this device's slice.
@@ -79,16 +80,15 @@ def _constrain(tree, plan: FsdpPlan):
 
 
 def init_optimizer(optimizer: optax.GradientTransformation, params, plan: FsdpPlan):
-  """``optimizer.init(params)`` with every parameter-shaped state leaf sharded like its parameter."""
+  """``optimizer.init(params)`` with every parameter-shaped state leaf sharded like its parameter
+  (:func:`jaxlowbit.optim.state_shardings`: optax's moments and the low-bit optimizers' codes and
+  block scales alike), the rest replicated."""
 
   def init(params):
     state = optimizer.init(params)
     if plan.mesh is None:
       return state
-    return optax.tree_map_params(
-        optimizer, lambda s, sharding: jax.lax.with_sharding_constraint(s, sharding), state, plan.shardings(),
-        transform_non_params=lambda s: s,
-    )
+    return jax.lax.with_sharding_constraint(state, state_shardings(optimizer, state, plan.shardings()))
 
   return jax.jit(init)(params)
 
