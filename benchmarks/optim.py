@@ -17,16 +17,21 @@ The table is printed last; ``--out`` gets the same numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
 import math
+import os
 import platform
 import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import common
 from jaxlowbit import optim, qstate
 
 # TinyLlama-1.1B-style shapes, one row per parameter: (name, shape per layer or None, stacked?).
@@ -64,7 +69,24 @@ def _arrays(shapes, key, scale):
   }
 
 
-def bench_optimizer(name: str, shapes, repeats: int, warmup: int) -> dict:
+def top_kernels(step, args, steps: int = 3, top: int = 8) -> list[dict]:
+  """The ``top`` device kernels of ``steps`` calls of ``step(*args)`` by total time (jax.profiler
+  trace read back in Python, as benchmarks/profile_step.py does), ms per step each."""
+  from benchmarks.profile_step import device_kernels
+
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(steps):
+        args = jax.block_until_ready(step(*args))
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    profile = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
+    totals = collections.Counter()
+    for kernel, _, duration, _ in device_kernels(profile):
+      totals[kernel] += duration
+  return [{"kernel": k, "ms_per_step": ns / 1e6 / steps} for k, ns in totals.most_common(top)]
+
+
+def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool = False) -> dict:
   tx = optim.make(name, 1e-4, weight_decay=0.1)
   abstract = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
   state_bytes = qstate.nbytes(jax.eval_shape(tx.init, abstract))
@@ -88,8 +110,10 @@ def bench_optimizer(name: str, shapes, repeats: int, warmup: int) -> dict:
     params, state = jax.block_until_ready(step(params, state, grads))
     times.append(time.perf_counter() - t0)
   finite = bool(all(jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)))
+  kernels = top_kernels(lambda p, s: step(p, s, grads), (params, state)) if profile else []
   del params, state, grads
   return {
+      "top_kernels": kernels,
       "optimizer": name,
       "state_bytes": state_bytes,
       "step_ms_median": 1e3 * statistics.median(times),
@@ -126,13 +150,14 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--encode", type=int, default=0, help="also time the nearest-code methods on this many elements")
+  parser.add_argument("--profile", action="store_true", help="trace 3 steps per optimizer; JSON gets its top kernels")
   args = parser.parse_args(argv)
 
   shapes = model_shapes(args.layers, args.vocab)
   n_params = sum(math.prod(s) for s in shapes.values())
   results = []
   for name in args.optimizers.split(","):
-    results.append(bench_optimizer(name.strip(), shapes, args.repeats, args.warmup))
+    results.append(bench_optimizer(name.strip(), shapes, args.repeats, args.warmup, args.profile))
     print(f"done {name}: {results[-1]['step_ms_median']:.2f} ms", flush=True)
   base = next((r for r in results if r["optimizer"] == "adamw"), results[0])
   for r in results:
@@ -150,6 +175,8 @@ def main(argv=None):
       "shapes": {k: list(v) for k, v in shapes.items()},
       "n_params": n_params,
       "repeats": args.repeats,
+      "commit": common.commit(),
+      "date": time.strftime("%Y-%m-%d"),
       "results": results,
       "encode": encode,
   }
@@ -168,6 +195,9 @@ def main(argv=None):
     row = (r["optimizer"], r["state_bytes"] / 1e9, r["state_bytes_per_param"], r["state_vs_adamw"])
     row += (r["step_ms_median"], r["time_vs_adamw"], str(r["finite"]))
     print("{:<14} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7}".format(*row))
+  for r in results:
+    for k in r["top_kernels"][:4]:
+      print(f"  {r['optimizer']:<14} {k['ms_per_step']:8.2f} ms  {k['kernel'][:90]}")
 
 
 if __name__ == "__main__":

@@ -372,8 +372,8 @@ def dequantize_blockwise(q: BlockQuantized, fmt: BlockFormat, shape: tuple[int, 
   """float32 tensor of ``shape`` from :func:`quantize_blockwise`'s output."""
   codes = unpack_4bit(q.codes) if fmt.storage_bits == 4 else q.codes
   values = codes.astype(jnp.float32) if fmt.kind in _FLOAT_DTYPES else decode(codes, fmt)
-  scale = jnp.repeat(q.scale, fmt.block, axis=-1, total_repeat_length=q.scale.shape[-1] * fmt.block)
-  return (values * scale[..., : values.shape[-1]]).reshape(shape)
+  blocks = _to_blocks(values, fmt.block) * q.scale[..., None]
+  return _from_blocks(blocks, values.shape[-1]).reshape(shape)
 
 
 def zeros_blockwise(shape: tuple[int, ...], fmt: BlockFormat) -> BlockQuantized:
