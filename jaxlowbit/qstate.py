@@ -370,10 +370,9 @@ def quantize_blockwise(x: jax.Array, fmt: BlockFormat, method: str = "arithmetic
 
 def dequantize_blockwise(q: BlockQuantized, fmt: BlockFormat, shape: tuple[int, ...]) -> jax.Array:
   """float32 tensor of ``shape`` from :func:`quantize_blockwise`'s output."""
-  codes = unpack_4bit(q.codes) if fmt.storage_bits == 4 else q.codes
+  codes = _to_blocks(unpack_4bit(q.codes) if fmt.storage_bits == 4 else q.codes, fmt.block)
   values = codes.astype(jnp.float32) if fmt.kind in _FLOAT_DTYPES else decode(codes, fmt)
-  blocks = _to_blocks(values, fmt.block) * q.scale[..., None]
-  return _from_blocks(blocks, values.shape[-1]).reshape(shape)
+  return _from_blocks(values * q.scale[..., None], shape[-1]).reshape(shape)
 
 
 def zeros_blockwise(shape: tuple[int, ...], fmt: BlockFormat) -> BlockQuantized:
