@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.seed = 0  # parameter init, data order and the dropout key all derive from it
   config.recipe = "bf16"  # a key of train.config.RECIPES
   config.optimizer = "adamw"  # a key of train.optimizer.OPTIMIZERS or a jaxlowbit.optim function name
+  # A Hugging Face Llama / Qwen2 / Mistral folder (train.hf): the model's shape comes from its
+  # config.json and its weights replace the fresh init; its tokenizer.json becomes data.tokenizer.
+  config.init_from = ""
 
   # Steps and batch: one step is one optimizer update on batch_size sequences of seq_len tokens.
   config.steps = 1000
@@ -80,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   data = config.data
   data.source = "text"  # text | tokens | synthetic | hf (train/data.py)
+  data.tokenizer = "byte"  # byte | the path of a Hugging Face tokenizer.json (or a folder holding one)
   data.path = ""  # text: comma-separated files/folders ("" = Python stdlib sources); tokens: the .bin file
   data.suffixes = ".py"  # text: comma-separated file endings searched in folders
   data.val_path = ""  # tokens: a separate validation token file ("" = the tail of data.path)
@@ -166,6 +170,8 @@ _MODEL_FIELD_FORMS = {
     "dtype": (lambda dtype: jnp.dtype(dtype).name, lambda name: _dtype(name, "dtype")),
     "param_dtype": (lambda dtype: jnp.dtype(dtype).name, lambda name: _dtype(name, "param_dtype")),
     "filter_fqns": (",".join, lambda text: tuple(f.strip() for f in text.split(",") if f.strip())),
+    "rope_scaling": (lambda values: ",".join(repr(float(v)) for v in values),
+                     lambda text: tuple(float(f) for f in text.split(",") if f.strip())),
 }
 _MODEL_FIELDS_ELSEWHERE = frozenset({"recipe"})
 
@@ -262,6 +268,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.warmup_steps={config.warmup_steps} must lie in [0, steps={config.steps}]")
   if config.data.source not in DATA_SOURCES:
     raise ConfigError(f"config.data.source={config.data.source!r}; choose one of {DATA_SOURCES}")
+  tokenizer = pathlib.Path(config.data.tokenizer)
+  if config.data.tokenizer != "byte" and not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
+    raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: 'byte' or a tokenizer.json (or its folder)")
+  if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
+    raise ConfigError(f"config.init_from={config.init_from!r}: not a Hugging Face model folder (no config.json)")
   if config.peak_tflops is not None and config.peak_tflops <= 0:
     raise ConfigError(f"config.peak_tflops must be > 0 (or None: look up the device), got {config.peak_tflops}")
   if config.mesh.data < 1 or config.mesh.fsdp < 0:
@@ -285,14 +296,41 @@ def adjust(config: ml_collections.ConfigDict) -> list[str]:
   """Make a config that only asks for something too long runnable; the notices say what changed.
 
   A warmup longer than the run (``--config.steps=50`` on a config warming up over 500 steps:
-  what people try first) is shortened to the whole run.
+  what people try first) is shortened to the whole run. With ``init_from``, the model's shape
+  fields come from the checkpoint's config.json and its tokenizer.json replaces the byte tokenizer.
   """
   notes = []
+  if config.get("init_from") and (pathlib.Path(config.init_from) / "config.json").is_file():
+    notes += _adopt_pretrained(config)
   if isinstance(config.warmup_steps, int) and isinstance(config.steps, int) and config.warmup_steps > config.steps > 0:
     notes.append(f"note: config.warmup_steps={config.warmup_steps} is longer than the run; warming up over all "
                  f"{config.steps} steps instead")
     config.warmup_steps = config.steps
   return notes
+
+
+# ModelConfig fields that a Hugging Face config.json decides (train.hf.model_config_from_hf).
+PRETRAINED_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
+                     "rope_scaling", "attention_bias", "norm_eps", "tie_embeddings")
+
+
+def _adopt_pretrained(config: ml_collections.ConfigDict) -> list[str]:
+  from train import hf  # noqa: PLC0415  (hf imports the model, which this module's users import)
+
+  pretrained = hf.model_config_from_hf(hf.read_config(config.init_from))
+  notes = []
+  for field in PRETRAINED_FIELDS:
+    value, old = getattr(pretrained, field), config.model[field]
+    to_config = _MODEL_FIELD_FORMS.get(field, (lambda v: v, None))[0]
+    value = to_config(value)
+    if old != value:
+      notes.append(f"config.model.{field}: {old!r} -> {value!r}")
+      config.model[field] = value
+  tokenizer = pathlib.Path(config.init_from) / "tokenizer.json"
+  if config.data.tokenizer == "byte" and tokenizer.is_file():
+    config.data.tokenizer = str(tokenizer)
+    notes.append(f"config.data.tokenizer: byte -> {tokenizer}")
+  return [f"note: init_from {config.init_from}: " + "; ".join(notes)] if notes else []
 
 
 def mesh_shape(

@@ -1,6 +1,12 @@
-"""Training data: a byte-level tokenizer, corpora, and deterministic, resumable batches.
+"""Training data: tokenizers, corpora, and deterministic, resumable batches.
 
-Tokenizer: every byte of UTF-8 text is one token (ids 0-255), plus three specials::
+Tokenizers (``config.data.tokenizer``): ``"byte"`` (below), or the path of a Hugging Face
+``tokenizer.json`` (the ``tokenizers`` package; e.g. the one of a checkpoint imported with
+``train.hf``): its ids, its BOS (added by its post-processor, as Llama 3's does) and an EOS
+appended to every document when it has one (:class:`HFTokenizer`). Text, HF datasets and
+``python -m train.data --tokenizer ...`` token files use it; ``train.generate`` decodes with it.
+
+Byte tokenizer: every byte of UTF-8 text is one token (ids 0-255), plus three specials::
 
     BOS_ID = 256   starts every document
     EOS_ID = 257   ends every document
@@ -63,6 +69,71 @@ HASH_RANGE = 2**32  # zlib.crc32 values
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
+
+
+def token_dtype(vocab_size: int):
+  """uint16 for vocabularies up to 2**16, else uint32."""
+  return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+class ByteTokenizer:
+  """The byte-level tokenizer (module doc) behind the :class:`HFTokenizer` interface."""
+
+  name = "byte"
+  vocab_size = VOCAB_SIZE
+  eos_id = EOS_ID
+
+  def encode_document(self, text: str | bytes) -> np.ndarray:
+    return encode_document(text)
+
+  def encode_prompt(self, text: str) -> np.ndarray:
+    return np.concatenate([[BOS_ID], encode(text)]).astype(np.int32)
+
+  def decode(self, tokens: Iterable[int]) -> str:
+    return decode(tokens)
+
+
+# EOS tokens of common tokenizer.json files (Llama 3, Llama 2 / Mistral, Qwen2 / GPT-2).
+EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>")
+
+
+class HFTokenizer:
+  """A Hugging Face ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``).
+
+  Documents are ``encode(text).ids`` (the file's post-processor adds BOS where the model wants
+  one) plus the EOS id when the vocabulary has one of :data:`EOS_NAMES`.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    try:
+      from tokenizers import Tokenizer  # noqa: PLC0415  (optional dependency: pip install tokenizers)
+    except ImportError as e:
+      raise ImportError("data.tokenizer=<tokenizer.json> needs Hugging Face tokenizers: pip install tokenizers") from e
+    path = pathlib.Path(path)
+    if path.is_dir():
+      path = path / "tokenizer.json"
+    if not path.is_file():
+      raise FileNotFoundError(f"data.tokenizer: {path} not found (a tokenizer.json, or a folder holding one)")
+    self.name = str(path)
+    self.tokenizer = Tokenizer.from_file(str(path))
+    self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+    self.eos_id = next((i for i in map(self.tokenizer.token_to_id, EOS_NAMES) if i is not None), None)
+
+  def encode_document(self, text: str | bytes) -> np.ndarray:
+    text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+    ids = self.tokenizer.encode(text).ids + ([self.eos_id] if self.eos_id is not None else [])
+    return np.asarray(ids, token_dtype(self.vocab_size))
+
+  def encode_prompt(self, text: str) -> np.ndarray:
+    return np.asarray(self.tokenizer.encode(text).ids, np.int32)
+
+  def decode(self, tokens: Iterable[int]) -> str:
+    return self.tokenizer.decode([int(t) for t in tokens])
+
+
+def tokenizer_for(name: str) -> ByteTokenizer | HFTokenizer:
+  """``"byte"`` or the path of a ``tokenizer.json`` (or of a folder holding one)."""
+  return ByteTokenizer() if name in ("", "byte") else HFTokenizer(name)
 
 
 def encode(text: str | bytes) -> np.ndarray:
@@ -130,30 +201,38 @@ def is_validation(name: str, val_fraction: float) -> bool:
   return zlib.crc32(name.encode("utf-8")) < val_fraction * HASH_RANGE
 
 
-def split_documents(documents: Iterable[tuple[str, bytes]], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-  """Encode ``(name, text)`` documents and concatenate them into (train, validation) uint16 arrays."""
+def split_documents(
+    documents: Iterable[tuple[str, bytes]], val_fraction: float, tokenizer: ByteTokenizer | HFTokenizer | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+  """Encode ``(name, text)`` documents (byte tokenizer by default) and concatenate them into
+  (train, validation) arrays (uint16, or uint32 for vocabularies over 2**16)."""
+  tokenizer = tokenizer or ByteTokenizer()
   parts = {False: [], True: []}
   for name, text in documents:
-    parts[is_validation(name, val_fraction)].append(encode_document(text))
-  empty = np.zeros((0,), TOKEN_DTYPE)
+    parts[is_validation(name, val_fraction)].append(tokenizer.encode_document(text))
+  empty = np.zeros((0,), token_dtype(tokenizer.vocab_size))
   return tuple(np.concatenate(parts[split]) if parts[split] else empty for split in (False, True))
 
 
-def load_text_corpus(paths: Sequence[str], suffixes: Sequence[str], val_fraction: float) -> Corpus:
-  """Byte-tokenized text files or folders; ``paths=()`` means the standard library's sources."""
+def load_text_corpus(
+    paths: Sequence[str], suffixes: Sequence[str], val_fraction: float, tokenizer: ByteTokenizer | HFTokenizer | None = None
+) -> Corpus:
+  """Tokenized text files or folders (byte tokenizer by default); ``paths=()`` means the standard library's sources."""
+  tokenizer = tokenizer or ByteTokenizer()
   roots = list(paths) or [stdlib_root()]
   files = find_text_files(roots, suffixes)
   if not files:
     raise FileNotFoundError(f"data.path: no files ending in {tuple(suffixes)} under {[str(r) for r in roots]}")
-  train, validation = split_documents(((name, path.read_bytes()) for name, path in files), val_fraction)
+  train, validation = split_documents(((name, path.read_bytes()) for name, path in files), val_fraction, tokenizer)
   where = "the Python standard library" if not paths else ", ".join(str(p) for p in paths)
-  return Corpus(train, validation, VOCAB_SIZE, f"text: {len(files)} files from {where}")
+  return Corpus(train, validation, tokenizer.vocab_size, f"text: {len(files)} files from {where}, {tokenizer.name} tokens")
 
 
 def load_hf_corpus(
-    name: str, config_name: str, split: str, text_field: str, max_docs: int, val_fraction: float
+    name: str, config_name: str, split: str, text_field: str, max_docs: int, val_fraction: float,
+    tokenizer: ByteTokenizer | HFTokenizer | None = None,
 ) -> Corpus:
-  """The first ``max_docs`` documents of a Hugging Face dataset split, byte-tokenized."""
+  """The first ``max_docs`` documents of a Hugging Face dataset split, tokenized (bytes by default)."""
   try:
     import datasets  # noqa: PLC0415  (optional dependency)
   except ImportError as e:
@@ -161,8 +240,9 @@ def load_hf_corpus(
   dataset = datasets.load_dataset(name, config_name or None, split=split)
   count = min(max_docs, len(dataset)) if max_docs > 0 else len(dataset)
   documents = ((f"{i}", dataset[i][text_field]) for i in range(count))
-  train, validation = split_documents(documents, val_fraction)
-  return Corpus(train, validation, VOCAB_SIZE, f"hf: {name}/{config_name or '-'}[{split}], {count} documents")
+  tokenizer = tokenizer or ByteTokenizer()
+  train, validation = split_documents(documents, val_fraction, tokenizer)
+  return Corpus(train, validation, tokenizer.vocab_size, f"hf: {name}/{config_name or '-'}[{split}], {count} documents")
 
 
 def _meta_path(path: str | os.PathLike) -> pathlib.Path:
@@ -353,9 +433,10 @@ def load_corpus(data_config) -> Corpus:
   """The corpus named by ``config.data`` (``source``, ``path``, ``suffixes``, ...)."""
   source = data_config.source
   paths = [p for p in data_config.path.split(",") if p]
+  tokenizer = tokenizer_for(data_config.get("tokenizer", "byte"))
   if source == "text":
     suffixes = [s for s in data_config.suffixes.split(",") if s]
-    return load_text_corpus(paths, suffixes, data_config.val_fraction)
+    return load_text_corpus(paths, suffixes, data_config.val_fraction, tokenizer)
   if source == "tokens":
     if len(paths) != 1:
       raise ValueError("data.source='tokens' needs data.path=<one token file> (see python -m train.data --help)")
@@ -365,7 +446,7 @@ def load_corpus(data_config) -> Corpus:
       raise ValueError("data.source='hf' needs data.hf_name, e.g. --config.data.hf_name=roneneldan/TinyStories")
     return load_hf_corpus(
         data_config.hf_name, data_config.hf_config, data_config.hf_split, data_config.hf_text_field,
-        data_config.hf_max_docs, data_config.val_fraction,
+        data_config.hf_max_docs, data_config.val_fraction, tokenizer,
     )
   raise ValueError(f"data.source={source!r}: choose 'text', 'tokens', 'synthetic' or 'hf'")
 
@@ -391,10 +472,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("paths", nargs="*", help="text files or folders (default: the Python standard library)")
   parser.add_argument("--suffixes", default=",".join(DEFAULT_SUFFIXES), help="file endings searched in folders")
   parser.add_argument("--val_fraction", type=float, default=0.02)
+  parser.add_argument("--tokenizer", default="byte", help='"byte" or a tokenizer.json (or a folder holding one)')
   args = parser.parse_args(argv)
-  corpus = load_text_corpus(args.paths, args.suffixes.split(","), args.val_fraction)
+  tokenizer = tokenizer_for(args.tokenizer)
+  corpus = load_text_corpus(args.paths, args.suffixes.split(","), args.val_fraction, tokenizer)
   for split, tokens in (("train", corpus.train), ("val", corpus.validation)):
-    path = write_token_file(f"{args.out_prefix}.{split}.bin", tokens)
+    path = write_token_file(f"{args.out_prefix}.{split}.bin", tokens, tokenizer.vocab_size)
     print(f"{path}: {tokens.size:,} tokens")
 
 

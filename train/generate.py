@@ -231,9 +231,9 @@ def generate(model: Transformer, params: Any, prompt: np.ndarray, new_tokens: in
   return GenerationResult(tokens, prefill_s, decode_s, compile_s)
 
 
-def until_eos(tokens: np.ndarray) -> np.ndarray:
-  """The tokens before the first EOS."""
-  ends = np.flatnonzero(tokens == data.EOS_ID)
+def until_eos(tokens: np.ndarray, eos_id: int | None = data.EOS_ID) -> np.ndarray:
+  """The tokens before the first ``eos_id`` (all of them when it is None)."""
+  ends = np.flatnonzero(tokens == eos_id) if eos_id is not None else np.zeros(0, np.int64)
   return tokens[: ends[0]] if ends.size else tokens
 
 
@@ -245,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", required=True, help="a train.main --workdir (RUN_DIR)")
   parser.add_argument("--scheme", default="w8a16", choices=SCHEMES)
-  parser.add_argument("--prompt", default="", help="text to continue (the model sees [BOS] + its UTF-8 bytes)")
+  parser.add_argument("--prompt", default="", help="text to continue (tokenized by the run's data.tokenizer: byte, [BOS] + UTF-8 bytes, or its tokenizer.json)")
   parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_NEW_TOKENS)
   parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   parser.add_argument("--top_k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
@@ -271,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
   linear_bytes = inference.weight_bytes(params)
   filter_fqns = tuple(f.strip() for f in args.filter_fqns.split(",") if f.strip())
   model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers)
-  prompt = np.tile(np.concatenate([[data.BOS_ID], data.encode(args.prompt)]).astype(np.int32), (args.batch_size, 1))
+  tokenizer = data.tokenizer_for(config.data.get("tokenizer", "byte"))  # the run's own
+  prompt = np.tile(tokenizer.encode_prompt(args.prompt), (args.batch_size, 1))
   result = generate(model, params, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-  print(args.prompt + data.decode(until_eos(result.tokens[0])))
+  print(args.prompt + tokenizer.decode(until_eos(result.tokens[0], tokenizer.eos_id)))
   print(
       f"\n[{args.scheme}] step {step}, recipe {config.recipe}: parameters {inference.weight_bytes(params) / 2**20:.1f} "
       f"MiB (checkpoint float32 {linear_bytes / 2**20:.1f} MiB); prompt {prompt.shape[1]} tokens, prefill "

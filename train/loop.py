@@ -189,6 +189,8 @@ def train(
     if config.resume:
       say(f"no checkpoint in {checkpointer.directory}: starting from step 0")
     state = init()
+    if config.init_from:  # a Hugging Face checkpoint's weights (train.hf)
+      state = functions.with_pretrained(state, config)
     if main_process:
       metrics.truncate_after(run_dir, -1)  # a fresh run starts a fresh metrics file
   if main_process:

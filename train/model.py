@@ -57,6 +57,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # cuDNN flash attention takes 16-bit inputs and head dims that are multiples of 8 up to 128
 # (jax.nn.dot_product_attention / cuDNN frontend limits); "auto" uses XLA otherwise.
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ATTENTION_INPUTS = ("qkv", "q", "k", "v")  # the projections that carry biases with attention_bias
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_HEAD_DIM_MULTIPLE = 8
 
@@ -73,6 +74,9 @@ class ModelConfig:
     n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
     d_ff: hidden width of the SwiGLU MLP.
     rope_theta: RoPE base frequency.
+    rope_scaling: ``()`` (none) or Llama 3's frequency scaling ``(factor, low_freq_factor,
+      high_freq_factor, original_max_position_embeddings)``.
+    attention_bias: the q, k and v projections have biases (Qwen2); the output projection never.
     norm_eps: RMSNorm epsilon.
     tie_embeddings: LM head is the transposed embedding (always high precision).
     dtype: compute dtype of activations and high-precision matmuls.
@@ -103,6 +107,8 @@ class ModelConfig:
   n_kv_heads: int = 2
   d_ff: int = 768
   rope_theta: float = 10_000.0
+  rope_scaling: tuple[float, ...] = ()
+  attention_bias: bool = False
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   dtype: Any = jnp.bfloat16
@@ -129,6 +135,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
+    if len(self.rope_scaling) not in (0, 4):
+      raise ValueError("ModelConfig: rope_scaling is () or (factor, low_freq_factor, high_freq_factor, "
+                       f"original_max_position_embeddings), got {self.rope_scaling!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig: remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
     if self.attention_impl not in ATTENTION_IMPLS:
@@ -232,13 +241,32 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   return float(matmul + attention)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, ...] = ()) -> jax.Array:
+  """float32 ``[head_dim / 2]`` angular frequencies ``theta^(-2i / head_dim)``.
+
+  ``scaling = (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``
+  applies Llama 3's long-context rule: wavelengths longer than ``original / low_freq_factor``
+  are stretched by ``factor``, those shorter than ``original / high_freq_factor`` kept, and the
+  band in between interpolated linearly in ``original / wavelength``.
+  """
+  half = head_dim // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if not scaling:
+    return freqs
+  factor, low, high, original = scaling
+  wavelength = 2 * math.pi / freqs
+  blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: stretch, 1: keep
+  return (1 - blend) * freqs / factor + blend * freqs
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple[float, ...] = ()) -> jax.Array:
   """Rotary position embedding (rotate-half form, as Hugging Face Llama checkpoints expect).
 
   Args:
     x: ``[B, T, heads, head_dim]`` queries or keys (head_dim even).
     positions: ``[T]`` int32 token positions.
     theta: base frequency.
+    scaling: Llama 3 frequency scaling (:func:`rope_frequencies`), or ``()``.
 
   Returns:
     ``x`` rotated, same shape and dtype (angles computed in float32):
@@ -247,7 +275,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     it into one elementwise pass with no concatenate (forward or backward).
   """
   half = x.shape[-1] // 2
-  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  freqs = rope_frequencies(x.shape[-1], theta, tuple(scaling))
   angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, half]
   cos = jnp.cos(angles)[None, :, None, None, :]  # [1, T, 1, 1, half]
   sin = jnp.sin(angles)
@@ -304,7 +332,7 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, lea
   dense = jaxlowbit.dense_for(
       recipe,
       features=features,
-      use_bias=False,
+      use_bias=config.attention_bias and name in ATTENTION_INPUTS,
       dtype=config.dtype,
       param_dtype=config.param_dtype,
       kernel_init=nn.initializers.normal(std),
@@ -333,8 +361,8 @@ class Attention(nn.Module):
       q = projection(c, x, "layers.attn.q", q_dim, c.init_std, lead)
       k = projection(c, x, "layers.attn.k", kv_dim, c.init_std, lead)
       v = projection(c, x, "layers.attn.v", kv_dim, c.init_std, lead)
-    q = rope(q.reshape(b, t, c.n_heads, hd), positions, c.rope_theta)
-    k = rope(k.reshape(b, t, c.n_kv_heads, hd), positions, c.rope_theta)
+    q = rope(q.reshape(b, t, c.n_heads, hd), positions, c.rope_theta, c.rope_scaling)
+    k = rope(k.reshape(b, t, c.n_kv_heads, hd), positions, c.rope_theta, c.rope_scaling)
     v = v.reshape(b, t, c.n_kv_heads, hd)
     mask = None
     if self.decode:  # the mask is None while initializing (that allocates the cache)
@@ -477,5 +505,6 @@ __all__ = [
     "param_count",
     "projection_paths",
     "rope",
+    "rope_frequencies",
     "train_flops_per_token",
 ]

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from train import checkpoint
+from train.metrics import say
 from train import config as train_config
 from train.model import Transformer
 from train.optimizer import make_optimizer
@@ -69,6 +70,20 @@ def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config)
     )
 
   return init
+
+
+def pretrained_params(config: ml_collections.ConfigDict, params: dict) -> dict:
+  """``params`` with every leaf a Hugging Face checkpoint (``config.init_from``) has replaced by
+  its weights (``train.hf``); the others (a BitNet recipe's extra norms) keep their init."""
+  from train import hf  # noqa: PLC0415  (safetensors is only needed here)
+
+  model = train_config.model_config(config)
+  _, pretrained = hf.load_pretrained(config.init_from, param_dtype=model.param_dtype, scan_layers=model.scan_layers,
+                                     fused_projections=model.fused_projections)
+  params = jax.tree.map(lambda x: x, params)  # a copy of the tree: merge_into fills it in place
+  kept = hf.merge_into(params, pretrained)
+  say(f"init_from {config.init_from}: {hf.describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
+  return params
 
 
 def abstract_state(config: ml_collections.ConfigDict) -> TrainState:
@@ -161,6 +176,14 @@ class StepFunctions:
       return checkpoint.abstract_on_device(abstract)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
                         self.state_shardings)
+
+  def with_pretrained(self, state: TrainState, config) -> TrainState:
+    """A fresh ``state`` whose parameters ``config.init_from`` replaces (:func:`pretrained_params`),
+    each placed like the init's, with their scales; the optimizer state is the init's (zeros)."""
+    host = pretrained_params(config, jax.device_get(state.params))
+    params = jax.tree.map(lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), host, state.params)
+    state = state.replace(params=params)
+    return self.with_scales(state) if state.scales is not None else state
 
   def with_scales(self, state: TrainState) -> TrainState:
     """``state`` with the scales of its parameters (resuming an unsharded run's checkpoint under FSDP)."""
