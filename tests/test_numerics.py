@@ -35,7 +35,12 @@ def test_int8_matches_numpy_contract(axis):
   ref_q = np.clip(np.round(xn / ref_scale), -127, 127).astype(np.int8)  # np.round is half-even
   assert q.dtype == jnp.int8 and scale.dtype == jnp.float32 and scale.shape == ref_scale.shape
   np.testing.assert_array_equal(scale, ref_scale)
-  np.testing.assert_array_equal(q, ref_q)
+  # Equal codes, except where x / scale lies within float32 rounding of a .5 tie (XLA's vectorized
+  # division may round the quotient differently from numpy's: one seed in ~100 hit one).
+  ratio = xn / ref_scale
+  differs = np.asarray(q, np.int32) != ref_q
+  near_tie = np.abs(np.abs(ratio - np.trunc(ratio)) - 0.5) <= 1e-5 * np.maximum(np.abs(ratio), 1)
+  assert np.all(np.abs(np.asarray(q, np.int32) - ref_q) <= 1) and np.all(near_tie[differs]), ratio[differs]
   # half a step, up to float32 rounding of x / scale and of q * scale
   assert np.all(np.abs(int8.dequantize_int8(q, scale) - xn) <= ref_scale / 2 * (1 + 1e-5))
 
