@@ -178,6 +178,31 @@ def test_export_then_import_is_bit_exact(name, tmp_path):
     np.testing.assert_array_equal(exported[key], value)
 
 
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8"])
+def test_quantized_export_stores_the_inference_codes_and_reads_back(scheme, tmp_path):
+  from jaxlowbit import inference
+
+  cfg = CASES["qwen2"]
+  tensors = random_tensors(cfg, np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  config, params = hf.load_pretrained(write_checkpoint(tmp_path / "in", cfg, tensors), dtype=jnp.float32)
+  out = hf.save_pretrained(tmp_path / "q", config, params, architecture="Qwen2ForCausalLM", scheme=scheme)
+  meta = json.loads((out / "config.json").read_text())["quantization_config"]
+  assert meta["scheme"] == scheme and meta["quant_method"] == "jaxlowbit"
+  from safetensors import safe_open
+
+  with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+    q = f.get_tensor("model.layers.1.self_attn.k_proj.weight")
+    scale = f.get_tensor("model.layers.1.self_attn.k_proj.weight_scale")
+    assert f.get_tensor("model.embed_tokens.weight").dtype == np.float32, "embeddings stay high precision"
+  leaves = inference.quantize_weight(jnp.asarray(tensors["model.layers.1.self_attn.k_proj.weight"].T), scheme)
+  np.testing.assert_array_equal(q, leaves["kernel_q"])  # the codes jaxlowbit.inference runs
+  np.testing.assert_array_equal(scale, leaves["kernel_scale"])
+  config2, params2 = hf.load_pretrained(out, dtype=jnp.float32)
+  tokens = np.random.default_rng(0).integers(0, cfg["vocab_size"], (2, 16))
+  exact = reference_logits(cfg, tensors, tokens)
+  assert 1e-6 < rel(Transformer(config2).apply({"params": params2}, jnp.asarray(tokens)), exact) < 2e-2
+
+
 def test_transformers_5_rope_parameters_are_read(tmp_path):
   """transformers >= 5 saves RoPE's theta and scaling as one "rope_parameters" dict."""
   cfg = dict(CASES["llama3"])
@@ -245,7 +270,8 @@ def test_transformers_loads_our_export_and_we_load_theirs(name, tmp_path):
 # The trainer: init_from, a tokenizer.json, generate and export.
 
 
-def test_finetune_from_a_hf_folder_then_generate_and_export(tmp_path, capsys):
+@pytest.mark.parametrize("fsdp", [1, 2], ids=["one_device", "fsdp2"])
+def test_finetune_from_a_hf_folder_then_generate_and_export(fsdp, tmp_path, capsys):
   pytest.importorskip("tokenizers")
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
   from test_train_loop import micro_config
@@ -268,7 +294,8 @@ def test_finetune_from_a_hf_folder_then_generate_and_export(tmp_path, capsys):
   folder = write_checkpoint(tmp_path / "llama", cfg, tensors)
   tokenizer.save(str(folder / "tokenizer.json"))
 
-  config = micro_config(str(corpus), init_from=str(folder), steps=2, lr=1e-30, checkpoint_every=2, eval_every=100)
+  config = micro_config(str(corpus), init_from=str(folder), steps=2, lr=1e-30, checkpoint_every=2, eval_every=100,
+                        mesh__fsdp=fsdp)
   result = loop.train(config, tmp_path / "run")
   out = capsys.readouterr().out
   assert result.status == "completed" and "init_from" in out and "config.model.d_model: 32 -> 64" in out, out

@@ -48,6 +48,8 @@ ARCHITECTURES = {
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # old Llama checkpoints store RoPE's buffer
+QUANT_SCALE_SUFFIX = ".weight_scale"  # quantized exports: "<linear>.weight" int8 [out, in] + this [out]
+QUANT_SCHEMES = ("w8a16", "w8a8")
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -232,6 +234,23 @@ def _tensors(files: list[pathlib.Path]) -> Iterator[tuple[str, np.ndarray]]:
         yield name, np.asarray(f.get_tensor(name))
 
 
+def _dequantized(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+  """Pass tensors through; an int8 ``weight`` and its ``weight_scale`` (a quantized export, see
+  :func:`save_pretrained`) come out as one float32 ``weight = int8 * scale[:, None]``."""
+  codes, scales = {}, {}
+  for name, tensor in tensors:
+    if name.endswith(QUANT_SCALE_SUFFIX):
+      scales[name[: -len(QUANT_SCALE_SUFFIX)] + ".weight"] = tensor
+    elif tensor.dtype == np.int8:
+      codes[name] = tensor
+    else:
+      yield name, tensor
+    for ready in set(codes) & set(scales):
+      yield ready, codes.pop(ready).astype(np.float32) * scales.pop(ready).astype(np.float32)[:, None]
+  if codes or scales:
+    raise UnsupportedCheckpointError(f"int8 weights without scales or scales without weights: {sorted({*codes, *scales})[:3]}")
+
+
 def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, **overrides) -> tuple[ModelConfig, dict]:
   """``(ModelConfig, params)`` of a Hugging Face checkpoint folder.
 
@@ -244,7 +263,7 @@ def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, **overrid
   Returns:
     The config and ``params`` as ``Transformer(config).apply({"params": params}, tokens)`` takes
     them (a BitNet recipe's extra norms are not part of a HF model: initialize the model and
-    merge with :func:`merge_into`).
+    merge with :func:`merge_into`). A quantized export's int8 weights come back dequantized.
 
   Raises:
     UnsupportedCheckpointError: an unsupported architecture or option, a missing file or tensor.
@@ -253,7 +272,7 @@ def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, **overrid
   names = _hf_names(config)
   params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_params(config))
   seen = set()
-  for name, tensor in _tensors(weight_files(path)):
+  for name, tensor in _dequantized(_tensors(weight_files(path))):
     if _IGNORED.match(name):
       continue
     if name not in names:
@@ -322,6 +341,19 @@ def hf_tensors(config: ModelConfig, params: Mapping) -> Iterator[tuple[str, np.n
     yield name, np.ascontiguousarray(value.T if part.startswith("T") else value)
 
 
+def _stored_tensors(config: ModelConfig, params: Mapping, dtype, scheme: str | None) -> Iterator[tuple[str, np.ndarray]]:
+  """What :func:`save_pretrained` writes: every tensor in ``dtype``, projections int8 + scale under ``scheme``."""
+  from jaxlowbit_numerics import int8  # noqa: PLC0415
+
+  for name, value in hf_tensors(config, params):
+    if scheme is not None and name.startswith("model.layers.") and name.endswith("_proj.weight"):
+      q, scale = int8.quantize_int8(jnp.asarray(value, jnp.float32), axis=1)  # [out, in]: one scale per row
+      yield name, np.asarray(q)
+      yield name[: -len(".weight")] + QUANT_SCALE_SUFFIX, np.asarray(scale).reshape(-1)
+    else:
+      yield name, value.astype(jnp.dtype(dtype)) if dtype is not None else value
+
+
 def save_pretrained(
     path: str | pathlib.Path,
     config: ModelConfig,
@@ -330,6 +362,7 @@ def save_pretrained(
     dtype=None,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer: str | pathlib.Path | None = None,
+    scheme: str | None = None,
 ) -> pathlib.Path:
   """Write ``params`` as a Hugging Face folder ``transformers`` loads (``AutoModelForCausalLM``).
 
@@ -341,6 +374,13 @@ def save_pretrained(
     max_shard_bytes: beyond this, tensors go to several ``model-0000i-of-0000n.safetensors``
       files listed in ``model.safetensors.index.json``.
     tokenizer: a ``tokenizer.json`` to copy alongside.
+    scheme: None (floating weights), or ``"w8a16"`` / ``"w8a8"``: every attention and MLP
+      projection stored as ``<name>.weight`` int8 ``[out, in]`` plus ``<name>.weight_scale``
+      float32 ``[out]`` (``W = weight * weight_scale[:, None]``, symmetric per output channel,
+      scale ``amax / 127``: the quantization of ``jaxlowbit.inference``'s schemes and of the INT8
+      recipe's forward); the embeddings, norms and LM head keep ``dtype``. config.json gets a
+      ``quantization_config`` saying so (``quant_method: "jaxlowbit"``); ``load_pretrained`` reads
+      it back. ``transformers`` does not run this format.
 
   Returns:
     The folder.
@@ -350,12 +390,12 @@ def save_pretrained(
   if config.recipe is not None and config.recipe.norm_before_linear and config.bitnet_norms:
     raise ValueError("save_pretrained: a BitNet model's extra norms have no Hugging Face Llama equivalent; "
                      "export it with train.generate's ternary inference formats instead")
+  if scheme not in (None, *QUANT_SCHEMES):
+    raise ValueError(f"save_pretrained: scheme must be None or one of {QUANT_SCHEMES}, got {scheme!r}")
   folder = pathlib.Path(path)
   folder.mkdir(parents=True, exist_ok=True)
   shards, current, size = [], {}, 0
-  for name, value in hf_tensors(config, params):
-    if dtype is not None:
-      value = value.astype(jnp.dtype(dtype))
+  for name, value in _stored_tensors(config, params, dtype, scheme):
     if current and size + value.nbytes > max_shard_bytes:
       shards.append(current)
       current, size = {}, 0
@@ -372,7 +412,15 @@ def save_pretrained(
       weight_map.update(dict.fromkeys(shard, file))
     total = sum(v.nbytes for shard in shards for v in shard.values())
     (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-  (folder / CONFIG_FILE).write_text(json.dumps(hf_config(config, architecture, stored.name), indent=2))
+  hf_json = hf_config(config, architecture, stored.name)
+  if scheme is not None:
+    hf_json["quantization_config"] = {
+        "quant_method": "jaxlowbit", "scheme": scheme, "weights": "int8, symmetric per output channel",
+        "layout": "<name>.weight int8 [out, in], <name>.weight_scale float32 [out]; W = weight * weight_scale[:, None]",
+        "activations": "int8 per token, dynamic" if scheme == "w8a8" else "16-bit",
+        "modules": "self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj",
+    }  # fmt: skip
+  (folder / CONFIG_FILE).write_text(json.dumps(hf_json, indent=2))
   if tokenizer is not None:
     (folder / "tokenizer.json").write_bytes(pathlib.Path(tokenizer).read_bytes())
   return folder
@@ -414,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   parser.add_argument("--dtype", default="bfloat16", help="stored dtype (bfloat16, float16, float32)")
   parser.add_argument("--architecture", default="", help="default: init_from's, else LlamaForCausalLM")
+  parser.add_argument("--scheme", default=None, choices=QUANT_SCHEMES, help="int8 projections + scales (see save_pretrained)")
   args = parser.parse_args(argv)
   config, model_config, params, step = generate.load_run(args.checkpoint, args.step)
   architecture = args.architecture
@@ -421,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     architecture = (read_config(config.init_from).get("architectures") or ["LlamaForCausalLM"])[0]
   tokenizer = data.tokenizer_for(config.data.get("tokenizer", "byte"))
   folder = save_pretrained(args.out, model_config, params, architecture or "LlamaForCausalLM", jnp.dtype(args.dtype),
-                           tokenizer=tokenizer.name if isinstance(tokenizer, data.HFTokenizer) else None)
+                           tokenizer=tokenizer.name if isinstance(tokenizer, data.HFTokenizer) else None,
+                           scheme=args.scheme)
   print(f"wrote {folder} (step {step}, {architecture or 'LlamaForCausalLM'}, {args.dtype})")
   return 0
 
