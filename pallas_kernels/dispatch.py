@@ -19,6 +19,8 @@ and every threshold); which kernel configuration runs a shape is :mod:`pallas_ke
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -75,8 +77,11 @@ def fused_quantize(
       rows, transposed, own_stat = quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec,
                                                                              rows_t)
     else:
-      rows, transposed, own_stat = quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec,
-                                                                          rows_t)
+      # Called through jit: flax's nn.scan checks its body's loop invariants by partial evaluation,
+      # which a bare pallas_call fails under jax 0.11 ("broadcasted variable has a data dependency").
+      kernel = functools.partial(quantize_kernels.fused_quantize_kernel, prologue=prologue, rows_spec=rows_spec,
+                                 cols_spec=cols_spec, rows_t=rows_t)
+      rows, transposed, own_stat = jax.jit(kernel)(inputs)
     return rows, transposed, own_stat if stat is None else stat
 
 
