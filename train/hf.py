@@ -302,24 +302,28 @@ def abstract_params(config: ModelConfig) -> dict:
   return jax.eval_shape(Transformer(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
 
 
-def merge_into(params: dict, pretrained: dict, where: str = "") -> list[str]:
-  """Copy every leaf of ``pretrained`` into ``params`` in place (same paths and shapes; dtype of
-  ``params``); returns the paths of ``params`` left as they were (e.g. BitNet's extra norms).
+def merge_into(params: dict, pretrained: dict, where: str = "", place=None) -> list[str]:
+  """Replace every leaf of ``params`` that ``pretrained`` has, in place (same paths and shapes);
+  returns the paths of ``params`` left as they were (e.g. BitNet's extra norms).
+
+  ``place(new, old)`` makes the new leaf (default: ``jnp.asarray(new, old.dtype)``; the trainer
+  puts each host array straight onto the old leaf's sharding, so no device holds a whole model).
 
   Raises:
     ValueError: a path of ``pretrained`` that ``params`` lacks, or a shape mismatch.
   """
+  place = place or (lambda new, old: jnp.asarray(new, old.dtype))
   kept = []
   for key, value in params.items():
     path = f"{where}/{key}" if where else key
     if key not in pretrained:
       kept.append(path)
     elif isinstance(value, dict):
-      kept += merge_into(value, pretrained[key], path)
+      kept += merge_into(value, pretrained[key], path, place)
     elif tuple(value.shape) != tuple(pretrained[key].shape):
       raise ValueError(f"merge_into: {path} has shape {tuple(value.shape)}, the pretrained {tuple(pretrained[key].shape)}")
     else:
-      params[key] = jnp.asarray(pretrained[key], value.dtype)
+      params[key] = place(pretrained[key], value)
   extra = set(pretrained) - set(params)
   if extra:
     raise ValueError(f"merge_into: the model has no {', '.join(sorted(f'{where}/{k}' for k in extra))}")

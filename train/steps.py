@@ -73,15 +73,17 @@ def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config)
 
 
 def pretrained_params(config: ml_collections.ConfigDict, params: dict) -> dict:
-  """``params`` with every leaf a Hugging Face checkpoint (``config.init_from``) has replaced by
-  its weights (``train.hf``); the others (a BitNet recipe's extra norms) keep their init."""
+  """``params`` (device arrays) with every leaf a Hugging Face checkpoint (``config.init_from``)
+  has replaced by its weights (``train.hf``), each put straight onto the old leaf's sharding (one
+  host copy of the checkpoint, never a whole model on one device); the others (a BitNet recipe's
+  extra norms) keep their init."""
   from train import hf  # noqa: PLC0415  (safetensors is only needed here)
 
   model = train_config.model_config(config)
   _, pretrained = hf.load_pretrained(config.init_from, param_dtype=model.param_dtype, scan_layers=model.scan_layers,
                                      fused_projections=model.fused_projections)
   params = jax.tree.map(lambda x: x, params)  # a copy of the tree: merge_into fills it in place
-  kept = hf.merge_into(params, pretrained)
+  kept = hf.merge_into(params, pretrained, place=lambda new, old: jax.device_put(np.asarray(new, old.dtype), old.sharding))
   say(f"init_from {config.init_from}: {hf.describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
   return params
 
@@ -180,9 +182,7 @@ class StepFunctions:
   def with_pretrained(self, state: TrainState, config) -> TrainState:
     """A fresh ``state`` whose parameters ``config.init_from`` replaces (:func:`pretrained_params`),
     each placed like the init's, with their scales; the optimizer state is the init's (zeros)."""
-    host = pretrained_params(config, jax.device_get(state.params))
-    params = jax.tree.map(lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), host, state.params)
-    state = state.replace(params=params)
+    state = state.replace(params=pretrained_params(config, state.params))
     return self.with_scales(state) if state.scales is not None else state
 
   def with_scales(self, state: TrainState) -> TrainState:
