@@ -73,16 +73,33 @@ def fused_quantize(
       # The op in XLA, its output written once, then the plain quantizers on it.
       stat = prologue.reference_stat(inputs) if prologue.stats else None
       inputs, prologue = (prologue.reference(inputs),), Identity()
-    if not quantize_kernels.supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
+    transposing = cols_spec is not None or rows_t
+    if quantize_kernels.supported(spec, r, c, transposed=transposing, prologue=prologue):
+      rows, transposed, own_stat = _kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
+    elif (transposing and rows_spec is not None and not rows_spec.per_tensor
+          and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue)):
+      # A shape the transposing kernel does not take but the rows kernel does: the rows come from
+      # the rows kernel, exactly as a rows-only request gets them (a layer's codes then do not
+      # depend on whether its backward needs a transposed copy: training and an inference
+      # conversion quantize alike), the transposed copy from XLA.
+      rows, _, own_stat = _kernel(inputs, prologue, rows_spec, None, False)
+      if rows_t:
+        transposed = (rows[0].T, rows[1].reshape(1, -1))
+      else:
+        transposed = quantize_kernels.fused_quantize_reference(inputs, prologue, None, cols_spec)[1]
+    else:
       rows, transposed, own_stat = quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec,
                                                                              rows_t)
-    else:
-      # Called through jit: flax's nn.scan checks its body's loop invariants by partial evaluation,
-      # which a bare pallas_call fails under jax 0.11 ("broadcasted variable has a data dependency").
-      kernel = functools.partial(quantize_kernels.fused_quantize_kernel, prologue=prologue, rows_spec=rows_spec,
-                                 cols_spec=cols_spec, rows_t=rows_t)
-      rows, transposed, own_stat = jax.jit(kernel)(inputs)
     return rows, transposed, own_stat if stat is None else stat
+
+
+def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t):
+  """:func:`pallas_kernels.quantize.fused_quantize_kernel` called through ``jax.jit``: as a bare
+  ``pallas_call`` inside ``nn.scan``'s loop-invariant check (partial evaluation, jax 0.11) it makes
+  flax raise "broadcasted variable has a data dependency on the scan body"."""
+  kernel = functools.partial(quantize_kernels.fused_quantize_kernel, prologue=prologue, rows_spec=rows_spec,
+                             cols_spec=cols_spec, rows_t=rows_t)
+  return jax.jit(kernel)(inputs)
 
 
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:

@@ -117,3 +117,33 @@ def test_quantize_dispatch_matches_numerics():
   assert qt.shape == (80, 48) and st.shape == (80, 1)
   np.testing.assert_array_equal(np.asarray(qt, np.float32), np.asarray(q3, np.float32).T)
   np.testing.assert_array_equal(st[:, 0], 1.0 / s3[0])
+
+
+@pytest.mark.parametrize("m", [4, 16, 256])
+@pytest.mark.parametrize("rows_t", [False, True], ids=["cols_t", "rows_t"])
+def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkeypatch):
+  """GPU dispatch (kernels in interpret mode): where the transposing kernel does not take the
+  shape (M=4, 16) the rows still come from the rows kernel, as for a rows-only request, so a
+  trained layer (rows + transposed copy) and its inference conversion (rows only) quantize alike."""
+  from pallas_kernels import quantize as qk
+
+  calls = []
+  kernel = qk.fused_quantize_kernel
+
+  def recording(inputs, prologue, rows_spec, cols_spec=None, rows_t=False, interpret=False):
+    calls.append((rows_spec is not None, cols_spec is not None or rows_t))
+    return kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True)
+
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda: True)
+  monkeypatch.setattr(qk, "fused_quantize_kernel", recording)
+  spec = QuantSpec("int8", eps=1e-5) if rows_t else QuantSpec("int8")
+  x = jax.random.normal(fresh_key(), (m, 1024)).astype(jnp.bfloat16)
+  rows_only = dispatch.fused_quantize((x,), qk.Identity(), spec)[0]
+  rows, transposed, _ = dispatch.fused_quantize((x,), qk.Identity(), spec, None if rows_t else spec, rows_t)
+  np.testing.assert_array_equal(rows[0], rows_only[0])
+  np.testing.assert_array_equal(rows[1], rows_only[1])
+  want = qk.fused_quantize_reference((x,), qk.Identity(), spec, None if rows_t else spec, rows_t)[1]
+  np.testing.assert_array_equal(transposed[0], want[0])
+  np.testing.assert_array_equal(transposed[1], want[1])
+  both = qk.supported(spec, m, 1024, transposed=True)
+  assert calls == [(True, False), (True, both)], calls  # the rows kernel ran for both requests
