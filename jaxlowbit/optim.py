@@ -44,18 +44,17 @@ stochastically, so updates far below bf16's resolution still move the weights on
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-from jaxlowbit_numerics import fp8
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxlowbit_numerics import fp8
 from jaxlowbit.qstate import (
     BlockFormat,
     BlockQuantized,
@@ -147,8 +146,8 @@ def scale_by_adam_quantized(
         return zeros_blockwise(p.shape, fmt).codes
       return jnp.zeros(p.shape, dtype or p.dtype)
 
-    def scale(p):
-      return jnp.zeros(_scale_shape(p.shape, block), jnp.float32) + (0.0 if quantized(p.shape) else 1.0)
+    def scale(p):  # zero scales of zero codes; ones for a moment kept in float32
+      return jnp.full(_scale_shape(p.shape, block), 0.0 if quantized(p.shape) else 1.0, jnp.float32)
 
     return ScaleByAdamQuantizedState(
         count=jnp.zeros([], jnp.int32),

@@ -75,16 +75,17 @@ def fused_quantize(
       inputs, prologue = (prologue.reference(inputs),), Identity()
     transposing = cols_spec is not None or rows_t
     if quantize_kernels.supported(spec, r, c, transposed=transposing, prologue=prologue):
-      rows, transposed, own_stat = _kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
+      rows, transposed, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=cols_spec,
+                                           rows_t=rows_t)
     elif (transposing and rows_spec is not None and not rows_spec.per_tensor
           and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue)):
       # A shape the transposing kernel does not take but the rows kernel does: the rows come from
       # the rows kernel, exactly as a rows-only request gets them (a layer's codes then do not
       # depend on whether its backward needs a transposed copy: training and an inference
       # conversion quantize alike), the transposed copy from XLA.
-      rows, _, own_stat = _kernel(inputs, prologue, rows_spec, None, False)
+      rows, _, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=None, rows_t=False)
       if rows_t:
-        transposed = (rows[0].T, rows[1].reshape(1, -1))
+        transposed = quantize_kernels.transposed_rows(rows)
       else:
         transposed = quantize_kernels.fused_quantize_reference(inputs, prologue, None, cols_spec)[1]
     else:
@@ -93,13 +94,12 @@ def fused_quantize(
     return rows, transposed, own_stat if stat is None else stat
 
 
+@functools.partial(jax.jit, static_argnames=("prologue", "rows_spec", "cols_spec", "rows_t"))
 def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t):
   """:func:`pallas_kernels.quantize.fused_quantize_kernel` called through ``jax.jit``: as a bare
   ``pallas_call`` inside ``nn.scan``'s loop-invariant check (partial evaluation, jax 0.11) it makes
   flax raise "broadcasted variable has a data dependency on the scan body"."""
-  kernel = functools.partial(quantize_kernels.fused_quantize_kernel, prologue=prologue, rows_spec=rows_spec,
-                             cols_spec=cols_spec, rows_t=rows_t)
-  return jax.jit(kernel)(inputs)
+  return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
 
 
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:

@@ -384,9 +384,14 @@ def fused_quantize_reference(inputs, prologue: Prologue, rows_spec, cols_spec=No
   if cols_spec is not None:
     transposed = quantize_cols_t_reference(y, cols_spec)
   elif rows_t:
-    transposed = (rows[0].T, rows[1].reshape(1, -1))
+    transposed = transposed_rows(rows)
   stat = prologue.reference_stat(inputs) if prologue.stats else None
   return rows, transposed, stat
+
+
+def transposed_rows(rows):
+  """The ``rows_t`` layout of per-row codes: ``(q [R, C], scale [R, 1])`` -> ``(q^T [C, R], scale [1, R])``."""
+  return rows[0].T, rows[1].reshape(1, -1)
 
 
 def quantize_rows_kernel(x: jax.Array, spec: QuantSpec, interpret: bool = False):

@@ -128,14 +128,13 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
   from pallas_kernels import quantize as qk
 
   calls = []
-  kernel = qk.fused_quantize_kernel
 
-  def recording(inputs, prologue, rows_spec, cols_spec=None, rows_t=False, interpret=False):
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t):  # dispatch's call of the kernel
     calls.append((rows_spec is not None, cols_spec is not None or rows_t))
-    return kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda: True)
-  monkeypatch.setattr(qk, "fused_quantize_kernel", recording)
+  monkeypatch.setattr(dispatch, "_kernel", recording)
   spec = QuantSpec("int8", eps=1e-5) if rows_t else QuantSpec("int8")
   x = jax.random.normal(fresh_key(), (m, 1024)).astype(jnp.bfloat16)
   rows_only = dispatch.fused_quantize((x,), qk.Identity(), spec)[0]

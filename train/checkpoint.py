@@ -22,7 +22,8 @@ checkpoint directory appears under its final name only once complete, so a crash
 leaves the previous checkpoint as the latest.
 
 Integrity: once a save is on disk (at the next save, or at close), process 0 writes
-``RUN_DIR/checkpoints/<step>/jaxlowbit_manifest.json``: every file's size and CRC-32.
+``RUN_DIR/checkpoints/<step>/jaxlowbit_manifest.json``: every file's size and CRC-32 (in a
+background thread: reading a large checkpoint back must not stall training).
 :meth:`Checkpointer.restore_latest` checks it and skips a checkpoint whose files changed, are
 missing or do not restore (a bit flip loads silently in orbax), falling back to the newest
 intact one; :meth:`Checkpointer.last_good_step` only ever names a verified checkpoint. A
@@ -39,6 +40,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import threading
 import zlib
 from typing import Any
 
@@ -101,6 +103,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", SCALES, "data"))
     self._unverified: list[int] = []  # started saves whose manifest is not written yet
+    self._manifests: threading.Thread | None = None  # writing the manifests of finished saves
 
   def _remove_leftovers(self) -> list[pathlib.Path]:
     """Remove what failed or interrupted saves left behind (orbax's temporary directories)."""
@@ -142,7 +145,9 @@ class Checkpointer:
     self._unverified.append(step)
 
   def finish(self) -> None:
-    """Wait for every started save; write the manifest of each (CheckpointSaveError if one failed)."""
+    """Wait for every started save (CheckpointSaveError if one failed); their manifests are then
+    written in a background thread, so training does not wait while every file is read for its
+    CRC-32 (:meth:`wait`, :meth:`last_good_step` and :meth:`close` wait for it)."""
     if not self._unverified:
       return
     steps, self._unverified = self._unverified, []
@@ -151,10 +156,25 @@ class Checkpointer:
     except Exception as e:
       self._failed(steps[-1], e)
     if self.writer:
-      for step in steps:
-        step_dir = self.directory / str(step)
-        if step_dir.is_dir():
-          (step_dir / MANIFEST).write_text(json.dumps({"step": step, "files": file_digests(step_dir)}))
+      self._join_manifests()
+      self._manifests = threading.Thread(target=self._write_manifests, args=(steps,), name="checkpoint-manifests")
+      self._manifests.start()
+
+  def _write_manifests(self, steps: list[int]) -> None:
+    for step in steps:
+      step_dir = self.directory / str(step)
+      try:
+        manifest = json.dumps({"step": step, "files": file_digests(step_dir)})
+        partial = step_dir / (MANIFEST + ".partial")  # renamed when complete: a manifest is never cut short
+        partial.write_text(manifest)
+        partial.replace(step_dir / MANIFEST)
+      except OSError:  # the checkpoint was rotated out (keep_checkpoints) meanwhile
+        continue
+
+  def _join_manifests(self) -> None:
+    if self._manifests is not None:
+      self._manifests.join()
+      self._manifests = None
 
   def _failed(self, step: int, error: Exception):
     """Raise the one-line CheckpointSaveError of a failed save, its leftovers removed."""
@@ -190,7 +210,7 @@ class Checkpointer:
 
   def last_good_step(self) -> int | None:
     """The newest checkpoint whose files verify against its manifest, or None."""
-    self.finish()
+    self.wait()
     return next((step for step in sorted(self.all_steps(), reverse=True) if self.verify(step) is None), None)
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
@@ -239,12 +259,15 @@ class Checkpointer:
     raise CorruptCheckpointError(f"no checkpoint in {self.directory} restores intact: " + "; ".join(problems))
 
   def wait(self) -> None:
-    """Block until every started save is on disk (and verified)."""
-    self.finish()
+    """Block until every started save is on disk and has its manifest."""
+    try:
+      self.finish()
+    finally:
+      self._join_manifests()
 
   def close(self) -> None:
     try:
-      self.finish()
+      self.wait()
     finally:
       self.manager.close()
 

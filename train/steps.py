@@ -22,8 +22,8 @@ import numpy as np
 import optax
 
 from train import checkpoint
-from train.metrics import say
 from train import config as train_config
+from train.metrics import say
 from train.model import Transformer
 from train.optimizer import make_optimizer
 from train.runtime import Runtime, Unsharded, make_runtime

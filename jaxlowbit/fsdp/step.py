@@ -20,8 +20,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxlowbit.fsdp.plan import FsdpPlan
-from jaxlowbit.optim import state_shardings
 from jaxlowbit.fsdp.scales import Scales, precompute_scales
+from jaxlowbit.optim import state_shardings
 
 # loss_fn(params, scales, batch, *extras) -> float32 scalar: mean loss over this device's slice.
 LossFn = Callable[..., jax.Array]
