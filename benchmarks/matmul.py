@@ -267,6 +267,85 @@ def _time_fused(op, inputs, prologue, spec, **config):
   return row
 
 
+def bench_column_scales(m=16384, sweep=True):
+  """Rows + transposed quantization at 1B shapes: per-column scales from the rows kernel's partials
+  ("rows") against the tiled statistics pass ("tiles"), per prologue; then the tiled passes' tile shapes.
+
+  Ideal bytes: the inputs read once, both 8-bit layouts written once. Every variant is checked
+  against the XLA reference first (fraction of codes that differ: rounding ties only).
+  """
+  kx, kg = jax.random.split(jax.random.key(4))
+  gamma = 1 + 0.1 * jax.random.normal(kg, (2048,), jnp.float32)
+  cases = {
+      "identity 16384x2048 (attn out x, down g)": ((jax.random.normal(kx, (m, 2048), jnp.bfloat16),), qkernels.Identity()),
+      "identity 16384x3072 (qkv g)": ((jax.random.normal(kx, (m, 3072), jnp.bfloat16),), qkernels.Identity()),
+      "identity 16384x16384 (gate_up g)": ((jax.random.normal(kx, (m, 16384), jnp.bfloat16),), qkernels.Identity()),
+      "rmsnorm 16384x2048": ((jax.random.normal(kx, (m, 2048), jnp.bfloat16), gamma),
+                             qkernels.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))),
+      "swiglu 16384x16384->8192": ((jax.random.normal(kx, (m, 16384), jnp.bfloat16),), qkernels.SwiGLU()),
+  }
+  specs = {"int8": QuantSpec("int8"), "fp8_rowwise": QuantSpec("float8_e4m3fn", power_of_two=True)}
+  copy = jax.random.normal(kx, (m, 16384), jnp.bfloat16)
+  copy_gbs = 2 * copy.size * 2 / time_ms(jax.jit(lambda x: x * 2), copy) / 1e6
+  rows = [{"name": "copy (x*2, bf16)", "gb_s": copy_gbs, "of_copy": 1.0}]
+  saved = (tuning.QUANTIZE_STATS_FROM_TILES, dict(tuning.QUANTIZE_STATS_TILE), dict(tuning.QUANTIZE_TILE))
+
+  def run(name, inputs, prologue, spec, **extra):
+    row = {"name": name, **extra}
+    try:
+      fn = jax.jit(lambda *a: qkernels.fused_quantize_kernel(a, prologue, spec, spec))
+      got, want = fn(*inputs), qkernels.fused_quantize_reference(inputs, prologue, spec, spec)
+      row["mismatch"] = max(float(np.mean(np.asarray(g, np.float32) != np.asarray(w, np.float32)))
+                            for g, w in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])))
+      ms = time_ms(fn, *inputs, iters=5, reps=3)
+      ideal = sum(a.size * a.dtype.itemsize for a in inputs) + 2 * inputs[0].shape[0] * prologue.width(inputs)
+      row.update(ms=ms, gb_s=ideal / ms / 1e6, of_copy=ideal / ms / 1e6 / copy_gbs)
+    except Exception as e:
+      row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(row, flush=True)
+    rows.append(row)
+    return row
+
+  try:
+    for case, (inputs, prologue) in cases.items():
+      for spec_name, spec in specs.items():
+        for strategy in ("rows", "tiles"):
+          tuning.QUANTIZE_STATS_FROM_TILES = frozenset({type(prologue).__name__} if strategy == "tiles" else ())
+          run(f"{case} {spec_name} {strategy}", inputs, prologue, spec)
+        if isinstance(prologue, qkernels.SwiGLU):  # the op in XLA, then the identity kernels
+          tuning.QUANTIZE_STATS_FROM_TILES = frozenset({"Identity"})
+          row = {"name": f"{case} {spec_name} xla op + tiles"}
+          try:
+            fn = jax.jit(lambda a, s=spec: qkernels.fused_quantize_kernel((qkernels.SwiGLU().reference((a,)),),
+                                                                         qkernels.Identity(), s, s))
+            ms = time_ms(fn, *inputs, iters=5, reps=3)
+            row.update(ms=ms)
+          except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+          print(row, flush=True)
+          rows.append(row)
+    if sweep:
+      for case in ("identity 16384x16384 (gate_up g)", "swiglu 16384x16384->8192", "identity 16384x2048 (attn out x, down g)"):
+        inputs, prologue = cases[case]
+        name = type(prologue).__name__
+        tuning.QUANTIZE_STATS_FROM_TILES = frozenset({name})
+        for tile in ((32, 128, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8), (128, 256, 8)):
+          tuning.QUANTIZE_STATS_TILE[name] = tile
+          run(f"{case} int8 stats tile", inputs, prologue, specs["int8"], stats_tile=tile)
+        timed = [r for r in rows if r["name"] == f"{case} int8 stats tile" and "ms" in r]
+        if timed:
+          tuning.QUANTIZE_STATS_TILE[name] = tuple(min(timed, key=lambda r: r["ms"])["stats_tile"])
+        for tile in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)):
+          tuning.QUANTIZE_TILE[name] = tile
+          run(f"{case} int8 write tile", inputs, prologue, specs["int8"], write_tile=tile)
+        tuning.QUANTIZE_STATS_TILE.update(saved[1]), tuning.QUANTIZE_TILE.update(saved[2])
+  finally:
+    tuning.QUANTIZE_STATS_FROM_TILES = saved[0]
+    tuning.QUANTIZE_STATS_TILE.clear(), tuning.QUANTIZE_STATS_TILE.update(saved[1])
+    tuning.QUANTIZE_TILE.clear(), tuning.QUANTIZE_TILE.update(saved[2])
+  return rows
+
+
 def tune_quantize(m=16384, k=8192):
   """Sweep the row kernel's block shape (rows per program, columns per load, warps)."""
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
@@ -301,6 +380,8 @@ def main():
   parser.add_argument("--tune-quantize", action="store_true")
   parser.add_argument("--fused", action="store_true", help="fused RMSNorm / SwiGLU quantizers at 1B shapes")
   parser.add_argument("--tune-fused", action="store_true", help="sweep the fused quantizers' block shapes")
+  parser.add_argument("--column-scales", action="store_true",
+                      help="rows + transposed quantizers: column scales from the rows kernel vs the tiled passes")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/<name>.json)")
   args = parser.parse_args()
   if args.tune:
@@ -318,6 +399,10 @@ def main():
     for op in dict.fromkeys(r["op"] for r in rows):
       best = min((r for r in rows if r["op"] == op and "ms" in r), key=lambda r: r["ms"], default={"op": op})
       print(best)
+  elif args.column_scales:
+    rows = bench_column_scales()
+    path = write_json("column_scales", rows, args.out)
+    print(table(rows, ["name", "stats_tile", "write_tile", "ms", "gb_s", "of_copy", "mismatch", "error"]))
   elif args.fused:
     rows = bench_fused()
     path = write_json("fused_quantize", rows, args.out)

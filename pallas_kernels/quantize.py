@@ -26,7 +26,8 @@ the last: the prologue in jnp, then the references of ``pallas_kernels.reference
 Numerics are exactly those of the reference up to float rounding: ``round(x / scale)`` may land
 on the other side of a .5 tie, and the norm's sum of squares is added in another order (its
 rsqrt may differ in the last bit, which can move a rounded value by one step). The Triton
-lowering has no round-half-even, so :func:`_round_half_even` builds it from floor (exactly).
+lowering has no round-half-even: on the GPU it is PTX's ``cvt.rni`` (one instruction), in interpret
+mode :func:`_round_half_even` builds it from floor (exactly).
 NaN or inf in a row (column) makes its amax inf, as in the reference (``stats.absmax``).
 """
 
@@ -176,12 +177,22 @@ def _round_half_even(y: jax.Array) -> jax.Array:
   return low + jnp.where((frac > 0.5) | ((frac == 0.5) & low_is_odd), 1.0, 0.0)
 
 
-def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec) -> jax.Array:
+def _rint(y: jax.Array, native: bool) -> jax.Array:
+  """``y`` (float32) rounded half to even: one PTX ``cvt.rni`` on the GPU (the floor-based form costs
+  ~8 ALU operations per element, which made the int8 quantizers slower than the FP8 ones), the
+  floor-based :func:`_round_half_even` in interpret mode. Both are exact."""
+  if not native:
+    return _round_half_even(y)
+  return plt.elementwise_inline_asm("cvt.rni.f32.f32 $0, $1;", args=[y], constraints="=r,r", pack=1,
+                                    result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
+
+
+def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax.Array:
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
   x = jnp.where(x != x, 0.0, x)
   if spec.is_int8:
-    y = _round_half_even(x / param)
+    y = _rint(x / param, native)
     return jnp.clip(y, -int8.INT8_MAX, int8.INT8_MAX).astype(jnp.int8)
   fmax = fp8.fp8_max(spec.jnp_dtype)
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)
@@ -196,7 +207,7 @@ def _magnitude(x: jax.Array) -> jax.Array:
 
 
 def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, block_rows: int, chunk: int,
-                 width: int, write: bool, with_colmax: bool):
+                 width: int, write: bool, with_colmax: bool, native: bool):
   """Outputs, in order: [q, scale] if ``write``, else [row amax]; [colmax] if asked; [stat] if the prologue has one."""
   inputs, outs = refs[:n_inputs], list(refs[n_inputs:])
   i = pl.program_id(0)
@@ -226,7 +237,7 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
     param, scale = _scales(amax, spec)
 
     def sweep_write(j, _):
-      q_ref[rows, pl.ds(j * chunk, chunk)] = _apply(values(j), param[:, None], spec)
+      q_ref[rows, pl.ds(j * chunk, chunk)] = _apply(values(j), param[:, None], spec, native)
       return 0
 
     lax.fori_loop(0, n_chunks, sweep_write, 0)
@@ -238,23 +249,40 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
 
 
 def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_row: bool, with_rows: bool,
-                 tile: tuple[int, int]):
-  """Inputs, then [stat] (prologue statistics) and the quantizer parameter ([C] per column or [R] per row);
+                 tile: tuple[int, int], native: bool):
+  """Inputs, then [stat] (prologue statistics), the transposed layout's quantizer parameter ([C] per
+  column, or [R] per row with ``per_row``) and, with ``with_rows``, the rows layout's ([R]);
   outputs: [q^T] and, with ``with_rows``, [q] in the rows layout."""
   inputs = refs[:n_inputs]
-  rest = refs[n_inputs:]
-  stat_ref = rest[0] if prologue.stats else None
-  param_ref = rest[1 if prologue.stats else 0]
-  qt_ref = rest[2 if prologue.stats else 1]
+  rest = list(refs[n_inputs:])
+  stat_ref = rest.pop(0) if prologue.stats else None
+  t_param_ref = rest.pop(0)
+  r_param_ref = rest.pop(0) if with_rows else None
+  qt_ref = rest.pop(0)
   i, j = pl.program_id(0), pl.program_id(1)
   tile_r, tile_c = tile
   rows, cols = pl.ds(i * tile_r, tile_r), pl.ds(j * tile_c, tile_c)
   stat = stat_ref[rows] if stat_ref is not None else None
-  param = param_ref[rows][:, None] if per_row else param_ref[cols][None, :]
-  q = _apply(prologue.values(inputs, rows, cols, stat), param, spec)
-  qt_ref[cols, rows] = q.T
+  values = prologue.values(inputs, rows, cols, stat)
+  t_param = t_param_ref[rows][:, None] if per_row else t_param_ref[cols][None, :]
+  qt_ref[cols, rows] = _apply(values, t_param, spec, native).T
   if with_rows:
-    refs[-1][rows, cols] = q
+    rest[0][rows, cols] = _apply(values, r_param_ref[rows][:, None], spec, native)
+
+
+def _tile_stats_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int, int]):
+  """Inputs, then [stat]; outputs: the tile's row maxima ``[C/tc, R]`` and column maxima ``[R/tr, C]``
+  of ``|values|`` (partials: every tile writes its own slot, so no program waits for another)."""
+  inputs = refs[:n_inputs]
+  stat_ref = refs[n_inputs] if prologue.stats else None
+  rowmax_ref, colmax_ref = refs[-2], refs[-1]
+  i, j = pl.program_id(0), pl.program_id(1)
+  tile_r, tile_c = tile
+  rows, cols = pl.ds(i * tile_r, tile_r), pl.ds(j * tile_c, tile_c)
+  stat = stat_ref[rows] if stat_ref is not None else None
+  magnitude = _magnitude(prologue.values(inputs, rows, cols, stat))
+  rowmax_ref[pl.ds(j, 1), rows] = jnp.max(magnitude, axis=1)[None, :]
+  colmax_ref[pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
 
 
 def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_colmax: bool, interpret: bool):
@@ -267,7 +295,8 @@ def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_co
   if prologue.stats:
     outs.append(out_struct((r,), jnp.float32, *inputs))
   kernel = functools.partial(_rows_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, block_rows=block_rows,
-                             chunk=_col_chunk(c, chunk), width=c, write=write, with_colmax=with_colmax)
+                             chunk=_col_chunk(c, chunk), width=c, write=write, with_colmax=with_colmax,
+                             native=not interpret)
   return pl.pallas_call(
       kernel,
       out_shape=tuple(outs),
@@ -278,23 +307,42 @@ def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_co
   )(*inputs)
 
 
-def _tile_call(inputs, prologue: Prologue, stat, param, spec: QuantSpec, per_row: bool, with_rows: bool,
-               interpret: bool):
+def _tile_call(inputs, prologue: Prologue, stat, t_param, spec: QuantSpec, per_row: bool, interpret: bool,
+               r_param=None):
+  """The tiled write pass: ``q^T`` quantized with ``t_param`` and, given ``r_param [R]``, the rows ``q``."""
   r, c = inputs[0].shape[0], prologue.width(inputs)
-  operands = [*inputs, *([stat] if prologue.stats else []), param]
+  with_rows = r_param is not None
+  operands = [*inputs, *([stat] if prologue.stats else []), t_param, *([r_param] if with_rows else [])]
   outs = [out_struct((c, r), spec.jnp_dtype, *operands)]
   if with_rows:
     outs.append(out_struct((r, c), spec.jnp_dtype, *operands))
   tile_r, tile_c, warps = tuning.quantize_tile_config(prologue)
   return pl.pallas_call(
       functools.partial(_tile_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, per_row=per_row,
-                        with_rows=with_rows, tile=(tile_r, tile_c)),
+                        with_rows=with_rows, tile=(tile_r, tile_c), native=not interpret),
       out_shape=tuple(outs),
       grid=(r // tile_r, c // tile_c),
       compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_cols_t",
   )(*operands)
+
+
+def _tile_stats_call(inputs, prologue: Prologue, stat, interpret: bool):
+  """``(row amax [R], column amax [C])`` of the prologue's values from one tiled read."""
+  r, c = inputs[0].shape[0], prologue.width(inputs)
+  operands = [*inputs, *([stat] if prologue.stats else [])]
+  tile_r, tile_c, warps = tuning.quantize_stats_tile_config(prologue)
+  rowmax, colmax = pl.pallas_call(
+      functools.partial(_tile_stats_kernel, prologue=prologue, n_inputs=len(inputs), tile=(tile_r, tile_c)),
+      out_shape=(out_struct((c // tile_c, r), jnp.float32, *operands),
+                 out_struct((r // tile_r, c), jnp.float32, *operands)),
+      grid=(r // tile_r, c // tile_c),
+      compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
+      interpret=interpret,
+      name="jaxlowbit_quantize_stats",
+  )(*operands)
+  return jnp.max(rowmax, axis=0), jnp.max(colmax, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,10 +358,26 @@ def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prolo
   """
   if spec.ternary or (spec.per_tensor and not transposed and isinstance(prologue, Identity)):
     return False
-  block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
-  tile_r, tile_c, _ = tuning.quantize_tile_config(prologue)
-  tiles = r % tile_r == 0 and c % tile_c == 0
-  return r % block_rows == 0 and c % 16 == 0 and (tiles or not (transposed or spec.per_tensor))
+  if c % 16:
+    return False
+  if transposed and _stats_from_tiles(spec, prologue):
+    return _tiles_divide(r, c, tuning.quantize_stats_tile_config(prologue)) and _tiles_divide(
+        r, c, tuning.quantize_tile_config(prologue)) and (not prologue.stats or _rows_divide(r, spec, prologue))
+  tiles = _tiles_divide(r, c, tuning.quantize_tile_config(prologue))
+  return _rows_divide(r, spec, prologue) and (tiles or not (transposed or spec.per_tensor))
+
+
+def _rows_divide(r: int, spec: QuantSpec, prologue: Prologue) -> bool:
+  return r % tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0] == 0
+
+
+def _tiles_divide(r: int, c: int, tile) -> bool:
+  return r % tile[0] == 0 and c % tile[1] == 0
+
+
+def _stats_from_tiles(spec: QuantSpec, prologue: Prologue) -> bool:
+  """Whether per-column scales come from the tiled statistics pass (else from the rows kernel's partials)."""
+  return not spec.per_tensor and tuning.quantize_stats_from_tiles(prologue)
 
 
 def fused_quantize_kernel(
@@ -346,21 +410,35 @@ def fused_quantize_kernel(
   if rows_t and (rows_spec is None or cols_spec is not None or not rows_spec.is_int8 or rows_spec.per_tensor):
     raise ValueError("fused_quantize_kernel: rows_t writes the rows' int8 codes transposed: give an int8 per-row "
                      "rows_spec only")
-  c = prologue.width(inputs)
-  if not supported(spec, inputs[0].shape[0], c, transposed=cols_spec is not None or rows_t, prologue=prologue):
+  r, c = inputs[0].shape[0], prologue.width(inputs)
+  if not supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
     block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
     raise ValueError(f"fused_quantize_kernel: {type(prologue).__name__} of {[a.shape for a in inputs]} with {spec}: "
-                     f"rows must divide by {block_rows} and the tile {tuning.quantize_tile_config(prologue)[:2]}; "
-                     "use pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
+                     f"rows must divide by {block_rows} and the tiles {tuning.quantize_tile_config(prologue)[:2]}, "
+                     f"{tuning.quantize_stats_tile_config(prologue)[:2]}; use pallas_kernels.dispatch.fused_quantize, "
+                     "which falls back to XLA")
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
     param, scale = _scales(jnp.max(amax), spec)
     stat = stat[0] if stat else None
+    r_param = jnp.broadcast_to(param, (r,)) if rows_spec is not None else None
     outs = _tile_call(inputs, prologue, stat, jnp.broadcast_to(param, (c,)), spec, per_row=False,
-                      with_rows=rows_spec is not None, interpret=interpret)
+                      interpret=interpret, r_param=r_param)
     rows = (outs[1], scale.reshape(1, 1)) if rows_spec is not None else None
     transposed = (outs[0], scale.reshape(1, 1)) if cols_spec is not None or rows_t else None
     return rows, transposed, stat
+  if cols_spec is not None and _stats_from_tiles(spec, prologue):
+    # Two tiled reads: every tile's row and column maxima, then both layouts written from the same
+    # tiles (no [R / rows-per-program, C] partials to write and reduce, as the rows kernel has).
+    stat = None
+    if prologue.stats:
+      stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)[-1]
+    rowmax, colmax = _tile_stats_call(inputs, prologue, stat, interpret)
+    param_t, scale_t = _scales(colmax, spec)
+    param_r, scale_r = _scales(rowmax, spec) if rows_spec is not None else (None, None)
+    outs = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
+    rows = (outs[1], scale_r[:, None]) if rows_spec is not None else None
+    return rows, (outs[0], scale_t[:, None]), stat
   outs = _rows_call(inputs, prologue, spec, write=rows_spec is not None, with_colmax=cols_spec is not None,
                     interpret=interpret)
   stat = outs[-1] if prologue.stats else None
@@ -368,10 +446,10 @@ def fused_quantize_kernel(
   if cols_spec is not None:
     colmax = outs[2 if rows_spec is not None else 1]
     param_t, scale_t = _scales(jnp.max(colmax, axis=0), spec)
-    qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, with_rows=False, interpret=interpret)[0]
+    qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret)[0]
     return rows, (qt, scale_t[:, None]), stat
   if rows_t:  # int8 divides by its dequantization scale itself (see _scales)
-    qt = _tile_call(inputs, prologue, stat, outs[1], spec, per_row=True, with_rows=False, interpret=interpret)[0]
+    qt = _tile_call(inputs, prologue, stat, outs[1], spec, per_row=True, interpret=interpret)[0]
     return rows, (qt, outs[1][None, :]), stat
   return rows, None, stat
 

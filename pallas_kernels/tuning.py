@@ -32,6 +32,14 @@ QUANTIZE_ROWS_BY_PROLOGUE = {
 # Transposing tile kernel: (tile rows, tile columns, warps) per prologue (same file): 64 x 128 took
 # identity x 8192 from 0.487 to 0.445 ms (int8); 32 x 128 RmsNorm from 0.159 to 0.147 ms.
 QUANTIZE_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGLU": (32, 128, 4)}
+# Per-column scales of a rows + transposed (or transposed-only) request come either from the rows
+# kernel, which writes per-program column maxima ([R / rows per program, C] float32, as many bytes
+# as the int8 output at 4 rows per program) that XLA then reduces, or from a tiled statistics pass
+# (row and column maxima per tile: 1/16 of that) followed by one tiled pass writing both layouts.
+# Prologues listed here take the tiled passes.
+QUANTIZE_STATS_FROM_TILES = frozenset({"Identity", "SwiGLU"})
+# Tiled statistics pass: (tile rows, tile columns, warps) per prologue.
+QUANTIZE_STATS_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGLU": (32, 128, 4)}
 
 # (dtype kind, M bucket, N bucket, K bucket) -> config for shapes that tune differently.
 TABLE: dict[tuple[str, int, int, int], GemmConfig] = {}
@@ -61,3 +69,13 @@ def quantize_rows_config(dtype, prologue=None) -> tuple[int, int, int]:
   """(rows per program, columns per load, warps) of the row-quantization kernel (``pallas_kernels.quantize``)."""
   kind = _kind(dtype)
   return QUANTIZE_ROWS_BY_PROLOGUE.get((kind, type(prologue).__name__), QUANTIZE_ROWS[kind])
+
+
+def quantize_stats_tile_config(prologue=None) -> tuple[int, int, int]:
+  """(tile rows, tile columns, warps) of the tiled statistics pass (row and column maxima per tile)."""
+  return QUANTIZE_STATS_TILE.get(type(prologue).__name__, QUANTIZE_STATS_TILE["Identity"])
+
+
+def quantize_stats_from_tiles(prologue=None) -> bool:
+  """Whether a per-column quantization of ``prologue``'s values takes its scales from the tiled statistics pass."""
+  return type(prologue).__name__ in QUANTIZE_STATS_FROM_TILES

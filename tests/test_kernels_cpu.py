@@ -15,10 +15,19 @@ import pytest
 
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import quantize as qk
+from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from helpers import fresh_key
 
 SPECS = [QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True), QuantSpec("float8_e5m2")]
+
+
+@pytest.fixture(params=["rows", "tiles"])
+def column_scales(request, monkeypatch):
+  """Runs a test with per-column scales from the rows kernel's partials, then from the tiled statistics pass."""
+  every = frozenset({"Identity", "RmsNorm", "SwiGLU"})
+  monkeypatch.setattr(tuning, "QUANTIZE_STATS_FROM_TILES", every if request.param == "tiles" else frozenset())
+  return request.param
 
 
 def _same(got, want):
@@ -27,7 +36,7 @@ def _same(got, want):
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
-def test_quantize_kernels_interpret_match_reference(spec, dtype):
+def test_quantize_kernels_interpret_match_reference(spec, dtype, column_scales):
   x = (jax.random.normal(fresh_key(), (128, 256)) * 5).astype(dtype)
   (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(x, spec, interpret=True)
   rq, rs = quantize_rows_reference(x, spec)
@@ -111,16 +120,21 @@ def test_kernels_trace_and_lower_inside_shard_map():
 
   def local(x, sx, wq, sw):
     (q, s), (qt, _) = qk.quantize_rows_and_cols_t_kernel(x, spec)
+    q_rows, _ = qk.quantize_rows_kernel(x, spec)
     y16 = w8a16.w8a16_matmul_kernel(x, wq, sw, jnp.float32)
     y8 = int8_gemv.a8w8_matmul_kernel(q[:8], s[:8], wq, sw, jnp.float32)
     y = hopper_gemm.scaled_matmul_hopper(q, s, wq, sw, out_dtype=jnp.bfloat16, sms=132)
-    for out in (q, s, qt, y16, y8, y):  # a custom_vjp backward must match its varying primal inputs
+    for out in (q, s, qt, q_rows, y16, y8, y):  # a custom_vjp backward must match its varying primal inputs
       assert jax.typeof(out).mat.varying == {"x"}, jax.typeof(out)
-    return q, qt.T, y16, y8, y
+    return q, qt.T, q_rows, y16, y8, y
 
   sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x"), P(), P()), out_specs=P("x")))
   text = sharded.trace(x, sx, wq, sw).lower(lowering_platforms=("cuda",)).as_text()
-  for kernel in ("jaxlowbit_quantize_rows", "jaxlowbit_w8a16_matmul", "jaxlowbit_a8w8_matmul", "mosaic_gpu"):
+  kernels = ["jaxlowbit_quantize_rows", "jaxlowbit_quantize_cols_t", "jaxlowbit_w8a16_matmul", "jaxlowbit_a8w8_matmul",
+             "mosaic_gpu"]
+  if tuning.quantize_stats_from_tiles(qk.Identity()):
+    kernels.append("jaxlowbit_quantize_stats")
+  for kernel in kernels:
     assert kernel in text, kernel
 
 
@@ -162,7 +176,7 @@ def _check_fused(inputs, prologue, rows_spec, cols_spec, rows_t):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rows_spec, cols_spec, rows_t", LAYOUTS, ids=str)
-def test_fused_rms_norm_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t):
+def test_fused_rms_norm_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t, column_scales):
   kx, kg = jax.random.split(fresh_key())
   x = (jax.random.normal(kx, (128, 256)) * 3).astype(jnp.bfloat16)
   gamma = 1 + 0.2 * jax.random.normal(kg, (256,))
@@ -171,15 +185,26 @@ def test_fused_rms_norm_quantize_interpret_matches_reference(rows_spec, cols_spe
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rows_spec, cols_spec, rows_t", LAYOUTS, ids=str)
-def test_fused_swiglu_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t):
+def test_fused_swiglu_quantize_interpret_matches_reference(rows_spec, cols_spec, rows_t, column_scales):
   gate_up = (jax.random.normal(fresh_key(), (128, 256)) * 2).astype(jnp.bfloat16)
   _check_fused((gate_up,), qk.SwiGLU(), rows_spec, cols_spec, rows_t)
 
 
-def test_fused_kernel_nan_row_interpret():
+def test_fused_kernel_nan_row_interpret(column_scales):
   x = jax.random.normal(fresh_key(), (64, 128)).at[5, 7].set(jnp.nan).astype(jnp.bfloat16)
   rows, cols, _ = qk.fused_quantize_kernel((x, jnp.ones(128)), qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)), INT8, INT8,
                                            interpret=True)
   with np.errstate(invalid="ignore"):
     deq = np.asarray(rows[0], np.float32) * np.asarray(rows[1])
   assert np.all(np.isnan(deq[5])) and np.all(np.isfinite(np.delete(deq, 5, axis=0)))
+
+
+def test_quantize_nan_element_interpret(column_scales):
+  """A NaN element makes its row (rows layout) and its column (transposed layout) dequantize to NaN, nothing else."""
+  x = jax.random.normal(fresh_key(), (128, 256)).at[5, 7].set(jnp.nan).astype(jnp.bfloat16)
+  (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(x, INT8, interpret=True)
+  with np.errstate(invalid="ignore"):
+    rows = np.asarray(q, np.float32) * np.asarray(s)
+    cols = np.asarray(qt, np.float32) * np.asarray(st)
+  assert np.all(np.isnan(rows[5])) and np.all(np.isfinite(np.delete(rows, 5, axis=0)))
+  assert np.all(np.isnan(cols[7])) and np.all(np.isfinite(np.delete(cols, 7, axis=0)))
