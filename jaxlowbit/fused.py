@@ -126,13 +126,35 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
 # SwiGLU
 
 
+@jax.custom_vjp
 def swiglu(gate_up: jax.Array) -> jax.Array:
-  """``silu(gate) * up`` of ``gate_up [..., 2H]`` (``[gate | up]``) in float32, cast back: ``[..., H]``."""
+  """``silu(gate) * up`` of ``gate_up [..., 2H]`` (``[gate | up]``) in float32, cast back: ``[..., H]``.
+
+  Its gradient ``d gate_up [..., 2H]`` is one elementwise pass (:func:`_swiglu_backward`); autodiff
+  of the split wrote the two halves' gradients and concatenated them in a separate copy (bf16 1B
+  step on an H200: 13.5 ms per step for the two).
+  """
   return SwiGLU().reference((gate_up,))
 
 
+def _swiglu_fwd(gate_up):
+  return swiglu(gate_up), gate_up
+
+
+def _swiglu_bwd(gate_up, dh):
+  return (_swiglu_backward(dh, gate_up).astype(gate_up.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def _swiglu_backward(dh, gate_up):
-  """``d gate_up [..., 2H]`` of ``h = silu(gate) * up`` given ``dh [..., H]``, in float32."""
+  """``d gate_up [..., 2H]`` of ``h = silu(gate) * up`` given ``dh [..., H]``, in float32.
+
+  XLA writes it in one pass (a concatenate fusion of the two halves' expressions). The same
+  expressions on the ``[..., 2, H]`` view selected per half ran as two passes on an H200 (11.9
+  against 4.9 ms per 1B step): XLA computed the shared sigmoid first rather than twice.
+  """
   gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
   sig = jax.nn.sigmoid(gate)
   dh = dh.astype(jnp.float32)
