@@ -267,6 +267,38 @@ def _time_fused(op, inputs, prologue, spec, **config):
   return row
 
 
+def bench_swiglu_grad(m=16384, h=8192):
+  """SwiGLU's backward at 1B shapes (``dh [m, h]``, ``gate_up [m, 2h]`` -> ``d gate_up``): XLA's
+  concatenate fusion against the values kernel per tile shape; ideal bytes: inputs read once, output
+  written once. Each kernel variant is checked against the reference (fraction of values that differ)."""
+  kd, kg = jax.random.split(jax.random.key(5))
+  inputs = (jax.random.normal(kd, (m, h), jnp.bfloat16), jax.random.normal(kg, (m, 2 * h), jnp.bfloat16))
+  prologue = qkernels.SwiGLUGrad()
+  ideal = sum(a.size * a.dtype.itemsize for a in inputs) + inputs[1].size * 2
+  want = jax.jit(prologue.reference)(inputs)
+  rows = [{"name": "xla concatenate fusion", "ms": time_ms(jax.jit(prologue.reference), inputs, iters=5, reps=3)}]
+  saved = dict(tuning.PROLOGUE_TILE)
+  try:
+    for tile in ((32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (16, 256, 4), (128, 64, 4), (64, 64, 4)):
+      tuning.PROLOGUE_TILE["SwiGLUGrad"] = tile
+      fn = jax.jit(lambda a: qkernels.prologue_kernel(a, prologue))
+      row = {"name": f"values kernel {tile}", "tile": tile}
+      try:
+        row["mismatch"] = float(np.mean(np.asarray(fn(inputs), np.float32) != np.asarray(want, np.float32)))
+        row["ms"] = time_ms(fn, inputs, iters=5, reps=3)
+      except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+      print(row, flush=True)
+      rows.append(row)
+  finally:
+    tuning.PROLOGUE_TILE.clear()
+    tuning.PROLOGUE_TILE.update(saved)
+  for row in rows:
+    if "ms" in row:
+      row["gb_s"] = ideal / row["ms"] / 1e6
+  return rows
+
+
 def bench_column_scales(m=16384, sweep=True):
   """Rows + transposed quantization at 1B shapes: per-column scales from the rows kernel's partials
   ("rows") against the tiled statistics pass ("tiles"), per prologue; then the tiled passes' tile shapes.
@@ -382,6 +414,7 @@ def main():
   parser.add_argument("--tune-fused", action="store_true", help="sweep the fused quantizers' block shapes")
   parser.add_argument("--column-scales", action="store_true",
                       help="rows + transposed quantizers: column scales from the rows kernel vs the tiled passes")
+  parser.add_argument("--swiglu-grad", action="store_true", help="SwiGLU's backward: XLA against the values kernel")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/<name>.json)")
   args = parser.parse_args()
   if args.tune:
@@ -403,6 +436,10 @@ def main():
     rows = bench_column_scales()
     path = write_json("column_scales", rows, args.out)
     print(table(rows, ["name", "stats_tile", "write_tile", "ms", "gb_s", "of_copy", "mismatch", "error"]))
+  elif args.swiglu_grad:
+    rows = bench_swiglu_grad()
+    path = write_json("swiglu_grad", rows, args.out)
+    print(table(rows, ["name", "ms", "gb_s", "mismatch", "error"]))
   elif args.fused:
     rows = bench_fused()
     path = write_json("fused_quantize", rows, args.out)

@@ -102,6 +102,26 @@ def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t):
   return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
 
 
+def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue) -> jax.Array:
+  """``prologue(*inputs)`` written in its dtype: ``[..., C]`` for inputs ``[..., C_i]``.
+
+  The values kernel (:func:`pallas_kernels.quantize.prologue_kernel`, one read, one write) on a GPU
+  where it takes the ``[R, C]`` shape, ``prologue.reference`` (XLA) elsewhere; equal up to float
+  rounding. ``SwiGLUGrad``: inputs ``dh [..., H], gate_up [..., 2H]`` -> ``d gate_up [..., 2H]``.
+  """
+  flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
+  r, c = flat[0].shape[0], prologue.width(flat)
+  if policy.quantize_on_kernel() and quantize_kernels.prologue_supported(r, c, prologue):
+    return _values(flat, prologue).reshape(*inputs[0].shape[:-1], c)
+  return prologue.reference(inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("prologue",))
+def _values(inputs, prologue):
+  """:func:`pallas_kernels.quantize.prologue_kernel` through ``jax.jit`` (as :func:`_kernel`)."""
+  return quantize_kernels.prologue_kernel(inputs, prologue)
+
+
 def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [R, C]`` of ``spec.dtype``, float32 dequant scale ``[R, 1]`` or ``[1, 1]``)."""
   return fused_quantize((x,), Identity(), spec)[0]

@@ -6,7 +6,8 @@ write their high-precision output:
 - :class:`Identity`: ``x [R, C]`` itself;
 - :class:`RmsNorm`: ``x [R, C]``, ``gamma [C]`` -> ``round(x * (rsqrt(mean(x^2) + eps) * gamma))``,
   as ``flax.linen.RMSNorm`` computes it (float32 statistics, rounded to the compute dtype);
-- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(silu(gate) * up)`` ``[R, H]``.
+- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(silu(gate) * up)`` ``[R, H]``;
+- :class:`SwiGLUGrad`: ``dh [R, H]``, ``gate_up [R, 2H]`` -> SwiGLU's ``d gate_up [R, 2H]``.
 
 Kernels:
 
@@ -16,11 +17,16 @@ Kernels:
   It can also only measure (per-tensor scales need every row's amax before any write).
 - the *tile* kernel: ``TILE x TILE`` tiles, written transposed (``[C, R]``: the layout
   grad_weight's GEMM wants) with per-column scales, or with the rows' own scales (BitNet
-  reuses its exact int8 activations), and, for per-tensor scales, the rows layout too.
+  reuses its exact int8 activations), and, for per-tensor and tiled per-column scales, the rows
+  layout too;
+- the *stats* kernel: every tile's row and column maxima (the scales of a rows + transposed
+  request without the rows kernel's per-program partials);
+- the *values* kernel: the prologue's output itself, written in its dtype (SwiGLU's backward as
+  one pass where XLA would concatenate its halves in a second one).
 
 Public entry points: :func:`quantize_rows_kernel`, :func:`quantize_cols_t_kernel`,
-:func:`quantize_rows_and_cols_t_kernel` (identity prologue) and :func:`fused_quantize_kernel`
-(any prologue, any of the layouts). :func:`fused_quantize_reference` is the XLA definition of
+:func:`quantize_rows_and_cols_t_kernel` (identity prologue), :func:`fused_quantize_kernel`
+(any prologue, any of the layouts) and :func:`prologue_kernel` (the values). :func:`fused_quantize_reference` is the XLA definition of
 the last: the prologue in jnp, then the references of ``pallas_kernels.reference``.
 
 Numerics are exactly those of the reference up to float rounding: ``round(x / scale)`` may land
@@ -83,6 +89,9 @@ class Identity:
   def reference(self, inputs) -> jax.Array:
     return inputs[0]
 
+  def out_dtype(self, inputs):
+    return inputs[0].dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class RmsNorm:
@@ -121,6 +130,10 @@ class RmsNorm:
     x = inputs[0].astype(jnp.float32)
     return lax.rsqrt(jnp.mean(x * x, axis=-1) + self.eps)
 
+  def out_dtype(self, inputs):
+    del inputs
+    return self.dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
@@ -143,8 +156,64 @@ class SwiGLU:
     gate, up = jnp.split(inputs[0].astype(jnp.float32), 2, axis=-1)
     return round_to(gate / (1.0 + jnp.exp(-gate)) * up, inputs[0].dtype)
 
+  def out_dtype(self, inputs):
+    return inputs[0].dtype
 
-Prologue = Identity | RmsNorm | SwiGLU
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLUGrad:
+  """``dh [R, H]``, ``gate_up [R, 2H]`` -> ``d gate_up [R, 2H]`` of ``h = silu(gate) * up``, in float32
+  rounded to ``gate_up``'s dtype: ``[dh * up * s * (1 + gate * (1 - s)) | dh * gate * s]`` with
+  ``s = sigmoid(gate)``. A block of columns must lie within one half (``H`` divisible by it).
+
+  The values kernel runs one program per block of ``H``'s columns and writes both halves' blocks
+  (:meth:`write`): each input element is read once.
+  """
+
+  stats = False
+
+  def width(self, inputs) -> int:
+    return inputs[1].shape[1]
+
+  def value_columns(self, inputs) -> int:
+    """Columns of the values kernel's grid: one program writes a block of each half."""
+    return inputs[0].shape[1]
+
+  @staticmethod
+  def halves(dh, gate, up):
+    """(d gate, d up) in float32 from float32 blocks of ``dh``, ``gate``, ``up``."""
+    sig = 1.0 / (1.0 + jnp.exp(-gate))
+    return dh * up * sig * (1.0 + gate * (1.0 - sig)), dh * gate * sig
+
+  @staticmethod
+  def _load(refs, rows, cols):
+    dh_ref, gate_up_ref = refs[0], refs[1]
+    h = dh_ref.shape[1]
+    return (dh_ref[rows, cols].astype(jnp.float32), gate_up_ref[rows, cols].astype(jnp.float32),
+            gate_up_ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32))
+
+  def values(self, refs, rows, cols, stat):
+    del stat
+    h = refs[0].shape[1]
+    d_gate, d_up = self.halves(*self._load(refs, rows, pl.ds(cols.start % h, cols.size)))
+    return jnp.where(cols.start < h, d_gate, d_up).astype(refs[1].dtype).astype(jnp.float32)
+
+  def write(self, refs, out_ref, rows, cols):
+    """Writes ``out[rows, cols]`` and ``out[rows, cols + H]`` for ``cols`` within ``[0, H)``."""
+    d_gate, d_up = self.halves(*self._load(refs, rows, cols))
+    out_ref[rows, cols] = d_gate.astype(out_ref.dtype)
+    out_ref[rows, pl.ds(cols.start + refs[0].shape[1], cols.size)] = d_up.astype(out_ref.dtype)
+
+  def reference(self, inputs) -> jax.Array:
+    dh, gate_up = inputs
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return round_to(jnp.concatenate(self.halves(dh.astype(jnp.float32), gate, up), axis=-1), gate_up.dtype)
+
+  def out_dtype(self, inputs):
+    return inputs[1].dtype
+
+
+Prologue = Identity | RmsNorm | SwiGLU | SwiGLUGrad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +354,13 @@ def _tile_stats_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int
   colmax_ref[pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
 
 
+def _values_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int, int]):
+  """Inputs; output: the prologue's values in the output's dtype. One tile of the grid per program,
+  over ``prologue.value_columns`` (the prologue writes the output blocks that tile's inputs make)."""
+  i, j = pl.program_id(0), pl.program_id(1)
+  prologue.write(refs[:n_inputs], refs[n_inputs], pl.ds(i * tile[0], tile[0]), pl.ds(j * tile[1], tile[1]))
+
+
 def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_colmax: bool, interpret: bool):
   r, c = inputs[0].shape[0], prologue.width(inputs)
   block_rows, chunk, warps = tuning.quantize_rows_config(spec.jnp_dtype, prologue)
@@ -360,11 +436,16 @@ def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prolo
     return False
   if c % 16:
     return False
+  stats_tile, tile = tuning.quantize_stats_tile_config(prologue), tuning.quantize_tile_config(prologue)
   if transposed and _stats_from_tiles(spec, prologue):
-    return _tiles_divide(r, c, tuning.quantize_stats_tile_config(prologue)) and _tiles_divide(
-        r, c, tuning.quantize_tile_config(prologue)) and (not prologue.stats or _rows_divide(r, spec, prologue))
-  tiles = _tiles_divide(r, c, tuning.quantize_tile_config(prologue))
-  return _rows_divide(r, spec, prologue) and (tiles or not (transposed or spec.per_tensor))
+    return (_tiles_divide(r, c, stats_tile) and _tiles_divide(r, c, tile) and _halves_divide(c, stats_tile[1], prologue)
+            and _halves_divide(c, tile[1], prologue) and (not prologue.stats or _rows_divide(r, spec, prologue)))
+  block_rows, chunk, _ = tuning.quantize_rows_config(spec.jnp_dtype, prologue)
+  if not _halves_divide(c, _col_chunk(c, chunk), prologue):
+    return False
+  if transposed or spec.per_tensor:
+    return _rows_divide(r, spec, prologue) and _tiles_divide(r, c, tile) and _halves_divide(c, tile[1], prologue)
+  return _rows_divide(r, spec, prologue)
 
 
 def _rows_divide(r: int, spec: QuantSpec, prologue: Prologue) -> bool:
@@ -373,6 +454,11 @@ def _rows_divide(r: int, spec: QuantSpec, prologue: Prologue) -> bool:
 
 def _tiles_divide(r: int, c: int, tile) -> bool:
   return r % tile[0] == 0 and c % tile[1] == 0
+
+
+def _halves_divide(c: int, block_c: int, prologue: Prologue) -> bool:
+  """:class:`SwiGLUGrad` computes a block of columns from one half: the half must divide by the block."""
+  return not isinstance(prologue, SwiGLUGrad) or (c // 2) % block_c == 0
 
 
 def _stats_from_tiles(spec: QuantSpec, prologue: Prologue) -> bool:
@@ -452,6 +538,37 @@ def fused_quantize_kernel(
     qt = _tile_call(inputs, prologue, stat, outs[1], spec, per_row=True, interpret=interpret)[0]
     return rows, (qt, outs[1][None, :]), stat
   return rows, None, stat
+
+
+def prologue_supported(r: int, c: int, prologue: Prologue) -> bool:
+  """Whether :func:`prologue_kernel` takes a ``[R, C]`` output of ``prologue``."""
+  tile_r, tile_c, _ = tuning.prologue_tile_config(prologue)
+  return hasattr(prologue, "write") and _tiles_divide(r, c, (tile_r, tile_c)) and _halves_divide(c, tile_c, prologue)
+
+
+def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: Prologue, interpret: bool = False) -> jax.Array:
+  """``prologue(*inputs)`` written in its dtype, ``[R, C]``: one read of the inputs, one write.
+
+  Args:
+    inputs: the prologue's inputs (``dh [R, H], gate_up [R, 2H]`` for :class:`SwiGLUGrad`).
+    prologue: a prologue that writes its values by blocks (``write``: :class:`SwiGLUGrad`).
+    interpret: run in Pallas interpret mode (CPU tests).
+  """
+  r, c = inputs[0].shape[0], prologue.width(inputs)
+  if not prologue_supported(r, c, prologue):
+    raise ValueError(f"prologue_kernel: {type(prologue).__name__} of {[a.shape for a in inputs]}: rows and columns "
+                     f"must divide by the tile {tuning.prologue_tile_config(prologue)[:2]} (and a half of the columns "
+                     "by its width), and the prologue must write its values by blocks (SwiGLUGrad); use "
+                     "pallas_kernels.dispatch.prologue_values")
+  tile_r, tile_c, warps = tuning.prologue_tile_config(prologue)
+  return pl.pallas_call(
+      functools.partial(_values_kernel, prologue=prologue, n_inputs=len(inputs), tile=(tile_r, tile_c)),
+      out_shape=out_struct((r, c), prologue.out_dtype(inputs), *inputs),
+      grid=(r // tile_r, prologue.value_columns(inputs) // tile_c),
+      compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
+      interpret=interpret,
+      name="jaxlowbit_prologue",
+  )(*inputs)
 
 
 def fused_quantize_reference(inputs, prologue: Prologue, rows_spec, cols_spec=None, rows_t: bool = False):

@@ -31,3 +31,12 @@ def rel_err(actual, reference) -> float:
   a = np.asarray(actual, np.float64)
   r = np.asarray(reference, np.float64)
   return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+
+
+def bf16_values_close(got, want, max_fraction=0.01):
+  """bfloat16 values equal except where float32 ulps (``exp`` against ``sigmoid``, a sum's order)
+  moved a rounding: at most ``max_fraction`` of them differ, each by at most one bfloat16 step."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  differ = got != want
+  assert differ.mean() <= max_fraction, differ.mean()
+  assert np.all(np.abs(got - want)[differ] <= 2.0**-7 * np.abs(want)[differ])

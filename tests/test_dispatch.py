@@ -146,3 +146,29 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
   np.testing.assert_array_equal(transposed[1], want[1])
   both = qk.supported(spec, m, 1024, transposed=True)
   assert calls == [(True, False), (True, both)], calls  # the rows kernel ran for both requests
+
+
+def test_prologue_values_use_the_kernel_where_it_tiles(monkeypatch):
+  """GPU dispatch (kernel in interpret mode): SwiGLU's backward of ``[B, T, H]`` runs in the values
+  kernel on ``[B*T, ...]`` and comes back in the input's leading shape; a shape it cannot tile
+  (a half of 192 columns) gets the XLA reference."""
+  from pallas_kernels import quantize as qk
+
+  calls = []
+
+  def recording(inputs, prologue):
+    calls.append(tuple(a.shape for a in inputs))
+    return qk.prologue_kernel(inputs, prologue, interpret=True)
+
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda: True)
+  monkeypatch.setattr(dispatch, "_values", recording)
+  for h, tiles in ((256, True), (96, False)):
+    kd, kg = jax.random.split(fresh_key())
+    dh = jax.random.normal(kd, (2, 32, h)).astype(jnp.bfloat16)
+    gate_up = jax.random.normal(kg, (2, 32, 2 * h)).astype(jnp.bfloat16)
+    got = dispatch.prologue_values((dh, gate_up), qk.SwiGLUGrad())
+    want = qk.SwiGLUGrad().reference((dh, gate_up))
+    assert got.shape == (2, 32, 2 * h) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2.0**-7, atol=0)
+    assert calls == ([((64, h), (64, 2 * h))] if tiles else []), calls
+    calls.clear()

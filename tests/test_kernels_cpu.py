@@ -17,7 +17,7 @@ from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import quantize as qk
 from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
-from helpers import fresh_key
+from helpers import bf16_values_close, fresh_key
 
 SPECS = [QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True), QuantSpec("float8_e5m2")]
 
@@ -208,3 +208,35 @@ def test_quantize_nan_element_interpret(column_scales):
     cols = np.asarray(qt, np.float32) * np.asarray(st)
   assert np.all(np.isnan(rows[5])) and np.all(np.isfinite(np.delete(rows, 5, axis=0)))
   assert np.all(np.isnan(cols[7])) and np.all(np.isfinite(np.delete(cols, 7, axis=0)))
+
+
+def _swiglu_grad_inputs(rows, h):
+  kd, kg = jax.random.split(fresh_key())
+  return (jax.random.normal(kd, (rows, h)).astype(jnp.bfloat16),
+          (jax.random.normal(kg, (rows, 2 * h)) * 2).astype(jnp.bfloat16))
+
+
+@pytest.mark.timeout(300)
+def test_swiglu_grad_values_interpret_match_reference():
+  inputs = _swiglu_grad_inputs(64, 256)
+  got = qk.prologue_kernel(inputs, qk.SwiGLUGrad(), interpret=True)
+  want = qk.SwiGLUGrad().reference(inputs)
+  assert got.shape == want.shape == (64, 512) and got.dtype == want.dtype == jnp.bfloat16
+  bf16_values_close(got, want)
+  # The reference is the autodiff gradient of SwiGLU, rounded once.
+  dh, gate_up = inputs
+  exact = jax.vjp(lambda g: qk.SwiGLU().reference((g,)).astype(jnp.float32), gate_up.astype(jnp.float32))[1](
+      dh.astype(jnp.float32))[0]
+  bf16_values_close(want, exact.astype(jnp.bfloat16))
+
+
+def test_prologue_kernel_rejects_what_it_cannot_tile():
+  with pytest.raises(ValueError, match="must divide by the tile"):
+    qk.prologue_kernel(_swiglu_grad_inputs(64, 192), qk.SwiGLUGrad(), interpret=True)  # a half of 192 columns
+  with pytest.raises(ValueError, match="by blocks"):
+    qk.prologue_kernel((jnp.ones((64, 128)), jnp.ones(128)), qk.RmsNorm(1e-5, jnp.dtype(jnp.float32)), interpret=True)
+
+
+@pytest.mark.timeout(300)
+def test_fused_swiglu_grad_quantize_interpret_matches_reference():
+  _check_fused(_swiglu_grad_inputs(64, 2048), qk.SwiGLUGrad(), INT8, INT8, False)  # int8 rows load 2048 columns

@@ -9,7 +9,7 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import policy
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference, scaled_matmul_reference
-from helpers import fresh_key, rel_err, sqnr_db
+from helpers import bf16_values_close, fresh_key, rel_err, sqnr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -202,3 +202,13 @@ def test_fused_quantize_kernels_match_reference_at_1b_shapes(op, layout):
     assert differ.mean() <= 1e-3, differ.mean()  # rounding boundaries moved by the norm's sum order / exp's ulps
     assert np.all(np.abs(gq - wq)[differ] <= np.maximum(1.0, 0.13 * np.abs(wq)[differ]))  # one code step
     np.testing.assert_allclose(g[1], w[1], rtol=1e-5)
+
+
+@needs_hopper
+def test_swiglu_backward_values_kernel_matches_reference_at_1b_shapes():
+  from pallas_kernels import quantize as qk
+
+  kd, kg = jax.random.split(fresh_key())
+  inputs = (jax.random.normal(kd, (16384, 8192), jnp.bfloat16), 2 * jax.random.normal(kg, (16384, 16384), jnp.bfloat16))
+  got = jax.jit(lambda a: qk.prologue_kernel(a, qk.SwiGLUGrad()))(inputs)
+  bf16_values_close(got, jax.jit(qk.SwiGLUGrad().reference)(inputs))
