@@ -184,6 +184,44 @@ def test_hf_source_with_a_stand_in_datasets_module(monkeypatch):
     data.load_hf_corpus("some/dataset", "", "train", "text", 20, 0.2)
 
 
+def test_a_tokenizer_json_tokenizes_text_token_files_and_hf_datasets(tmp_path, monkeypatch):
+  """config.data.tokenizer=<tokenizer.json>: every document is ``encode(text).ids + [EOS]`` for text
+  folders, ``python -m train.data --tokenizer`` token files and HF datasets alike; decode inverts encode."""
+  tokenizers = pytest.importorskip("tokenizers")
+  _write_tree(tmp_path / "src")
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  tokenizer.train([str(p) for p in (tmp_path / "src").rglob("m*.py")],
+                  tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                 initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  path = tmp_path / "tok" / "tokenizer.json"
+  path.parent.mkdir()
+  tokenizer.save(str(path))
+  ours = data.tokenizer_for(str(path.parent))  # a folder holding tokenizer.json works too
+  assert ours.vocab_size == tokenizer.get_vocab_size() and ours.eos_id == tokenizer.token_to_id("</s>")
+
+  files = data.find_text_files([tmp_path / "src"], [".py"])
+  expected = np.concatenate([tokenizer.encode(p.read_text()).ids + [ours.eos_id] for _, p in files])
+  data.main([str(tmp_path / "out" / "c"), str(tmp_path / "src"), "--suffixes", ".py", "--val_fraction", "0",
+             "--tokenizer", str(path)])
+  tokens, vocab_size = data.read_token_file(tmp_path / "out" / "c.train.bin")
+  assert vocab_size == ours.vocab_size and tokens.dtype == np.uint16
+  np.testing.assert_array_equal(tokens, expected)
+  built = data.build(_data_config(path=str(tmp_path / "src"), val_fraction=0.3, tokenizer=str(path)), 16, 2, 1, 0)
+  assert built.vocab_size == ours.vocab_size and "tokenizer.json tokens" in built.description
+  kept = [tokenizer.encode(p.read_text()).ids + [ours.eos_id] for name, p in files if not data.is_validation(name, 0.3)]
+  np.testing.assert_array_equal(built.train.tokens, np.concatenate(kept))
+
+  docs = [{"text": p.read_text()} for _, p in files]
+  monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, config, split: docs))
+  corpus = data.load_hf_corpus("some/dataset", "", "train", "text", 0, 0.0, ours)
+  np.testing.assert_array_equal(corpus.train, expected)
+
+  text = "# doc 7\nabc def"
+  assert ours.decode(ours.encode_prompt(text)) == text
+
+
 
 # ---------------------------------------------------------------------------------------------
 # Global batches read row by row: each process reads only its devices' rows.

@@ -256,9 +256,9 @@ def _meta_path(path: str | os.PathLike) -> pathlib.Path:
 def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int = VOCAB_SIZE) -> pathlib.Path:
   """Write 1-D ``tokens`` as a flat binary file plus ``<path>.json`` (dtype, vocab_size, count).
 
-  The dtype is uint16 when ``vocab_size <= 2**16``, else uint32. Returns ``path``.
+  The dtype is :func:`token_dtype` (uint16 when ``vocab_size <= 2**16``, else uint32). Returns ``path``.
   """
-  dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+  dtype = token_dtype(vocab_size)
   tokens = np.asarray(tokens)
   if tokens.ndim != 1:
     raise ValueError(f"write_token_file: tokens must be 1-D, got shape {tokens.shape}")
