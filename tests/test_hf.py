@@ -310,3 +310,37 @@ def test_finetune_from_a_hf_folder_then_generate_and_export(fsdp, tmp_path, caps
   _, exported = hf.load_pretrained(tmp_path / "hf")
   _, original = hf.load_pretrained(folder)
   jax.tree.map(np.testing.assert_array_equal, exported, original)  # lr 1e-30: two steps change no float32 weight
+
+
+def test_init_from_places_each_pretrained_leaf_on_the_inits_fsdp_sharding(tmp_path, monkeypatch):
+  """Under FSDP (8 devices) every loaded leaf lands on exactly the init's sharding, each device
+  receiving only its shard; nothing is placed whole on one device first."""
+  from test_train_loop import micro_config
+
+  from train import steps
+  from train import config as train_config
+
+  cfg = CASES["qwen2"]
+  tensors = random_tensors(cfg, np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  folder = write_checkpoint(tmp_path / "qwen2", cfg, tensors)
+  config = micro_config(str(tmp_path), init_from=str(folder), mesh__fsdp=8, batch_size=8)
+  train_config.adjust(config)  # the checkpoint's shape, as the trainer does
+  functions = steps.step_functions(config)
+  state = functions.init()
+  placed = []  # every device_put of the load: (shape, sharding)
+  device_put = jax.device_put
+  monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: placed.append((np.shape(x), s)) or device_put(x, s, **kw))
+  loaded = functions.with_pretrained(state, config)
+  monkeypatch.undo()
+
+  _, expected = hf.load_pretrained(folder, scan_layers=True, fused_projections=True)
+  new, old, want = (jax.tree_util.tree_leaves_with_path(t) for t in (loaded.params, state.params, expected))
+  sharded = set()
+  for (path, a), (_, b), (_, c) in zip(new, old, want, strict=True):
+    assert a.sharding == b.sharding, path
+    np.testing.assert_array_equal(a, c)
+    if not a.sharding.is_fully_replicated:
+      sharded.add(jax.tree_util.keystr(path[1:-1], simple=True, separator="/"))
+      assert {s.data.size * 8 for s in a.addressable_shards} == {a.size}, path  # an eighth on each device
+  assert sharded == {"attn/qkv", "attn/out", "mlp/gate_up", "mlp/down"}, sharded
+  assert len(placed) == len(new) and all(isinstance(s, jax.sharding.NamedSharding) for _, s in placed)

@@ -1,14 +1,21 @@
-"""train.data: tokenizer, corpora, splits, token files, and deterministic resumable streams."""
+"""train.data: tokenizer, corpora, splits, token files, deterministic resumable streams, and
+global batches that each process reads only its share of (one process with 8 devices, and two
+real ``jax.distributed`` processes)."""
 
 import json
+import os
+import socket
+import subprocess
 import sys
 import types
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train import data
+from train import data, runtime
 
 
 def _data_config(**overrides):
@@ -176,3 +183,129 @@ def test_hf_source_with_a_stand_in_datasets_module(monkeypatch):
   with pytest.raises(ImportError, match="pip install datasets"):
     data.load_hf_corpus("some/dataset", "", "train", "text", 20, 0.2)
 
+
+def test_a_tokenizer_json_tokenizes_text_token_files_and_hf_datasets(tmp_path, monkeypatch):
+  """config.data.tokenizer=<tokenizer.json>: every document is ``encode(text).ids + [EOS]`` for text
+  folders, ``python -m train.data --tokenizer`` token files and HF datasets alike; decode inverts encode."""
+  tokenizers = pytest.importorskip("tokenizers")
+  _write_tree(tmp_path / "src")
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  tokenizer.train([str(p) for p in (tmp_path / "src").rglob("m*.py")],
+                  tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                 initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  path = tmp_path / "tok" / "tokenizer.json"
+  path.parent.mkdir()
+  tokenizer.save(str(path))
+  ours = data.tokenizer_for(str(path.parent))  # a folder holding tokenizer.json works too
+  assert ours.vocab_size == tokenizer.get_vocab_size() and ours.eos_id == tokenizer.token_to_id("</s>")
+
+  files = data.find_text_files([tmp_path / "src"], [".py"])
+  expected = np.concatenate([tokenizer.encode(p.read_text()).ids + [ours.eos_id] for _, p in files])
+  data.main([str(tmp_path / "out" / "c"), str(tmp_path / "src"), "--suffixes", ".py", "--val_fraction", "0",
+             "--tokenizer", str(path)])
+  tokens, vocab_size = data.read_token_file(tmp_path / "out" / "c.train.bin")
+  assert vocab_size == ours.vocab_size and tokens.dtype == np.uint16
+  np.testing.assert_array_equal(tokens, expected)
+  built = data.build(_data_config(path=str(tmp_path / "src"), val_fraction=0.3, tokenizer=str(path)), 16, 2, 1, 0)
+  assert built.vocab_size == ours.vocab_size and "tokenizer.json tokens" in built.description
+  kept = [tokenizer.encode(p.read_text()).ids + [ours.eos_id] for name, p in files if not data.is_validation(name, 0.3)]
+  np.testing.assert_array_equal(built.train.tokens, np.concatenate(kept))
+
+  docs = [{"text": p.read_text()} for _, p in files]
+  monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, config, split: docs))
+  corpus = data.load_hf_corpus("some/dataset", "", "train", "text", 0, 0.0, ours)
+  np.testing.assert_array_equal(corpus.train, expected)
+
+  text = "# doc 7\nabc def"
+  assert ours.decode(ours.encode_prompt(text)) == text
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Global batches read row by row: each process reads only its devices' rows.
+
+
+def counting(stream):
+  """``stream`` whose ``sequence`` calls are recorded in the returned list."""
+  calls, sequence = [], stream.sequence
+  stream.sequence = lambda index: calls.append(index) or sequence(index)
+  return calls
+
+
+def test_global_batches_read_only_the_rows_asked_for():
+  tokens = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)
+  for make in (lambda: data.WindowBatches(tokens, 16, 6, seed=1), lambda: data.SyntheticBatches(16, 6, seed=1)):
+    reference = make()
+    expected = [reference.next(), reference.next()]
+    stream = make()
+    calls = counting(stream)
+    first, second = stream.next_global(), stream.next_global()
+    assert stream.position == 12 and not calls, "handing out a batch reads nothing"
+    assert first.shape == (6, 17)
+    np.testing.assert_array_equal(second.read([4, 1]), expected[1][[4, 1]])
+    assert calls == [6 + 4, 6 + 1]
+    np.testing.assert_array_equal(first.read(), expected[0])
+    assert first.read([]).shape == (0, 17)
+  held = data.GlobalBatch.of(expected[0])
+  np.testing.assert_array_equal(held.read([2, 0]), expected[0][[2, 0]])
+  assert data.GlobalBatch.of(held) is held
+
+
+@pytest.mark.parametrize("accum", [1, 2, 4])
+def test_placing_a_batch_over_8_devices_reads_each_row_once(accum):
+  stream = data.WindowBatches(np.arange(5000, dtype=np.uint16), 8, 32, seed=2)
+  expected = data.WindowBatches(np.arange(5000, dtype=np.uint16), 8, 32, seed=2).next()
+  calls = counting(stream)
+  sharding = NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), P("batch"))
+  placed = runtime.place_global_batch(stream.next_global(), sharding, accum)
+  assert sorted(calls) == list(range(32)), "every row read once, by the device that holds it"
+  # Microbatch a is rows [8a, 8a + 8) of the batch, each device holding its slice of every microbatch.
+  layout = expected if accum == 1 else expected.reshape(accum, 32 // accum, 9).swapaxes(0, 1)
+  np.testing.assert_array_equal(np.asarray(placed), layout)
+  for shard in placed.addressable_shards:
+    assert shard.data.shape[0] == 32 // accum // 8
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_each_read_only_their_rows(tmp_path):
+  """jax.distributed over 2 processes x 2 CPU devices: each process reads exactly the half of every
+  global batch its devices hold (never the other half), and holds the rows one process would."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}", JAX_NUM_PROCESSES="2")
+  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+  worker = os.path.join(here, "data_share_worker.py")
+  procs = [subprocess.Popen([sys.executable, worker, str(tmp_path / f"p{i}.json")], env=dict(env, JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  import data_share_worker as worker_module
+
+  results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+  assert [r["process_count"] for r in results] == [2, 2] and results[0]["device_count"] == 4
+  batch = worker_module.BATCH
+  reads = [sorted(r["read"]) for r in results]
+  assert len(reads[0]) == len(reads[1]) == batch * len(worker_module.ACCUMS) // 2, "half of each batch per process"
+  assert sorted(reads[0] + reads[1]) == list(range(batch * len(worker_module.ACCUMS))), "together: every row once"
+  one = worker_module.stream()
+  for b, accum in enumerate(worker_module.ACCUMS):
+    full = one.next()
+    layout = full if accum == 1 else full.reshape(accum, batch // accum, -1).swapaxes(0, 1)
+    for result in results:
+      for shard in result["shards"][b]:
+        start, stop = shard["rows"]
+        np.testing.assert_array_equal(shard["data"], layout[start:stop])

@@ -9,6 +9,7 @@ compiled functions (``steps.step_functions``' cache) across the tests here:
   run is "unsharded" for recipes whose scales span the batch: see SHARDED_VS_UNSHARDED);
 - a checkpoint resumes on another mesh (FSDP -> smaller FSDP, FSDP -> one device, one
   device -> FSDP, the weight scales then recomputed) and continues the uninterrupted run;
+- a run stopped and resumed under FSDP places the uninterrupted run's batches;
 - a NaN under FSDP stops the run and keeps the last good checkpoint;
 - gradient accumulation under FSDP equals it on one device;
 - ``mesh_shape`` resolves ``config.mesh`` and rejects what does not fit the devices;
@@ -188,6 +189,24 @@ def test_checkpoints_move_between_meshes(run, corpus, seed, tmp_path, capsys):
     assert start_record(run_dir)["step"] == 3 and start_record(run_dir)["devices"] == data * fsdp
     assert_same_run(run_dir, uninterrupted, rtol=TIE_FLIP_RTOL)  # BitNet
     assert has_scales(run_dir, STEPS) == (fsdp > 1)
+
+
+def test_a_resumed_fsdp_run_steps_on_the_uninterrupted_runs_batches(corpus, seed, tmp_path, monkeypatch):
+  """Stopped at step 3 and resumed, the run places exactly the global batches of an uninterrupted one
+  (the config of test_fsdp_run_equals_unsharded_run's bf16 run: its step is compiled already)."""
+  placed = []
+  shard = steps.StepFunctions.shard_train_batch
+  monkeypatch.setattr(steps.StepFunctions, "shard_train_batch",
+                      lambda self, batch: placed.append(np.asarray(out := shard(self, batch))) or out)
+  config = run_config(corpus, seed, "bf16", 4)
+  loop.train(config, tmp_path / "full")
+  uninterrupted, placed[:] = list(placed), []
+  assert loop.train(config, tmp_path / "split", should_stop=lambda step: step == 3).step == 3
+  assert loop.train(run_config(corpus, seed, "bf16", 4, resume=True), tmp_path / "split").step == STEPS
+  assert len(placed) == len(uninterrupted) == STEPS and placed[0].shape == (BATCH, config.seq_len + 1)
+  for a, b in zip(placed, uninterrupted):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(placed[3], placed[4]), "the batches differ from step to step"
 
 
 def test_nonfinite_loss_under_fsdp_keeps_last_good_checkpoint(corpus, seed, tmp_path):

@@ -184,7 +184,7 @@ def test_keyboard_interrupt_between_steps_saves(tmp_path, corpus, monkeypatch):
 
   def build_interrupting(*args, **kwargs):
     datasets = build(*args, **kwargs)
-    next_batch, calls = datasets.train.next, []
+    next_batch, calls = datasets.train.next_global, []
 
     def next_or_interrupt():
       calls.append(1)
@@ -192,7 +192,7 @@ def test_keyboard_interrupt_between_steps_saves(tmp_path, corpus, monkeypatch):
         raise KeyboardInterrupt
       return next_batch()
 
-    datasets.train.next = next_or_interrupt
+    datasets.train.next_global = next_or_interrupt
     return datasets
 
   monkeypatch.setattr(data, "build", build_interrupting)

@@ -39,18 +39,22 @@ Batches: the training stream cuts the token array into windows of ``seq_len + 1`
 seeded random order that changes every epoch, with a random start offset per epoch. Batch
 ``i`` is a pure function of ``(tokens, seed, position)`` where ``position`` counts the
 sequences consumed so far; that integer is saved in every checkpoint, so a resumed run
-reads exactly the batches an uninterrupted run would have.
+reads exactly the batches an uninterrupted run would have. Because any row of any batch can
+be computed on its own, a stream hands out each global batch unread (:class:`GlobalBatch`):
+the trainer reads only the rows the devices of its process hold (``train/runtime.py``), so
+with several hosts each reads its share of the batch and no more.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
 import sysconfig
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -252,9 +256,9 @@ def _meta_path(path: str | os.PathLike) -> pathlib.Path:
 def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int = VOCAB_SIZE) -> pathlib.Path:
   """Write 1-D ``tokens`` as a flat binary file plus ``<path>.json`` (dtype, vocab_size, count).
 
-  The dtype is uint16 when ``vocab_size <= 2**16``, else uint32. Returns ``path``.
+  The dtype is :func:`token_dtype` (uint16 when ``vocab_size <= 2**16``, else uint32). Returns ``path``.
   """
-  dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+  dtype = token_dtype(vocab_size)
   tokens = np.asarray(tokens)
   if tokens.ndim != 1:
     raise ValueError(f"write_token_file: tokens must be 1-D, got shape {tokens.shape}")
@@ -299,7 +303,65 @@ def load_token_corpus(path: str, val_path: str, val_fraction: float) -> Corpus:
 # Batches
 
 
-class WindowBatches:
+@dataclasses.dataclass(frozen=True)
+class GlobalBatch:
+  """One global batch ``[batch_size, seq_len + 1]`` of a stream, not yet read.
+
+  :meth:`read` computes only the rows asked for, so each process of a multi-host run reads
+  the rows its devices hold and never the whole batch (``train/runtime.py`` asks per device).
+
+  Attributes:
+    read_rows: global row ids int ``[n]`` -> int32 ``[n, seq_len + 1]``.
+    shape: ``(batch_size, seq_len + 1)``.
+  """
+
+  read_rows: Callable[[np.ndarray], np.ndarray]
+  shape: tuple[int, int]
+
+  @classmethod
+  def of(cls, batch: np.ndarray | GlobalBatch) -> GlobalBatch:
+    """``batch`` itself, or a batch already in host memory (int ``[B, T + 1]``) as a GlobalBatch."""
+    if isinstance(batch, GlobalBatch):
+      return batch
+    batch = np.asarray(batch)
+    return cls(lambda rows: batch[rows].astype(np.int32), batch.shape)
+
+  def read(self, rows: np.ndarray | None = None) -> np.ndarray:
+    """int32 ``[len(rows), seq_len + 1]``: the given global rows (default: the whole batch)."""
+    rows = np.arange(self.shape[0]) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+    return self.read_rows(rows)
+
+
+class _Stream:
+  """What the two streams share: ``sequence(index)`` makes stream sequence ``index``; batches
+  of ``batch_size`` consecutive sequences start at ``position``."""
+
+  seq_len: int
+  batch_size: int
+  position: int
+
+  def sequence(self, index: int) -> np.ndarray:
+    raise NotImplementedError
+
+  def rows(self, position: int, rows: np.ndarray) -> np.ndarray:
+    """int32 ``[len(rows), seq_len + 1]``: stream sequences ``position + rows`` (rows of the batch at ``position``)."""
+    out = np.empty((len(rows), self.seq_len + 1), np.int32)
+    for i, row in enumerate(rows):
+      out[i] = self.sequence(position + int(row))
+    return out
+
+  def next_global(self) -> GlobalBatch:
+    """The next global batch, unread (:class:`GlobalBatch`); advances ``position``."""
+    batch = GlobalBatch(functools.partial(self.rows, self.position), (self.batch_size, self.seq_len + 1))
+    self.position += self.batch_size
+    return batch
+
+  def next(self) -> np.ndarray:
+    """The next batch, read whole: int32 ``[batch_size, seq_len + 1]``; advances ``position``."""
+    return self.next_global().read()
+
+
+class WindowBatches(_Stream):
   """The training stream over a 1-D token array: ``next()`` -> int32 ``[batch_size, seq_len + 1]``.
 
   Epoch ``e`` uses ``rng = np.random.default_rng((seed, e))``: a start offset in
@@ -346,12 +408,6 @@ class WindowBatches:
     start = offset + int(perm[within]) * self.seq_len
     return self.tokens[start : start + self.seq_len + 1]
 
-  def next(self) -> np.ndarray:
-    """The next batch, int32 ``[batch_size, seq_len + 1]``; advances ``position``."""
-    rows = [self.sequence(self.position + i) for i in range(self.batch_size)]
-    self.position += self.batch_size
-    return np.stack(rows).astype(np.int32)
-
   def state(self) -> dict[str, Any]:
     """What a checkpoint stores to resume this stream (JSON-serializable)."""
     return {"kind": self.kind, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
@@ -372,7 +428,7 @@ def _checked_position(saved: dict[str, Any], mine: dict[str, Any]) -> int:
   return int(saved["position"])
 
 
-class SyntheticBatches:
+class SyntheticBatches(_Stream):
   """Arithmetic byte sequences for speed runs: row ``i`` is ``(a_i + k * s_i) mod 256``, ``k = 0..seq_len``.
 
   ``(a_i, s_i)`` come from ``np.random.default_rng((seed, i))`` for stream sequence ``i``, so the
@@ -388,11 +444,6 @@ class SyntheticBatches:
   def sequence(self, index: int) -> np.ndarray:
     start, stride = np.random.default_rng((self.seed, index)).integers(NUM_BYTES, size=2)
     return ((start + stride * np.arange(self.seq_len + 1)) % NUM_BYTES).astype(TOKEN_DTYPE)
-
-  def next(self) -> np.ndarray:
-    rows = [self.sequence(self.position + i) for i in range(self.batch_size)]
-    self.position += self.batch_size
-    return np.stack(rows).astype(np.int32)
 
   def state(self) -> dict[str, Any]:
     return {"kind": self.kind, "position": self.position, "seed": self.seed, "seq_len": self.seq_len}

@@ -4,9 +4,9 @@
 The pieces it runs live beside it: the pure step functions and their compiled form in
 ``train/steps.py``, where they execute (one device or FSDP, chosen once from ``config.mesh``)
 in ``train/runtime.py``, stop requests and config diffs in ``train/run_control.py``.
-With several processes (hosts) every process reads the same global batches from the
-deterministic data stream and places its devices' slices, and only process 0 writes metrics,
-the config and progress lines.
+With several processes (hosts) every process follows the same deterministic data stream and
+reads only the rows of each global batch that its devices hold; only process 0 writes
+metrics, the config and progress lines.
 
 Robustness:
 
@@ -265,7 +265,7 @@ def train(
         if wants_stop:
           status = "interrupted"
           break
-        batch = functions.shard_train_batch(datasets.train.next())  # every process reads the same global batch
+        batch = functions.shard_train_batch(datasets.train.next_global())  # each process reads its devices' rows
         if step + 1 == config.inject_nan_at_step:  # fault injection (tests, drills): the model diverges here
           state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
         state, step_metrics = train_step(state, batch)

@@ -17,7 +17,8 @@ the two, so they contain no sharding branches:
 ``scales``          None                                    every quantized weight's global scale for the
                                                             next step (one all-reduce)
 ``apply_update``    ``optax`` update                        the same, sharded, then the next scales
-``shard_*_batch``   the host batch                          the global batch placed over the mesh
+``shard_*_batch``   the host batch                          the global batch placed over the mesh, each
+                                                            process reading only its devices' rows
 ==================  ======================================  =============================================
 
 Numerics: parameters and optimizer state are float32 master copies; the model computes in
@@ -37,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlowbit import fsdp
 from train import config as train_config
+from train import data
 from train.model import Transformer
 
 
@@ -95,9 +97,10 @@ class Unsharded:
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, None
 
-  def shard_train_batch(self, batch: np.ndarray, accum: int):
+  def shard_train_batch(self, batch: np.ndarray | data.GlobalBatch, accum: int) -> np.ndarray:
+    """The host batch int32 ``[B, T + 1]`` (read whole)."""
     del accum
-    return batch
+    return data.GlobalBatch.of(batch).read()
 
   def shard_eval_batch(self, batch: np.ndarray):
     return batch
@@ -113,7 +116,7 @@ class Fsdp:
   device runs the model on its slice of each microbatch; quantized linears all-gather their
   weights low-bit with the global scales kept in ``TrainState.scales``; gradients return
   reduce-scattered. Several processes (hosts) join one run through ``jax.distributed``
-  (``train.main``); each reads the same global batches and places its devices' slices.
+  (``train.main``); each follows the same data stream and reads only its devices' rows of every batch.
   """
 
   def __init__(self, model: Transformer, config: ml_collections.ConfigDict, data: int, size: int):
@@ -171,16 +174,10 @@ class Fsdp:
     params, opt_state, scales = fsdp.apply_update(optimizer, grads, opt_state, params, self.plan)
     return params, opt_state, traverse_util.unflatten_dict(scales)
 
-  def shard_train_batch(self, batch: np.ndarray, accum: int) -> jax.Array:
-    """A host batch ``[B, T + 1]`` (the same on every process) placed for the step.
-
-    Microbatch ``i`` is rows ``[i B / accum, (i + 1) B / accum)``, as in the unsharded step; it
-    is laid out ``[B / accum, accum, T + 1]`` and sharded on dim 0, so each device holds its
-    slice of every microbatch.
-    """
-    if accum > 1:
-      batch = batch.reshape(accum, batch.shape[0] // accum, batch.shape[1]).swapaxes(0, 1)
-    return fsdp.shard_batch(batch, self.plan)
+  def shard_train_batch(self, batch: np.ndarray | data.GlobalBatch, accum: int) -> jax.Array:
+    """The global batch ``[B, T + 1]`` placed for the step (:func:`place_global_batch`): each
+    process reads only the rows its devices hold."""
+    return place_global_batch(data.GlobalBatch.of(batch), NamedSharding(self.plan.mesh, self.plan.batch_spec()), accum)
 
   def shard_eval_batch(self, batch: np.ndarray) -> jax.Array:
     return fsdp.shard_batch(batch, self.plan)
@@ -199,6 +196,31 @@ class Fsdp:
 Runtime = Unsharded | Fsdp
 
 
+def placed_rows(batch_size: int, accum: int) -> np.ndarray:
+  """Global row ids in the placed layout: ``[B]``, or ``[B / accum, accum]`` with microbatch ``a`` in
+  column ``a`` (its rows ``[a B / accum, (a + 1) B / accum)``, as in the unsharded step)."""
+  rows = np.arange(batch_size)
+  return rows if accum == 1 else rows.reshape(accum, batch_size // accum).swapaxes(0, 1)
+
+
+def place_global_batch(batch: data.GlobalBatch, sharding: jax.sharding.Sharding, accum: int = 1) -> jax.Array:
+  """``batch`` as a global array ``[B, T + 1]`` (``[B / accum, accum, T + 1]`` with accumulation)
+  sharded by ``sharding`` along dim 0, so each device holds its slice of every microbatch.
+
+  ``jax.make_array_from_callback`` asks only for the shards of this process's devices, and
+  each shard reads only its own rows: with several processes, every one reads its share of
+  the batch (``1 / process_count`` of it when the batch is split over all devices), none the
+  whole. Multi-host safe: every process calls this with the same ``batch``.
+  """
+  rows = placed_rows(batch.shape[0], accum)
+
+  def shard(index: tuple[slice, ...]) -> np.ndarray:
+    ids = rows[index[:-1]]
+    return batch.read(ids).reshape(*ids.shape, batch.shape[1])[..., index[-1]]
+
+  return jax.make_array_from_callback((*rows.shape, batch.shape[1]), sharding, shard)
+
+
 def make_runtime(config: ml_collections.ConfigDict, mesh: Mapping[str, int] | None = None) -> Runtime:
   """The runtime ``config.mesh`` asks for on the visible devices (``mesh``: an already resolved shape)."""
   model = Transformer(train_config.model_config(config))
@@ -208,4 +230,4 @@ def make_runtime(config: ml_collections.ConfigDict, mesh: Mapping[str, int] | No
   return Fsdp(model, config, data, size)
 
 
-__all__ = ["Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime"]
+__all__ = ["Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime", "place_global_batch", "placed_rows"]

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from train import checkpoint
+from train import checkpoint, data
 from train import config as train_config
 from train.metrics import say
 from train.model import Transformer
@@ -164,8 +164,8 @@ class StepFunctions:
   def model(self) -> Transformer:
     return self.runtime.model
 
-  def shard_train_batch(self, batch: np.ndarray):
-    """Host batch ``[B, T + 1]`` -> what ``train_step`` takes."""
+  def shard_train_batch(self, batch: np.ndarray | data.GlobalBatch):
+    """A global batch ``[B, T + 1]`` (in host memory, or unread from a stream) -> what ``train_step`` takes."""
     return self.runtime.shard_train_batch(batch, self.grad_accum_steps)
 
   def shard_eval_batch(self, batch: np.ndarray):
