@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture
+def float32_matmuls():
+  """float32 dots in float32: on a GPU jax's default precision runs them as TF32 (10-bit mantissa),
+  which puts a float32 model ~3e-4 from a float64 reference instead of ~1e-6."""
+  with jax.default_matmul_precision("highest"):
+    yield

@@ -22,6 +22,8 @@ from train.model import Transformer
 pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("float32_matmuls")  # logits against float64 references, also on a GPU
+
 LOGITS_RTOL = 1e-4  # float32 model against the float64 reference (norm-wise)
 
 BASE = {
