@@ -54,16 +54,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxlowbit_numerics import fp8
-from jaxlowbit.qstate import (
-    BlockFormat,
-    BlockQuantized,
-    blockable,
-    dequantize_blockwise,
-    quantize_blockwise,
-    zeros_blockwise,
-)
+from jaxlowbit.qstate import BlockFormat, BlockQuantized, blockable, zeros_blockwise
 from jaxlowbit.rounding import stochastic_round
+from jaxlowbit_numerics import fp8
+from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
+from pallas_kernels import dispatch
 
 # Tensors smaller than this keep float32 moments: their state is negligible and they are
 # often sensitive (norm scales, biases). The threshold of torchao's and bitsandbytes' optimizers.
@@ -160,30 +155,16 @@ def scale_by_adam_quantized(
   def update_fn(updates, state, params=None):
     del params
     count_inc = optax.safe_increment(state.count)
-    # Bias corrections computed as optax does (decay**count in float32, then the moment's dtype).
-    bc1 = 1 - b1**count_inc
-    bc2 = 1 - b2**count_inc
-    bc1_next = 1 - b1 ** optax.safe_increment(count_inc)
+    coefficients = adam_coefficients(b1, b2, eps, eps_root, count_inc, optax.safe_increment(count_inc))
 
     def leaf(g, m, v, m_scale, v_scale):
       if g is None:
         return None, m, v, m_scale, v_scale
-      is_quantized = quantized(g.shape)
-      if is_quantized:
-        g = g.astype(jnp.float32)
-        m = dequantize_blockwise(BlockQuantized(m, m_scale), m_format, g.shape)
-        v = dequantize_blockwise(BlockQuantized(v, v_scale), v_format, g.shape)
-      m_new = (1 - b1) * g + b1 * m
-      v_new = (1 - b2) * (g * g) + b2 * v
-      if nesterov:
-        m_hat = b1 * (m_new / bc1_next.astype(m_new.dtype)) + (1 - b1) * (g / bc1.astype(g.dtype))
-      else:
-        m_hat = m_new / bc1.astype(m_new.dtype)
-      v_hat = v_new / bc2.astype(v_new.dtype)
-      u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-      if is_quantized:
-        (m_codes, m_scale), (v_codes, v_scale) = quantize_blockwise(m_new, m_format), quantize_blockwise(v_new, v_format)
+      if quantized(g.shape):  # the fused kernel on a GPU, XLA's update elsewhere
+        u, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_update(
+            g, BlockQuantized(m, m_scale), BlockQuantized(v, v_scale), coefficients, m_format, v_format, nesterov)
         return u, m_codes, v_codes, m_scale, v_scale
+      u, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)  # optax.scale_by_adam's arithmetic
       if mu_dtype is not None:
         m_new = m_new.astype(mu_dtype)
       return u, m_new, v_new.astype(v.dtype), m_scale, v_scale

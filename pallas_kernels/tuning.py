@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.adam import AdamKernelConfig
 from pallas_kernels.hopper_gemm import Dim, GemmConfig
 
 # 8192^3 sweep (gemm_tune_*_h200.json): int8 is best walking output tiles M-minor
@@ -32,6 +33,10 @@ QUANTIZE_ROWS_BY_PROLOGUE = {
 # Transposing tile kernel: (tile rows, tile columns, warps) per prologue (same file): 64 x 128 took
 # identity x 8192 from 0.487 to 0.445 ms (int8); 32 x 128 RmsNorm from 0.159 to 0.147 ms.
 QUANTIZE_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGLU": (32, 128, 4)}
+
+# Fused optimizer update (pallas_kernels.adam): (m kind, m bits, v kind) -> config. Not yet tuned on
+# a GPU: the default (4096 elements, 4 warps per program) until benchmarks/optim.py --tune runs.
+ADAM_CONFIGS: dict[tuple[str, int, str], AdamKernelConfig] = {}
 
 # (dtype kind, M bucket, N bucket, K bucket) -> config for shapes that tune differently.
 TABLE: dict[tuple[str, int, int, int], GemmConfig] = {}
@@ -61,3 +66,8 @@ def quantize_rows_config(dtype, prologue=None) -> tuple[int, int, int]:
   """(rows per program, columns per load, warps) of the row-quantization kernel (``pallas_kernels.quantize``)."""
   kind = _kind(dtype)
   return QUANTIZE_ROWS_BY_PROLOGUE.get((kind, type(prologue).__name__), QUANTIZE_ROWS[kind])
+
+
+def adam_config(m_format, v_format):
+  """The launch configuration of the fused Adam update for these moment formats."""
+  return ADAM_CONFIGS.get((m_format.kind, m_format.bits, v_format.kind), AdamKernelConfig())
