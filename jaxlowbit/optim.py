@@ -220,6 +220,25 @@ def state_shardings(optimizer: optax.GradientTransformation, state, param_shardi
   )  # fmt: skip
 
 
+def moment_formats(name: str, block_size: int | None = None) -> tuple[BlockFormat, BlockFormat]:
+  """``(m_format, v_format)``: how the low-bit optimizer ``name`` stores its moments (the table above).
+
+  Args:
+    name: ``adamw_8bit``, ``adamw_4bit``, ``adamw_fp8`` or ``adamw_fp8_o2``.
+    block_size: elements per block (None: the optimizer's default).
+  """
+  defaults = {"adamw_8bit": BLOCK_8BIT, "adamw_4bit": BLOCK_4BIT, "adamw_fp8": BLOCK_FP8, "adamw_fp8_o2": BLOCK_FP8}
+  if name not in defaults:
+    raise ValueError(f"moment_formats: {name!r} has no low-bit moments; choose one of {sorted(defaults)}")
+  b = defaults[name] if block_size is None else block_size
+  return {
+      "adamw_8bit": (BlockFormat("dynamic", 8, True, b), BlockFormat("dynamic", 8, False, b, nonzero=True)),
+      "adamw_4bit": (BlockFormat("dynamic", 4, True, b), BlockFormat("linear", 4, False, b, nonzero=True)),
+      "adamw_fp8": (BlockFormat("e4m3", block=b), BlockFormat("e4m3", block=b, nonzero=True)),
+      "adamw_fp8_o2": (BlockFormat("e4m3", block=b), BlockFormat("fp16", block=b, nonzero=True)),
+  }[name]
+
+
 def _adamw(
     moments: optax.GradientTransformation, weight_decay: optax.ScalarOrSchedule, mask, learning_rate
 ) -> optax.GradientTransformationExtraArgs:
@@ -279,10 +298,7 @@ def adamw_8bit(
   block_size = _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_8bit")
   moments = scale_by_adam_quantized(
-      BlockFormat("dynamic", 8, True, block_size),
-      BlockFormat("dynamic", 8, False, block_size, nonzero=True),
-      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
-  )  # fmt: skip
+      *moment_formats("adamw_8bit", block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -317,10 +333,7 @@ def adamw_4bit(
   block_size = _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_4bit")
   moments = scale_by_adam_quantized(
-      BlockFormat("dynamic", 4, True, block_size),
-      BlockFormat("linear", 4, False, block_size, nonzero=True),
-      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
-  )  # fmt: skip
+      *moment_formats("adamw_4bit", block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -358,18 +371,15 @@ def adamw_fp8(
   """
   block_size = _check_block(block_size, "adamw_fp8", BLOCK_FP8)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_fp8")
-  kinds = {jnp.dtype(fp8.E4M3): "e4m3", jnp.dtype(jnp.float16): "fp16"}
+  names = {jnp.dtype(fp8.E4M3): "adamw_fp8", jnp.dtype(jnp.float16): "adamw_fp8_o2"}
   try:
-    v_kind = kinds[jnp.dtype(fp8.E4M3 if v_dtype is None else v_dtype)]
+    name = names[jnp.dtype(fp8.E4M3 if v_dtype is None else v_dtype)]
   except (KeyError, TypeError):
     raise TypeError(
         f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
     ) from None
   moments = scale_by_adam_quantized(
-      BlockFormat("e4m3", block=block_size),
-      BlockFormat(v_kind, block=block_size, nonzero=True),
-      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
-  )  # fmt: skip
+      *moment_formats(name, block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -538,6 +548,7 @@ __all__ = [
     "adamw_fp8_o2",
     "apply_updates_stochastic",
     "make",
+    "moment_formats",
     "scale_by_adam_quantized",
     "state_shardings",
     "stochastic_rounding",

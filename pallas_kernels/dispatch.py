@@ -40,8 +40,8 @@ from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["adam_update", "fused_quantize", "quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul",
-           "select_backend"]
+__all__ = ["adam_update", "fused_quantize", "quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t",
+           "scaled_matmul", "select_backend"]
 
 
 # Every quantization and low-bit GEMM runs inside one of these scopes, so profiles

@@ -5,17 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowbit import qstate
-from jaxlowbit.qstate import BlockFormat
+from jaxlowbit import optim, qstate
 from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
 
-# The (m, v) formats of adamw_8bit, adamw_4bit, adamw_fp8 and adamw_fp8_o2 (jaxlowbit.optim).
-FORMATS = {
-    "8bit": (BlockFormat("dynamic", 8, True, 256), BlockFormat("dynamic", 8, False, 256, nonzero=True)),
-    "4bit": (BlockFormat("dynamic", 4, True, 128), BlockFormat("linear", 4, False, 128, nonzero=True)),
-    "fp8": (BlockFormat("e4m3", block=256), BlockFormat("e4m3", block=256, nonzero=True)),
-    "fp8_o2": (BlockFormat("e4m3", block=256), BlockFormat("fp16", block=256, nonzero=True)),
-}
+# The (m, v) formats of adamw_8bit, adamw_4bit, adamw_fp8 and adamw_fp8_o2.
+FORMATS = {name: optim.moment_formats(f"adamw_{name}") for name in ("8bit", "4bit", "fp8", "fp8_o2")}
 # A code may differ from XLA's only where the exact moment lies this close (relative) to the
 # midpoint of the two codes: the kernel and XLA may round a*b+c differently (FMA), an ulp.
 TIE_RTOL = 1e-6
