@@ -21,7 +21,10 @@ adamw_fp8_o2   e4m3, scale amax/448         float16, scale amax/65504    256    
 
 (bitsandbytes' 8-bit Adam; torchao's 4-bit AdamW after Li et al. 2023; torchao's FP8 AdamW;
 MS-AMP's O2 optimizer.) Each step dequantizes ``m`` and ``v`` to float32, runs the Adam update
-in float32 and re-quantizes; the update of that step uses the float32 moments. Tensors with
+in float32 and re-quantizes; the update of that step uses the float32 moments. On an NVIDIA GPU
+this runs as one fused kernel per tensor (``pallas_kernels.adam``, chosen by
+``pallas_kernels.dispatch.adam_update``; the same codes as XLA's update except on exact ties),
+elsewhere in XLA. Tensors with
 fewer than :data:`MIN_QUANTIZED_SIZE` elements, or that :func:`jaxlowbit.qstate.blockable`
 refuses, keep float32 moments and follow ``optax.adamw`` bit for bit. A NaN or inf gradient
 element turns its block's moments NaN (never a finite value), as it turns optax's.
