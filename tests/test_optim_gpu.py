@@ -96,7 +96,7 @@ def test_gspmd_each_gpu_updates_its_blocks():
   if n < 2:
     pytest.skip("one GPU: nothing to partition")
   mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
-  m_format, v_format = FORMATS["8bit"]
+  m_format, v_format = _takes_kernel("8bit")
   g, m, v, c = random_case(fresh_key(), (8 * n, 4096), m_format, v_format)
   step = jax.jit(lambda g, m, v: ak.adam_update_kernel(g, m, v, c, m_format, v_format))
   want = step(g, m, v)
@@ -110,7 +110,7 @@ def test_gspmd_each_gpu_updates_its_blocks():
 
 
 def test_dispatch_picks_the_kernel_here():
-  m_format, v_format = FORMATS["8bit"]
+  m_format, v_format = _takes_kernel("8bit")
   g, m, v, c = random_case(fresh_key(), (16, 1024), m_format, v_format)
   text = jax.jit(lambda g, m, v: dispatch.adam_update(g, m, v, c, m_format, v_format)).lower(g, m, v).as_text()
   assert "jaxlowbit_adam_update" in text
