@@ -9,6 +9,14 @@ and state donated; the figure is the median of ``--repeats`` runs after ``--warm
     PYTHONPATH=. python benchmarks/optim.py --out results/optim.json            # GPU, full 1B
     PYTHONPATH=. python benchmarks/optim.py --layers 1 --vocab 4096 --out /tmp/o.json   # CPU smoke
 
+``--fused both`` (the default) runs every low-bit optimizer twice: its update in the fused
+kernel (``JAXLOWBIT_BACKEND=pallas``: ``pallas_kernels.adam`` wherever the policy and the shape
+allow) and in XLA (``JAXLOWBIT_BACKEND=xla``); ``on``/``off`` run one of them, ``auto`` what the
+policy picks. The table's ``update`` column says which ran, read from the lowered step (``fused``
+when the kernel is in it). ``--param-dtype bfloat16`` times bf16 parameters with stochastic
+rounding (``optim.make(..., stochastic_rounding_seed=0)``). ``--tune`` times the kernel alone
+over launch configurations (``pallas_kernels.tuning.ADAM_CONFIGS``) on the largest tensor.
+
 ``--encode`` adds the quantizer micro-benchmark: the dynamic map's nearest code computed
 arithmetically (what the optimizers use) vs ``searchsorted`` over the code table.
 The table is printed last; ``--out`` gets the same numbers as JSON.
@@ -33,6 +41,9 @@ import optax
 
 from benchmarks import common
 from jaxlowbit import optim, qstate
+from jaxlowbit_numerics.adam import adam_coefficients
+from pallas_kernels import adam as adam_kernels
+from pallas_kernels import policy
 
 # TinyLlama-1.1B-style shapes, one row per parameter: (name, shape per layer or None, stacked?).
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, D_FF, VOCAB = 2048, 22, 32, 4, 64, 5632, 32000
@@ -59,14 +70,37 @@ def model_shapes(layers: int = N_LAYERS, vocab: int = VOCAB) -> dict[str, tuple[
 
 
 OPTIMIZERS = ["adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"]
+# --fused: the JAXLOWBIT_BACKEND each run of a low-bit optimizer traces under (None: as set).
+FUSED_MODES = {"on": ["pallas"], "off": ["xla"], "both": ["pallas", "xla"], "auto": [None]}
+KERNEL_NAME = "jaxlowbit_adam_update"  # the fused kernel's name in lowered HLO (pallas_kernels.adam)
+# Launch configurations --tune tries: elements per program x warps.
+TUNE_ELEMENTS, TUNE_WARPS = (1024, 2048, 4096, 8192, 16384), (2, 4, 8)
 
 
-def _arrays(shapes, key, scale):
+def _arrays(shapes, key, scale, dtype=jnp.float32):
   keys = jax.random.split(key, len(shapes))
   return {
-      name: jax.jit(lambda k, s=shape: jax.random.normal(k, s, jnp.float32) * scale)(k)
+      name: jax.jit(lambda k, s=shape: (jax.random.normal(k, s, jnp.float32) * scale).astype(dtype))(k)
       for k, (name, shape) in zip(keys, shapes.items())
   }
+
+
+class _backend:
+  """``with _backend("xla"):`` sets ``$JAXLOWBIT_BACKEND`` (read when a step is traced); None leaves it."""
+
+  def __init__(self, value):
+    self.value, self.old = value, None
+
+  def __enter__(self):
+    self.old = os.environ.get(policy.BACKEND_ENV)
+    if self.value is not None:
+      os.environ[policy.BACKEND_ENV] = self.value
+
+  def __exit__(self, *exc):
+    if self.old is None:
+      os.environ.pop(policy.BACKEND_ENV, None)
+    else:
+      os.environ[policy.BACKEND_ENV] = self.old
 
 
 def top_kernels(step, args, steps: int = 3, top: int = 8) -> list[dict]:
@@ -86,12 +120,15 @@ def top_kernels(step, args, steps: int = 3, top: int = 8) -> list[dict]:
   return [{"kernel": k, "ms_per_step": ns / 1e6 / steps} for k, ns in totals.most_common(top)]
 
 
-def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool = False) -> dict:
-  tx = optim.make(name, 1e-4, weight_decay=0.1)
-  abstract = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
+def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool = False, backend: str | None = None,
+                    param_dtype=jnp.float32) -> dict:
+  """Time one optimizer's step; ``backend`` is the ``$JAXLOWBIT_BACKEND`` its step is traced under."""
+  rounding = 0 if jnp.dtype(param_dtype) == jnp.bfloat16 else None
+  tx = optim.make(name, 1e-4, weight_decay=0.1, stochastic_rounding_seed=rounding)
+  abstract = {n: jax.ShapeDtypeStruct(s, param_dtype) for n, s in shapes.items()}
   state_bytes = qstate.nbytes(jax.eval_shape(tx.init, abstract))
-  params = _arrays(shapes, jax.random.key(0), 0.02)
-  grads = _arrays(shapes, jax.random.key(1), 1e-3)
+  params = _arrays(shapes, jax.random.key(0), 0.02, param_dtype)
+  grads = _arrays(shapes, jax.random.key(1), 1e-3, param_dtype)
   state = jax.jit(tx.init)(params)
 
   def step(params, state, grads):
@@ -99,9 +136,11 @@ def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool 
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(step, donate_argnums=(0, 1))
-  t0 = time.perf_counter()
-  params, state = jax.block_until_ready(step(params, state, grads))
-  compile_s = time.perf_counter() - t0
+  with _backend(backend):  # the policy is read while tracing: the first call fixes the update
+    fused = KERNEL_NAME in step.lower(params, state, grads).as_text()
+    t0 = time.perf_counter()
+    params, state = jax.block_until_ready(step(params, state, grads))
+    compile_s = time.perf_counter() - t0
   for _ in range(warmup):
     params, state = jax.block_until_ready(step(params, state, grads))
   times = []
@@ -115,6 +154,9 @@ def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool 
   return {
       "top_kernels": kernels,
       "optimizer": name,
+      "update": "fused" if fused else "xla",
+      "backend_env": backend,
+      "param_dtype": jnp.dtype(param_dtype).name,
       "state_bytes": state_bytes,
       "step_ms_median": 1e3 * statistics.median(times),
       "step_ms_min": 1e3 * min(times),
@@ -141,6 +183,35 @@ def bench_encode(n: int, repeats: int) -> list[dict]:
   return rows
 
 
+def bench_tune(shapes, repeats: int) -> list[dict]:
+  """The fused kernel alone on the largest tensor, per (formats, elements, warps): ms and GB/s of
+  the bytes it must move (gradient, codes and scales in and out, float32 update out)."""
+  name, shape = max(shapes.items(), key=lambda item: math.prod(item[1]))
+  formats = {name: optim.moment_formats(name) for name in ("adamw_8bit", "adamw_4bit", "adamw_fp8")}
+  g = _arrays({name: shape}, jax.random.key(3), 1e-3)[name]
+  c = adam_coefficients(0.9, 0.999, 1e-8, 0.0, jnp.int32(10), jnp.int32(11))
+  rows = []
+  for label, (m_format, v_format) in formats.items():
+    quantize = jax.jit(qstate.quantize_blockwise, static_argnums=1)
+    m, v = quantize(g, m_format), quantize(g * g, v_format)
+    moved = qstate.nbytes((g, m, v)) + qstate.nbytes((m, v)) + g.size * 4
+    for elements in TUNE_ELEMENTS:
+      for warps in TUNE_WARPS:
+        config = adam_kernels.AdamKernelConfig(elements, warps)
+        fn = jax.jit(lambda g, m, v, mf=m_format, vf=v_format, cf=config: adam_kernels.adam_update_kernel(
+            g, m, v, c, mf, vf, False, cf))
+        try:
+          ms = common.time_ms(fn, g, m, v, reps=max(repeats // 4, 3))
+        except Exception as e:  # noqa: BLE001  (a config the compiler refuses is a result, not a crash)
+          rows.append({"formats": label, "elements": elements, "num_warps": warps, "error": str(e)[:200]})
+          continue
+        rows.append({"formats": label, "tensor": name, "shape": list(shape), "elements": elements, "num_warps": warps,
+                     "ms": ms, "gb_per_s": moved / ms / 1e6})
+        print(f"tune {label:<11} elements {elements:>6} warps {warps}: {ms:.3f} ms {moved / ms / 1e6:7.0f} GB/s",
+              flush=True)
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True, help="JSON file to write")
@@ -151,20 +222,30 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--encode", type=int, default=0, help="also time the nearest-code methods on this many elements")
   parser.add_argument("--profile", action="store_true", help="trace 3 steps per optimizer; JSON gets its top kernels")
+  parser.add_argument("--fused", choices=sorted(FUSED_MODES), default="both",
+                      help="low-bit updates in the fused kernel (on), in XLA (off), both, or the policy's pick (auto)")
+  parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="parameter dtype; bfloat16 adds stochastic rounding to the step")
+  parser.add_argument("--tune", action="store_true", help="also time the fused kernel alone per launch configuration")
   args = parser.parse_args(argv)
 
   shapes = model_shapes(args.layers, args.vocab)
   n_params = sum(math.prod(s) for s in shapes.values())
   results = []
-  for name in args.optimizers.split(","):
-    results.append(bench_optimizer(name.strip(), shapes, args.repeats, args.warmup, args.profile))
-    print(f"done {name}: {results[-1]['step_ms_median']:.2f} ms", flush=True)
+  for name in (n.strip() for n in args.optimizers.split(",")):
+    for backend in [None] if name == "adamw" else FUSED_MODES[args.fused]:
+      results.append(bench_optimizer(name, shapes, args.repeats, args.warmup, args.profile, backend,
+                                     jnp.dtype(args.param_dtype)))
+      print(f"done {name} ({results[-1]['update']}): {results[-1]['step_ms_median']:.2f} ms", flush=True)
   base = next((r for r in results if r["optimizer"] == "adamw"), results[0])
   for r in results:
     r["state_vs_adamw"] = r["state_bytes"] / base["state_bytes"]
     r["time_vs_adamw"] = r["step_ms_median"] / base["step_ms_median"]
     r["state_bytes_per_param"] = r["state_bytes"] / n_params
+    unfused = [x for x in results if x["optimizer"] == r["optimizer"] and x["backend_env"] == "xla"]
+    r["time_vs_xla_update"] = r["step_ms_median"] / unfused[0]["step_ms_median"] if unfused else None
   encode = bench_encode(args.encode, args.repeats) if args.encode else []
+  tune = bench_tune(shapes, args.repeats) if args.tune else []
 
   report = {
       "benchmark": "optim",
@@ -177,24 +258,39 @@ def main(argv=None):
       "repeats": args.repeats,
       "commit": common.commit(),
       "date": time.strftime("%Y-%m-%d"),
+      "fused": args.fused,
+      "param_dtype": args.param_dtype,
       "results": results,
       "encode": encode,
+      "tune": tune,
   }
   with open(args.out, "w") as f:
     json.dump(report, f, indent=2)
 
   print(f"\n{report['device']} ({report['platform']}), jax {report['jax']}, {n_params / 1e9:.3f}B parameters, "
-        f"median of {args.repeats} steps (update + apply_updates)")  # fmt: skip
+        f"median of {args.repeats} steps (update + apply_updates), {args.param_dtype} parameters")  # fmt: skip
   if encode:
     print(f"\n{'map':<10} {'nearest code':<14} {'ms / ' + format(args.encode, ',') + ' values':>22}")
     for e in encode:
       print(f"{e['map']:<10} {e['method']:<14} {e['ms_median']:>22.2f}")
-  header = ("optimizer", "state GB", "B/param", "vs adamw", "step ms", "vs adamw", "finite")
-  print("\n{:<14} {:>9} {:>8} {:>9} {:>9} {:>9} {:>7}".format(*header))
+  # "asked": the JAXLOWBIT_BACKEND of the run; "update": what ran (fused kernel or XLA), "vs xla": the
+  # step time against the same optimizer's XLA-update run.
+  header = ("optimizer", "asked", "update", "state GB", "B/param", "vs adamw", "step ms", "vs adamw", "vs xla",
+            "finite")
+  print("\n{:<14} {:<6} {:<6} {:>9} {:>8} {:>9} {:>9} {:>9} {:>7} {:>7}".format(*header))
   for r in results:
-    row = (r["optimizer"], r["state_bytes"] / 1e9, r["state_bytes_per_param"], r["state_vs_adamw"])
-    row += (r["step_ms_median"], r["time_vs_adamw"], str(r["finite"]))
-    print("{:<14} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7}".format(*row))
+    row = (r["optimizer"], r["backend_env"] or "-", r["update"], r["state_bytes"] / 1e9, r["state_bytes_per_param"])
+    row += (r["state_vs_adamw"], r["step_ms_median"], r["time_vs_adamw"])
+    vs_xla = "-" if r["time_vs_xla_update"] is None else f"{r['time_vs_xla_update']:.2f}x"
+    print("{:<14} {:<6} {:<6} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7} {:>7}".format(*row, vs_xla,
+                                                                                             str(r["finite"])))
+  if tune:
+    best = {}
+    for t in (t for t in tune if "ms" in t):
+      best[t["formats"]] = min(best.get(t["formats"], t), t, key=lambda x: x["ms"])
+    for label, t in best.items():
+      print(f"best {label}: elements {t['elements']}, num_warps {t['num_warps']}: {t['ms']:.3f} ms, "
+            f"{t['gb_per_s']:.0f} GB/s")
   for r in results:
     for k in r["top_kernels"][:4]:
       print(f"  {r['optimizer']:<14} {k['ms_per_step']:8.2f} ms  {k['kernel'][:90]}")

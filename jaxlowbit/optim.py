@@ -21,7 +21,10 @@ adamw_fp8_o2   e4m3, scale amax/448         float16, scale amax/65504    256    
 
 (bitsandbytes' 8-bit Adam; torchao's 4-bit AdamW after Li et al. 2023; torchao's FP8 AdamW;
 MS-AMP's O2 optimizer.) Each step dequantizes ``m`` and ``v`` to float32, runs the Adam update
-in float32 and re-quantizes; the update of that step uses the float32 moments. Tensors with
+in float32 and re-quantizes; the update of that step uses the float32 moments. On an NVIDIA GPU
+this runs as one fused kernel per tensor (``pallas_kernels.adam``, chosen by
+``pallas_kernels.dispatch.adam_update``; the same codes as XLA's update except on exact ties),
+elsewhere in XLA. Tensors with
 fewer than :data:`MIN_QUANTIZED_SIZE` elements, or that :func:`jaxlowbit.qstate.blockable`
 refuses, keep float32 moments and follow ``optax.adamw`` bit for bit. A NaN or inf gradient
 element turns its block's moments NaN (never a finite value), as it turns optax's.
@@ -54,16 +57,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxlowbit_numerics import fp8
-from jaxlowbit.qstate import (
-    BlockFormat,
-    BlockQuantized,
-    blockable,
-    dequantize_blockwise,
-    quantize_blockwise,
-    zeros_blockwise,
-)
+from jaxlowbit.qstate import BlockFormat, BlockQuantized, blockable, zeros_blockwise
 from jaxlowbit.rounding import stochastic_round
+from jaxlowbit_numerics import fp8
+from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
+from pallas_kernels import dispatch
 
 # Tensors smaller than this keep float32 moments: their state is negligible and they are
 # often sensitive (norm scales, biases). The threshold of torchao's and bitsandbytes' optimizers.
@@ -160,30 +158,16 @@ def scale_by_adam_quantized(
   def update_fn(updates, state, params=None):
     del params
     count_inc = optax.safe_increment(state.count)
-    # Bias corrections computed as optax does (decay**count in float32, then the moment's dtype).
-    bc1 = 1 - b1**count_inc
-    bc2 = 1 - b2**count_inc
-    bc1_next = 1 - b1 ** optax.safe_increment(count_inc)
+    coefficients = adam_coefficients(b1, b2, eps, eps_root, count_inc, optax.safe_increment(count_inc))
 
     def leaf(g, m, v, m_scale, v_scale):
       if g is None:
         return None, m, v, m_scale, v_scale
-      is_quantized = quantized(g.shape)
-      if is_quantized:
-        g = g.astype(jnp.float32)
-        m = dequantize_blockwise(BlockQuantized(m, m_scale), m_format, g.shape)
-        v = dequantize_blockwise(BlockQuantized(v, v_scale), v_format, g.shape)
-      m_new = (1 - b1) * g + b1 * m
-      v_new = (1 - b2) * (g * g) + b2 * v
-      if nesterov:
-        m_hat = b1 * (m_new / bc1_next.astype(m_new.dtype)) + (1 - b1) * (g / bc1.astype(g.dtype))
-      else:
-        m_hat = m_new / bc1.astype(m_new.dtype)
-      v_hat = v_new / bc2.astype(v_new.dtype)
-      u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-      if is_quantized:
-        (m_codes, m_scale), (v_codes, v_scale) = quantize_blockwise(m_new, m_format), quantize_blockwise(v_new, v_format)
+      if quantized(g.shape):  # the fused kernel on a GPU, XLA's update elsewhere
+        u, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_update(
+            g, BlockQuantized(m, m_scale), BlockQuantized(v, v_scale), coefficients, m_format, v_format, nesterov)
         return u, m_codes, v_codes, m_scale, v_scale
+      u, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)  # optax.scale_by_adam's arithmetic
       if mu_dtype is not None:
         m_new = m_new.astype(mu_dtype)
       return u, m_new, v_new.astype(v.dtype), m_scale, v_scale
@@ -237,6 +221,25 @@ def state_shardings(optimizer: optax.GradientTransformation, state, param_shardi
       optimizer, fit, state, param_shardings, transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, (NamedSharding, PartitionSpec)),
   )  # fmt: skip
+
+
+def moment_formats(name: str, block_size: int | None = None) -> tuple[BlockFormat, BlockFormat]:
+  """``(m_format, v_format)``: how the low-bit optimizer ``name`` stores its moments (the table above).
+
+  Args:
+    name: ``adamw_8bit``, ``adamw_4bit``, ``adamw_fp8`` or ``adamw_fp8_o2``.
+    block_size: elements per block (None: the optimizer's default).
+  """
+  defaults = {"adamw_8bit": BLOCK_8BIT, "adamw_4bit": BLOCK_4BIT, "adamw_fp8": BLOCK_FP8, "adamw_fp8_o2": BLOCK_FP8}
+  if name not in defaults:
+    raise ValueError(f"moment_formats: {name!r} has no low-bit moments; choose one of {sorted(defaults)}")
+  b = defaults[name] if block_size is None else block_size
+  return {
+      "adamw_8bit": (BlockFormat("dynamic", 8, True, b), BlockFormat("dynamic", 8, False, b, nonzero=True)),
+      "adamw_4bit": (BlockFormat("dynamic", 4, True, b), BlockFormat("linear", 4, False, b, nonzero=True)),
+      "adamw_fp8": (BlockFormat("e4m3", block=b), BlockFormat("e4m3", block=b, nonzero=True)),
+      "adamw_fp8_o2": (BlockFormat("e4m3", block=b), BlockFormat("fp16", block=b, nonzero=True)),
+  }[name]
 
 
 def _adamw(
@@ -298,10 +301,7 @@ def adamw_8bit(
   block_size = _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_8bit")
   moments = scale_by_adam_quantized(
-      BlockFormat("dynamic", 8, True, block_size),
-      BlockFormat("dynamic", 8, False, block_size, nonzero=True),
-      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
-  )  # fmt: skip
+      *moment_formats("adamw_8bit", block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -336,10 +336,7 @@ def adamw_4bit(
   block_size = _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_4bit")
   moments = scale_by_adam_quantized(
-      BlockFormat("dynamic", 4, True, block_size),
-      BlockFormat("linear", 4, False, block_size, nonzero=True),
-      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
-  )  # fmt: skip
+      *moment_formats("adamw_4bit", block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -377,18 +374,15 @@ def adamw_fp8(
   """
   block_size = _check_block(block_size, "adamw_fp8", BLOCK_FP8)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_fp8")
-  kinds = {jnp.dtype(fp8.E4M3): "e4m3", jnp.dtype(jnp.float16): "fp16"}
+  names = {jnp.dtype(fp8.E4M3): "adamw_fp8", jnp.dtype(jnp.float16): "adamw_fp8_o2"}
   try:
-    v_kind = kinds[jnp.dtype(fp8.E4M3 if v_dtype is None else v_dtype)]
+    name = names[jnp.dtype(fp8.E4M3 if v_dtype is None else v_dtype)]
   except (KeyError, TypeError):
     raise TypeError(
         f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
     ) from None
   moments = scale_by_adam_quantized(
-      BlockFormat("e4m3", block=block_size),
-      BlockFormat(v_kind, block=block_size, nonzero=True),
-      b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size,
-  )  # fmt: skip
+      *moment_formats(name, block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -557,6 +551,7 @@ __all__ = [
     "adamw_fp8_o2",
     "apply_updates_stochastic",
     "make",
+    "moment_formats",
     "scale_by_adam_quantized",
     "state_shardings",
     "stochastic_rounding",

@@ -11,6 +11,10 @@ these modules, and these modules import neither, so imports run one way::
 - :mod:`~jaxlowbit_numerics.ternary`: BitNet b1.58 absmean ternary weights and 2-bit packing.
 - :mod:`~jaxlowbit_numerics.stats`: the abs-max / abs-mean statistics scales are built from.
 - :mod:`~jaxlowbit_numerics.formats`: ``QuantSpec``, how one matmul operand is quantized.
+- :mod:`~jaxlowbit_numerics.blockwise`: block-wise quantized tensors (low-bit optimizer states;
+  public as ``jaxlowbit.qstate``).
+- :mod:`~jaxlowbit_numerics.adam`: the Adam step's elementwise arithmetic, shared by the XLA
+  update and the fused optimizer kernel.
 
 Users reach the public functions through ``jaxlowbit`` (``jaxlowbit.quantize_int8`` ...).
 """

@@ -9,9 +9,14 @@ implementation runs is decided here and nowhere else:
 - :func:`fused_quantize`  both, of the output of an RMSNorm or SwiGLU that is never written
 - :func:`scaled_matmul`   ``[M, K] x [N, K]`` -> ``[M, N]`` with the scales applied
 
+and ``jaxlowbit.optim`` sends the Adam step of every block-wise quantized tensor through
+
+- :func:`adam_update`     gradient + low-bit ``m``, ``v`` -> update + new ``m``, ``v``
+
 Backends:
 - ``"xla"``: :mod:`pallas_kernels.reference` (XLA fusions).
-- ``"pallas"``: the Pallas GPU kernels (Hopper wgmma GEMM, Triton-backend quantizers).
+- ``"pallas"``: the Pallas GPU kernels (Hopper wgmma GEMM, Triton-backend quantizers and
+  fused optimizer update).
 
 Which backend runs is :mod:`pallas_kernels.policy`'s decision (``JAXLOWBIT_BACKEND=xla|pallas|auto``
 and every threshold); which kernel configuration runs a shape is :mod:`pallas_kernels.tuning`'s.
@@ -25,20 +30,25 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit_numerics.formats import QuantSpec
+from jaxlowbit_numerics.adam import AdamCoefficients
+from jaxlowbit_numerics.blockwise import BlockFormat, BlockQuantized
+from pallas_kernels import adam as adam_kernels
 from pallas_kernels import policy
 from pallas_kernels import quantize as quantize_kernels
+from pallas_kernels import tuning
 from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["fused_quantize", "quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul",
-           "select_backend"]
+__all__ = ["adam_update", "fused_quantize", "quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t",
+           "scaled_matmul", "select_backend"]
 
 
 # Every quantization and low-bit GEMM runs inside one of these scopes, so profiles
 # (benchmarks/profile_step.py) and HLO dumps can attribute kernels and fusions to them.
 QUANTIZE_SCOPE = "jaxlowbit_quantize"
 GEMM_SCOPE = "jaxlowbit_gemm"
+ADAM_SCOPE = "jaxlowbit_adam"
 
 
 def fused_quantize(
@@ -159,3 +169,33 @@ def scaled_matmul(
       config = tuning.config_for(m, b.shape[0], k, a.dtype)
       return scaled_matmul_hopper(a, a_scale, b, b_scale, out_dtype, config=config)
     return scaled_matmul_reference(a, a_scale, b, b_scale, out_dtype)
+
+
+def adam_update(
+    g: jax.Array,
+    m: BlockQuantized,
+    v: BlockQuantized,
+    coefficients: AdamCoefficients,
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    nesterov: bool = False,
+) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
+  """One Adam step of a block-wise quantized tensor on the selected backend.
+
+  Args:
+    g: gradient ``[*lead, N]``; m, v: its moments (codes and float32 block scales) stored in
+      ``m_format`` / ``v_format``; coefficients: the step's scalars
+      (:func:`jaxlowbit_numerics.adam.adam_coefficients`); nesterov: as in optax.
+
+  Returns:
+    ``(u, m_new, v_new)``: the float32 update ``[*lead, N]`` and the new moments. The fused
+    kernel (:mod:`pallas_kernels.adam`) where the policy and the shape allow, else its XLA
+    reference; the same codes up to ties of the nearest-code search.
+  """
+  with jax.named_scope(ADAM_SCOPE):
+    explicit = any(axis is not None for axis in jax.typeof(g).sharding.spec)  # sharding in types: XLA's update
+    if (not explicit and policy.adam_on_kernel((m_format.kind, v_format.kind))
+        and adam_kernels.supported(g, m, v, m_format, v_format)):
+      config = tuning.adam_config(m_format, v_format)
+      return adam_kernels.adam_update_kernel(g, m, v, coefficients, m_format, v_format, nesterov, config)
+    return adam_kernels.adam_update_reference(g, m, v, coefficients, m_format, v_format, nesterov)

@@ -41,6 +41,12 @@ GEMM_MIN_M, GEMM_MIN_N = 128, 256
 # the SwiGLU producer keeps the op in XLA and quantizes its output.
 FUSED_PROLOGUES = frozenset({"RmsNorm"})
 
+# --- Fused optimizer update (pallas_kernels.adam) ------------------------------------------------
+# The Triton lowering converts to float8_e4m3fn only on sm89+; compute_capability() reads the
+# major version, so FP8 optimizer states take the kernel from Hopper (sm90) on.
+FP8_STATE_KINDS = frozenset({"e4m3"})
+
+
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
 # Chained-layer timings (us per linear, 4096x14336 / 14336x4096 weights, one run):
 # W8A16: kernel 28/30 vs XLA 35/31 at M=1; XLA 20-21 vs kernel 24-27 at M=2..8 (XLA's split-K GEMM
@@ -130,6 +136,20 @@ def quantize_on_kernel() -> bool:
   """Whether quantization may run on the Triton-backend kernels (each also checks its shapes)."""
   major = compute_capability()
   return requested_backend() != "xla" and major is not None and major >= AMPERE
+
+
+def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
+  """Whether the low-bit Adam update may run on the fused kernel for moments stored as ``kinds``
+  (``BlockFormat.kind`` of ``m`` and ``v``); the kernel also checks each tensor's shape.
+
+  ``auto`` and ``pallas`` take it on every NVIDIA GPU it runs on (sm80+, sm90+ for e4m3 states);
+  elsewhere, and under ``xla``, XLA runs the update. Like the quantizers, a forced ``pallas``
+  on a device without the kernel falls back to XLA rather than failing: the two are one spec.
+  """
+  major = compute_capability()
+  if requested_backend() == "xla" or major is None or major < AMPERE:
+    return False
+  return major >= HOPPER or not FP8_STATE_KINDS.intersection(kinds)
 
 
 def w8a16_kernel_wanted(m: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.adam import AdamKernelConfig
 from pallas_kernels.hopper_gemm import Dim, GemmConfig
 
 # 8192^3 sweep (gemm_tune_*_h200.json): int8 is best walking output tiles M-minor
@@ -44,6 +45,10 @@ QUANTIZE_STATS_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGL
 # swiglu_grad_h200.json (d gate_up of 16384 x 8192, bf16): 16 x 256 0.381 ms, 32 x 128 0.412, 64 x 64
 # 0.428; XLA's concatenate fusion of the same expression alone 0.367 (in the 1B step XLA did not fuse it).
 PROLOGUE_TILE = {"SwiGLUGrad": (16, 256, 4)}
+
+# Fused optimizer update (pallas_kernels.adam): (m kind, m bits, v kind) -> config. Not yet tuned on
+# a GPU: the default (4096 elements, 4 warps per program) until benchmarks/optim.py --tune runs.
+ADAM_CONFIGS: dict[tuple[str, int, str], AdamKernelConfig] = {}
 
 # (dtype kind, M bucket, N bucket, K bucket) -> config for shapes that tune differently.
 TABLE: dict[tuple[str, int, int, int], GemmConfig] = {}
@@ -88,3 +93,8 @@ def quantize_stats_from_tiles(prologue=None) -> bool:
 def prologue_tile_config(prologue=None) -> tuple[int, int, int]:
   """(tile rows, tile columns, warps) of the values kernel (``pallas_kernels.quantize.prologue_kernel``)."""
   return PROLOGUE_TILE.get(type(prologue).__name__, (32, 128, 4))
+
+
+def adam_config(m_format, v_format):
+  """The launch configuration of the fused Adam update for these moment formats."""
+  return ADAM_CONFIGS.get((m_format.kind, m_format.bits, v_format.kind), AdamKernelConfig())

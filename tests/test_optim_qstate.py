@@ -77,6 +77,11 @@ def test_pack_4bit_round_trip_and_layout():
   assert packed.shape == (3, 5, 32) and packed.dtype == jnp.uint8
   np.testing.assert_array_equal(packed, np.asarray(codes[..., 0::2]) * 16 + np.asarray(codes[..., 1::2]))
   np.testing.assert_array_equal(qstate.unpack_4bit(packed), codes)
+  # The elementwise form the fused optimizer kernel writes: one definition of the byte layout.
+  np.testing.assert_array_equal(qstate.pack_nibbles(codes[..., 0::2], codes[..., 1::2]), packed)
+  high, low = qstate.unpack_nibbles(packed)
+  np.testing.assert_array_equal(high, codes[..., 0::2])
+  np.testing.assert_array_equal(low, codes[..., 1::2])
 
 
 @pytest.mark.parametrize(

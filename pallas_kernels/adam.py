@@ -1,0 +1,294 @@
+"""Fused low-bit Adam update (Pallas, Triton backend): one pass over a tensor's gradient and states.
+
+``jaxlowbit.optim.scale_by_adam_quantized`` keeps ``m`` and ``v`` block-wise quantized
+(:mod:`jaxlowbit_numerics.blockwise`: codes ``[*lead, N]`` or, 4-bit, ``[*lead, N / 2]``, float32
+block scales ``[*lead, N / B]``). Its XLA update (:func:`adam_update_reference`, the spec) decodes
+both moments, runs the Adam arithmetic, and re-encodes with one max per block; XLA's fusion
+choices decide its cost (on an H200 the 8-bit update took 2x ``optax.adamw``'s step: update,
+block max and encode landed in one slow multi-output reduction fusion).
+
+The kernel reads, per element, the gradient (4 bytes in float32) and the codes of ``m`` and
+``v`` (two bytes at 8 bits, one at 4), per block the two scales, and writes the new codes and
+scales and the float32 update ``u`` (4 bytes): about 12 bytes per parameter at 8 bits.
+``add_decayed_weights``, ``scale_by_learning_rate`` and ``apply_updates`` then run in XLA as one
+elementwise pass (read ``u`` and ``p``, write ``p``: 12 bytes for float32 parameters), about 24
+in all against the ~28 of ``optax.adamw``'s step (read g, m, v, p; write m, v, p).
+
+Each program owns ``rows`` consecutive blocks (the tensor viewed as ``[N_blocks, B]``, which is
+free for a last axis that is a multiple of ``B``). Every value is computed with the functions
+XLA's update uses: ``blockwise.decode_values`` / ``encode_values`` / ``block_scales`` for the
+codes, ``adam.adam_moments`` for the arithmetic. Packed 4-bit codes are read as whole bytes;
+their two nibbles belong to a block's even and odd elements, which the kernel loads and
+stores with stride 2 (``blockwise.pack_nibbles`` puts them back together).
+
+Numerics: the same codes as the reference except at exact ties of the nearest-code search (a
+value within float rounding of the midpoint of two codes: on a GPU, Triton and XLA may contract
+``a * b + c`` into an FMA differently, which moves a moment by an ulp), the same scales up to
+that rounding, and ``u`` to a few float32 ulps (division and square root). A NaN or inf
+gradient element turns its block's scales NaN, as in the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.pallas import triton as plt
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxlowbit_numerics import stats
+from jaxlowbit_numerics.adam import COEFFICIENT_NAMES, AdamCoefficients, adam_moments, coefficient_vector
+from jaxlowbit_numerics.blockwise import (
+    BlockFormat,
+    BlockQuantized,
+    block_scales,
+    decode_values,
+    dequantize_blockwise,
+    encode_values,
+    pack_nibbles,
+    quantize_blockwise,
+    stored_shapes,
+    unpack_nibbles,
+)
+from pallas_kernels.vma import out_struct
+
+# Block sizes the kernel takes: Triton tiles are powers of two, and a 4-bit block's half
+# (its even or odd elements) must still fill a 16-element vector.
+MIN_BLOCK, MAX_BLOCK = 32, 8192
+GRADIENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamKernelConfig:
+  """Launch configuration (``pallas_kernels.tuning.adam_config`` picks one).
+
+  Attributes:
+    elements: elements per program (a power of two; ``elements / B`` blocks, fewer when the
+      tensor's block count is not a multiple of that).
+    num_warps: warps per program.
+  """
+
+  elements: int = 4096
+  num_warps: int = 4
+
+  def __post_init__(self):
+    if self.elements < 1 or self.elements & (self.elements - 1):
+      raise ValueError(f"AdamKernelConfig: elements must be a power of two, got {self.elements}")
+
+
+def _parts(m_format: BlockFormat, v_format: BlockFormat) -> tuple[tuple[int, int], ...]:
+  """``(start, stride)`` of the slices of a block the kernel holds: the whole block, or, when a
+  moment packs two 4-bit codes per byte, its even and its odd elements (a byte's two nibbles)."""
+  if 4 in (m_format.storage_bits, v_format.storage_bits):
+    return ((0, 2), (1, 2))
+  return ((0, 1),)
+
+
+def _load_moment(codes_ref, scale_ref, rows, fmt: BlockFormat, parts) -> list[jax.Array]:
+  """float32 values of one moment's blocks ``rows``, one ``[rows, B / len(parts)]`` array per part."""
+  scale = scale_ref[rows][:, None]
+  size = fmt.block // len(parts)
+  if fmt.storage_bits == 4:
+    codes = unpack_nibbles(codes_ref[rows, :])  # (even elements, odd elements)
+  else:
+    codes = [codes_ref[rows, pl.ds(start, size, stride=stride)] for start, stride in parts]
+  return [decode_values(c, scale, fmt) for c in codes]
+
+
+def _store_moment(codes_ref, scale_ref, rows, values: list[jax.Array], fmt: BlockFormat, parts) -> None:
+  """Quantize the blocks ``rows`` of one moment (``values`` per part) into its outputs."""
+  amax = functools.reduce(jnp.maximum, [stats.absmax(x, axis=-1) for x in values])  # [rows, 1]
+  inv, scale = block_scales(amax, fmt)
+  codes = [encode_values(x, inv, fmt) for x in values]
+  size = fmt.block // len(parts)
+  if fmt.storage_bits == 4:
+    codes_ref[rows, :] = pack_nibbles(*codes)
+  else:
+    for (start, stride), c in zip(parts, codes):
+      codes_ref[rows, pl.ds(start, size, stride=stride)] = c
+  scale_ref[rows] = scale[:, 0]
+
+
+def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, u_ref, mc_out, ms_out, vc_out, vs_out, *,
+                 m_format: BlockFormat, v_format: BlockFormat, nesterov: bool, rows: int):
+  blocks = pl.ds(pl.program_id(0) * rows, rows)
+  parts = _parts(m_format, v_format)
+  size = m_format.block // len(parts)
+  coefficients = AdamCoefficients(*(c_ref[k] for k in range(len(COEFFICIENT_NAMES))))
+  g = [g_ref[blocks, pl.ds(start, size, stride=stride)].astype(jnp.float32) for start, stride in parts]
+  m = _load_moment(mc_ref, ms_ref, blocks, m_format, parts)
+  v = _load_moment(vc_ref, vs_ref, blocks, v_format, parts)
+  steps = [adam_moments(*gmv, coefficients, nesterov) for gmv in zip(g, m, v)]
+  for (start, stride), (u, _, _) in zip(parts, steps):
+    u_ref[blocks, pl.ds(start, size, stride=stride)] = u
+  _store_moment(mc_out, ms_out, blocks, [s[1] for s in steps], m_format, parts)
+  _store_moment(vc_out, vs_out, blocks, [s[2] for s in steps], v_format, parts)
+
+
+def supported(g: jax.Array, m: BlockQuantized, v: BlockQuantized, m_format: BlockFormat, v_format: BlockFormat) -> bool:
+  """Whether the kernel takes this tensor (else :func:`adam_update_reference` runs it).
+
+  It needs a shared power-of-two block in ``[MIN_BLOCK, MAX_BLOCK]``, a last axis that is a
+  multiple of it (no short last block), a float32/bf16/fp16 gradient, and codes and scales of
+  the shapes :func:`jaxlowbit_numerics.blockwise.stored_shapes` gives (under ``shard_map`` a
+  device's scales may keep a dimension its codes split).
+  """
+  block = m_format.block
+  if v_format.block != block or block & (block - 1) or not MIN_BLOCK <= block <= MAX_BLOCK:
+    return False
+  if g.ndim < 1 or g.size == 0 or g.shape[-1] % block or jnp.dtype(g.dtype) not in GRADIENT_DTYPES:
+    return False
+  for q, fmt in ((m, m_format), (v, v_format)):
+    codes_shape, scale_shape = stored_shapes(g.shape, fmt)
+    if q.codes.shape != codes_shape or q.scale.shape != scale_shape or q.codes.dtype != fmt.code_dtype:
+      return False
+  return True
+
+
+def _rows_per_program(n_blocks: int, block: int, config: AdamKernelConfig) -> int:
+  """Blocks per program: ``config.elements / block``, halved until it divides ``n_blocks``."""
+  rows = max(config.elements // block, 1)
+  while n_blocks % rows:
+    rows //= 2
+  return rows
+
+
+def _call(g, mc, ms, vc, vs, cvec, m_format: BlockFormat, v_format: BlockFormat, nesterov: bool,
+          config: AdamKernelConfig, interpret: bool):
+  """The ``pallas_call`` on one device's blocks: ``g [*b, B]``, codes ``[*b, B']``, scales ``[*b]``
+  (``*b``: any leading shape, flattened here), ``cvec`` the coefficient vector."""
+  block = m_format.block
+  n_blocks = ms.size
+  rows = _rows_per_program(n_blocks, block, config)
+  operands = (g.reshape(n_blocks, -1), mc.reshape(n_blocks, -1), ms.reshape(n_blocks), vc.reshape(n_blocks, -1),
+              vs.reshape(n_blocks), cvec)
+  out_shape = [out_struct((n_blocks, block), jnp.float32, *operands)]
+  out_shape += [out_struct(x.shape, x.dtype, *operands) for x in operands[1:5]]
+  kernel = functools.partial(_adam_kernel, m_format=m_format, v_format=v_format, nesterov=nesterov, rows=rows)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=tuple(out_shape),
+      grid=(n_blocks // rows,),
+      input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4},  # codes and scales in place
+      compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="jaxlowbit_adam_update",
+  )(*operands)
+  return tuple(out.reshape(x.shape) for out, x in zip(outs, (g, mc, ms, vc, vs)))
+
+
+# Under GSPMD (jit with sharded parameters, FSDP's update) a bare pallas_call would make XLA
+# gather every operand onto each device. The update is independent per block, so the call is
+# partitioned like an elementwise op over the blocks: operands in block view ``[*lead, nb, B]``,
+# each device runs the kernel on its own blocks; a block's elements stay on one device.
+_BLOCK_RULE = "... b k, ... b c, ... b, ... b e, ... b, h -> ... b k, ... b c, ... b, ... b e, ... b"
+_WITHIN_BLOCK = ("k", "c", "e", "h")
+
+
+def _per_block_sharding(sharding, ndim: int):
+  """``sharding`` with the within-block (last) dimension replicated, for an operand of rank ``ndim``."""
+  spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec[: ndim - 1], None))
+
+
+def _partition(m_format, v_format, nesterov, config, interpret, mesh, arg_shapes, result_shape):
+  del result_shape
+  lead = arg_shapes[0].sharding  # the gradient's sharding of [*lead, nb] decides
+  rank = len(arg_shapes[0].shape)
+  blocks = _per_block_sharding(lead, rank)
+  scales = NamedSharding(blocks.mesh, PartitionSpec(*blocks.spec[: rank - 1]))
+  args = (blocks, blocks, scales, blocks, scales, NamedSharding(blocks.mesh, PartitionSpec()))
+  results = (blocks, blocks, scales, blocks, scales)
+  lower = functools.partial(_call, m_format=m_format, v_format=v_format, nesterov=nesterov, config=config,
+                            interpret=interpret)
+  return mesh, lower, results, args
+
+
+def _infer(m_format, v_format, nesterov, config, interpret, mesh, arg_shapes, result_shape):
+  del m_format, v_format, nesterov, config, interpret, mesh, result_shape
+  return _partition(None, None, None, None, None, None, arg_shapes, None)[2]
+
+
+@functools.partial(custom_partitioning, static_argnums=(6, 7, 8, 9, 10))
+def _partitioned_call(g, mc, ms, vc, vs, cvec, m_format, v_format, nesterov, config, interpret):
+  return _call(g, mc, ms, vc, vs, cvec, m_format, v_format, nesterov, config, interpret)
+
+
+_partitioned_call.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=_BLOCK_RULE,
+    need_replication_factors=_WITHIN_BLOCK,
+)
+
+
+@functools.partial(jax.jit, static_argnames=("m_format", "v_format", "nesterov", "config", "interpret"))
+def adam_update_kernel(
+    g: jax.Array,
+    m: BlockQuantized,
+    v: BlockQuantized,
+    coefficients: AdamCoefficients,
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    nesterov: bool = False,
+    config: AdamKernelConfig = AdamKernelConfig(),
+    interpret: bool = False,
+) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
+  """One Adam step of a block-wise quantized tensor in one kernel.
+
+  Args:
+    g: gradient ``[*lead, N]`` (float32, bfloat16 or float16), ``N`` a multiple of the block.
+    m, v: the moments (:class:`BlockQuantized`: codes ``[*lead, N]`` or ``[*lead, N / 2]``,
+      float32 scales ``[*lead, N / B]``) stored in ``m_format`` / ``v_format``.
+    coefficients: the step's :class:`~jaxlowbit_numerics.adam.AdamCoefficients` (floats or
+      float32 scalars; traced values are fine).
+    m_format, v_format: the moments' formats (one block size).
+    nesterov: Nesterov's update, as ``optax.scale_by_adam(nesterov=True)``.
+    config: launch configuration.
+    interpret: run in Pallas interpret mode (CPU tests).
+
+  Returns:
+    ``(u, m_new, v_new)``: the float32 update ``[*lead, N]`` and the new moments, as
+    :func:`adam_update_reference` returns them (the codes and scales are written in place of
+    the inputs' when XLA may reuse those buffers: a donated state). Sharded operands (GSPMD)
+    are updated where they are: each device runs the kernel on its blocks.
+  """
+  if not supported(g, m, v, m_format, v_format):
+    raise ValueError(
+        f"adam_update_kernel: gradient {g.shape} {g.dtype} with states {m.codes.shape}/{v.codes.shape} in {m_format} / "
+        f"{v_format}: the kernel needs one power-of-two block in [{MIN_BLOCK}, {MAX_BLOCK}] dividing the last axis "
+        "and a float32/bf16/fp16 gradient; use pallas_kernels.dispatch.adam_update, which runs XLA's update instead"
+    )
+  block = m_format.block
+  blocks = lambda x, n: x.reshape(*x.shape[:-1], x.shape[-1] // n, n)  # noqa: E731  (free: whole blocks)
+  per_block = lambda fmt: block // 2 if fmt.storage_bits == 4 else block  # noqa: E731
+  u, mc, ms, vc, vs = _partitioned_call(
+      blocks(g, block), blocks(m.codes, per_block(m_format)), m.scale, blocks(v.codes, per_block(v_format)), v.scale,
+      coefficient_vector(coefficients), m_format, v_format, nesterov, config, interpret)
+  return (u.reshape(g.shape), BlockQuantized(mc.reshape(m.codes.shape), ms),
+          BlockQuantized(vc.reshape(v.codes.shape), vs))
+
+
+def adam_update_reference(
+    g: jax.Array,
+    m: BlockQuantized,
+    v: BlockQuantized,
+    coefficients: AdamCoefficients,
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    nesterov: bool = False,
+) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
+  """:func:`adam_update_kernel` in XLA (any shape the formats store): decode the moments to
+  float32, one Adam step, re-encode. The update every backend runs where the kernel does not."""
+  g = g.astype(jnp.float32)
+  m = dequantize_blockwise(m, m_format, g.shape)
+  v = dequantize_blockwise(v, v_format, g.shape)
+  u, m, v = adam_moments(g, m, v, coefficients, nesterov)
+  return u, quantize_blockwise(m, m_format), quantize_blockwise(v, v_format)
+
+
+__all__ = ["AdamKernelConfig", "adam_update_kernel", "adam_update_reference", "supported"]

@@ -1,0 +1,112 @@
+"""Shared by the fused-Adam kernel tests (CPU interpret mode and GPU): formats, fresh inputs, and
+the comparison of kernel and XLA update that allows codes to differ only at ties."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlowbit import optim, qstate
+from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
+
+# The (m, v) formats of adamw_8bit, adamw_4bit, adamw_fp8 and adamw_fp8_o2.
+FORMATS = {name: optim.moment_formats(f"adamw_{name}") for name in ("8bit", "4bit", "fp8", "fp8_o2")}
+# A code may differ from XLA's only where the exact moment lies this close to the midpoint of the
+# two codes, relative to the magnitude of the terms it is summed from (b1 m and (1 - b1) g may
+# cancel): the kernel and XLA may round a*b+c differently (FMA), an ulp of those terms.
+TIE_RTOL = 1e-6
+# Ties are rare: 0 differing codes on CPU in 48 draws (the same arithmetic); on a GPU, FMA
+# contraction may differ between Triton and XLA (expected: a few per 1e6; not yet measured).
+MAX_TIE_FRACTION = 1e-3
+# u = m_hat / (sqrt(v_hat) + eps): a division and a square root, each within an ulp or two.
+# Interpret mode on CPU, 32 draws: worst error 2.9e-7 of terms / denominator (about 2.5 ulps).
+U_RTOL = 2e-6
+
+
+def random_case(key, shape, m_format, v_format, grad_dtype=jnp.float32, hyper_arrays=False):
+  """Fresh inputs of one step: ``(g, m, v, coefficients)``.
+
+  Blocks span 8 decades of magnitude (rows scaled by ``logspace``), one row of each moment
+  is all zeros (a fresh state: zero scales), the step count is random (bias corrections),
+  ``eps_root`` is zero or not. ``hyper_arrays``: b1, b2, eps as float32 arrays
+  (``optax.inject_hyperparams``).
+  """
+  keys = jax.random.split(key, 6)
+  rows = int(np.prod(shape[:-1]))
+  row_scale = jnp.logspace(-6, 2, rows).reshape(*shape[:-1], 1)
+  m = jax.random.normal(keys[0], shape) * row_scale * 1e-3
+  v = jnp.square(jax.random.normal(keys[1], shape) * row_scale * 1e-3) + 1e-20
+  zero_row = (0,) * (len(shape) - 1)
+  m, v = m.at[zero_row].set(0.0), v.at[zero_row].set(0.0)
+  g = (jax.random.normal(keys[2], shape) * jax.random.permutation(keys[3], row_scale.ravel()).reshape(row_scale.shape)
+       * 1e-3).astype(grad_dtype)
+  count = jax.random.randint(keys[4], (), 1, 10_000)
+  eps_root = float(jax.random.choice(keys[5], jnp.array([0.0, 1e-12])))
+  b1, b2, eps = 0.9, 0.999, 1e-8
+  if hyper_arrays:
+    b1, b2, eps = (jnp.float32(x) for x in (b1, b2, eps))
+  coefficients = adam_coefficients(b1, b2, eps, eps_root, count, count + 1)
+  return g, qstate.quantize_blockwise(m, m_format), qstate.quantize_blockwise(v, v_format), coefficients
+
+
+def _normalized(codes, fmt):
+  """Unpacked codes as values in the block's code range (float64)."""
+  if fmt.storage_bits == 4:
+    codes = qstate.unpack_4bit(codes)
+  if fmt.kind in ("e4m3", "fp16"):
+    return np.asarray(codes.astype(jnp.float32), np.float64)
+  return np.asarray(qstate.decode(codes, fmt, "table"), np.float64)
+
+
+def assert_codes_agree_but_ties(got, want, exact, fmt, what="", terms=None):
+  """``got`` and ``want`` (BlockQuantized) store ``exact`` (the float32 moment XLA computed):
+  scales equal to float32 rounding; a code may differ only where ``exact`` sits on the midpoint
+  of the two codes (within ``TIE_RTOL`` of ``terms``, the magnitude of what it is summed from;
+  default ``|exact|``); blocks with a NaN scale are not compared (any code times NaN is NaN)."""
+  g_scale, w_scale = np.asarray(got.scale), np.asarray(want.scale)
+  np.testing.assert_array_equal(np.isnan(g_scale), np.isnan(w_scale), err_msg=f"{what}: NaN scales")
+  np.testing.assert_allclose(g_scale, w_scale, rtol=1e-6, atol=0, err_msg=f"{what}: scales")
+  block = fmt.block
+  finite = np.repeat(np.isfinite(w_scale), block, axis=-1)
+  values_got, values_want = _normalized(got.codes, fmt), _normalized(want.codes, fmt)
+  x = np.asarray(exact, np.float64)
+  scale = np.repeat(np.where(np.isfinite(w_scale), w_scale, 1.0).astype(np.float64), block, axis=-1)
+  multiplier = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0)
+  y = x * multiplier  # the exact value in code units: maps multiply by 1/amax, floats by fmax/amax
+  size = np.abs(y) if terms is None else np.maximum(np.abs(y), np.asarray(terms, np.float64) * multiplier)
+  differ = (values_got != values_want) & finite
+  gap = np.abs(np.abs(y - values_got) - np.abs(y - values_want))
+  bad = differ & (gap > TIE_RTOL * size + 1e-30)
+  assert not bad.any(), (f"{what}: {bad.sum()} codes differ beyond a tie", y[bad][:4], values_got[bad][:4],
+                         values_want[bad][:4])
+  assert differ.mean() <= MAX_TIE_FRACTION, f"{what}: {differ.mean():.2e} of the codes differ"
+
+
+def assert_update_agrees(kernel_out, reference_out, g, m, v, coefficients, m_format, v_format, nesterov):
+  """The kernel's ``(u, m, v)`` against XLA's, with the exact float32 moments recomputed from the inputs."""
+  u, m_new, v_new = kernel_out
+  ru, rm, rv = reference_out
+  assert u.dtype == jnp.float32 and u.shape == g.shape
+  for got, want in ((m_new, rm), (v_new, rv)):
+    assert got.codes.shape == want.codes.shape and got.codes.dtype == want.codes.dtype
+    assert got.scale.shape == want.scale.shape and got.scale.dtype == jnp.float32
+  gf = g.astype(jnp.float32)
+  m_in = qstate.dequantize_blockwise(m, m_format, g.shape)
+  v_in = qstate.dequantize_blockwise(v, v_format, g.shape)
+  _, m_exact, v_exact = jax.jit(adam_moments, static_argnums=4)(gf, m_in, v_in, coefficients, nesterov)
+  # u to a few ulps of the terms it is made of: m_new = (1 - b1) g + b1 m may cancel (an FMA
+  # or not moves it by an ulp of its terms), and so may Nesterov's two terms.
+  c = jax.tree.map(lambda x: np.float64(np.float32(x)), coefficients)
+  g64, m64 = np.asarray(gf, np.float64), np.asarray(m_in, np.float64)
+  m_terms = c.one_minus_b1 * np.abs(g64) + c.b1 * np.abs(m64)
+  if nesterov:
+    terms = c.b1 * m_terms / c.bc1_next + c.one_minus_b1 * np.abs(g64) / c.bc1
+  else:
+    terms = m_terms / c.bc1
+  denominator = np.sqrt(np.asarray(v_exact, np.float64) / c.bc2 + c.eps_root) + c.eps
+  finite = np.isfinite(np.asarray(ru))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(u)), finite)
+  err = np.abs(np.asarray(u, np.float64) - np.asarray(ru, np.float64))
+  bound = U_RTOL * terms / denominator
+  assert np.all(err[finite] <= bound[finite]), np.max(err[finite] / bound[finite])
+  assert_codes_agree_but_ties(m_new, rm, m_exact, m_format, "m", m_terms)
+  assert_codes_agree_but_ties(v_new, rv, v_exact, v_format, "v")  # no cancellation: both terms >= 0

@@ -1,0 +1,116 @@
+"""The fused low-bit Adam update (pallas_kernels.adam) on the GPU (marker ``gpu``; skipped on CPU):
+the compiled Triton kernel against XLA's update on fresh inputs, NaN propagation, the optimizer's
+dispatch choosing it, and its GSPMD partitioning on every GPU of the host. The same checks in
+interpret mode on CPU: tests/test_optim_kernel.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from helpers import fresh_key
+from jaxlowbit import optim, qstate
+from jaxlowbit.qstate import BlockQuantized
+from optim_kernel_common import FORMATS, assert_update_agrees, random_case
+from pallas_kernels import adam as ak
+from pallas_kernels import dispatch, policy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+SEEDS = 4
+kernel = jax.jit(ak.adam_update_kernel, static_argnums=(4, 5, 6))
+reference = jax.jit(ak.adam_update_reference, static_argnums=(4, 5, 6))
+
+
+def _takes_kernel(name):
+  """Skip where the policy keeps the format on XLA (e4m3 states before Hopper)."""
+  m_format, v_format = FORMATS[name]
+  if not policy.adam_on_kernel((m_format.kind, v_format.kind)):
+    pytest.skip(f"{name}: the policy keeps this format on XLA on this GPU (sm{policy.compute_capability()}x)")
+  return m_format, v_format
+
+
+@pytest.mark.parametrize("shape", [(64, 4096), (2, 22, 2048), (8192,)], ids=str)
+@pytest.mark.parametrize("nesterov", [False, True], ids=["adam", "nesterov"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_kernel_matches_xla_update(name, nesterov, shape):
+  m_format, v_format = _takes_kernel(name)
+  key = fresh_key()
+  for seed in range(SEEDS):
+    grad_dtype = jnp.bfloat16 if seed % 2 else jnp.float32
+    g, m, v, c = random_case(jax.random.fold_in(key, seed), shape, m_format, v_format, grad_dtype,
+                             hyper_arrays=seed == 2)
+    out = kernel(g, m, v, c, m_format, v_format, nesterov)
+    want = reference(g, m, v, c, m_format, v_format, nesterov)
+    assert_update_agrees(out, want, g, m, v, c, m_format, v_format, nesterov)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_nonfinite_gradients_reach_the_state_as_nan(name):
+  m_format, v_format = _takes_kernel(name)
+  g, m, v, c = random_case(fresh_key(), (4, 1024), m_format, v_format)
+  block = m_format.block
+  g = g.at[1, 3].set(jnp.nan).at[2, block + 5].set(jnp.inf).at[3, 7].set(-jnp.inf)
+  u, m_new, v_new = kernel(g, m, v, c, m_format, v_format, False)
+  bad = np.zeros((4, 1024 // block), bool)
+  bad[1, 0] = bad[2, 1] = bad[3, 0] = True
+  for q, fmt in ((m_new, m_format), (v_new, v_format)):
+    values = np.asarray(qstate.dequantize_blockwise(q, fmt, g.shape)).reshape(4, -1, block)
+    assert np.all(np.isnan(values[bad])) and np.all(np.isfinite(values[~bad])), fmt
+  assert np.isfinite(np.asarray(u)).sum() == u.size - 3
+
+
+@pytest.mark.parametrize("name", ["8bit", "4bit", "fp8"])
+def test_optimizer_step_runs_the_kernel(name, monkeypatch):
+  """adamw_* under jit on a GPU: the step contains the kernel, and it agrees with the XLA update's
+  step (JAXLOWBIT_BACKEND=xla) to the kernel's tolerance on the quantized leaf."""
+  _takes_kernel(name)
+  key = fresh_key()
+  params = {"w": jax.random.normal(key, (256, 1024)) * 0.02, "b": jnp.zeros((1024,))}
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, 1), p.shape) * 1e-3, params)
+  tx = optim.make(f"adamw_{name}", 1e-3, weight_decay=0.1)
+  state = tx.init(params)
+
+  def traced_step():  # a new function per backend: the policy is read while tracing
+    return jax.jit(lambda params, state, grads: tx.update(grads, state, params))
+
+  fused = traced_step()
+  assert "jaxlowbit_adam_update" in fused.lower(params, state, grads).as_text(), "the kernel did not run here"
+  u, new = fused(params, state, grads)
+  monkeypatch.setenv(policy.BACKEND_ENV, "xla")
+  unfused = traced_step()
+  assert "jaxlowbit_adam_update" not in unfused.lower(params, state, grads).as_text()
+  want_u, want = unfused(params, state, grads)
+  np.testing.assert_array_equal(u["b"], want_u["b"])  # < 4096 elements: float32 moments, XLA in both
+  np.testing.assert_allclose(u["w"], want_u["w"], rtol=1e-5, atol=1e-12)
+  for got, ref in ((new[0].mu["w"], want[0].mu["w"]), (new[0].nu["w"], want[0].nu["w"])):
+    differ = np.mean(np.asarray(got) != np.asarray(ref))
+    assert differ <= 1e-3, f"{differ:.2e} of the codes differ (ties only expected)"
+
+
+def test_gspmd_each_gpu_updates_its_blocks():
+  """Parameters sharded over every GPU of the host: the compiled step has no all-gather and equals
+  the unsharded kernel's."""
+  n = jax.device_count()
+  if n < 2:
+    pytest.skip("one GPU: nothing to partition")
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
+  m_format, v_format = _takes_kernel("8bit")
+  g, m, v, c = random_case(fresh_key(), (8 * n, 4096), m_format, v_format)
+  step = jax.jit(lambda g, m, v: ak.adam_update_kernel(g, m, v, c, m_format, v_format))
+  want = step(g, m, v)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))  # noqa: E731
+  args = (put(g), BlockQuantized(put(m.codes), put(m.scale)), BlockQuantized(put(v.codes), put(v.scale)))
+  got = step(*args)
+  assert "all-gather" not in step.lower(*args).compile().as_text()
+  np.testing.assert_allclose(got[0], want[0], rtol=2e-6, atol=0)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_dispatch_picks_the_kernel_here():
+  m_format, v_format = _takes_kernel("8bit")
+  g, m, v, c = random_case(fresh_key(), (16, 1024), m_format, v_format)
+  text = jax.jit(lambda g, m, v: dispatch.adam_update(g, m, v, c, m_format, v_format)).lower(g, m, v).as_text()
+  assert "jaxlowbit_adam_update" in text
