@@ -4,6 +4,7 @@
   validation loss of the run without tensor parallelism within ``test_train_fsdp``'s bounds:
   every recipe on (fsdp 4, tensor 2), bf16 and one recipe on (fsdp 2, tensor 4) and on
   (data 2, fsdp 2, tensor 2);
+- a checkpoint of a tensor-parallel run resumes on another tensor size;
 - the compiled step moves activations as the issue asks: before each column-parallel group one
   8-bit all-gather over the tensor axis (payload and scales in one message), the row-parallel
   outputs reduce-scattered in bf16; a negative control (bf16) shows the check tells them apart;
@@ -103,6 +104,25 @@ def test_tensor_parallel_run_equals_unsharded_run(recipe, mesh, reference_mesh, 
   # K over both, tensor-major (each tensor device's hidden units, FSDP-sharded within them).
   q, down = plan.spec(("layers", "attn", "q", "kernel")), plan.spec(("layers", "mlp", "down", "kernel"))
   assert q == P(None, "fsdp", "tensor") and down == P(None, ("tensor", "fsdp")), (q, down)
+
+
+def test_tensor_parallel_checkpoint_resumes_on_another_mesh(run, corpus, seed, tmp_path, capsys):
+  """A bf16 run on (fsdp 4, tensor 2) stopped at step 3 resumes on (fsdp 2, tensor 4) and continues the
+  uninterrupted run: the checkpoint holds whole parameters whatever the mesh (the compiled steps are
+  those of the equality runs above)."""
+  uninterrupted = run("bf16", 1, 4, 2)
+  run_dir = tmp_path / "stopped"
+  result = loop.train(tp_config(corpus, seed, "bf16", 1, 4, 2), run_dir, should_stop=lambda step: step == 3)
+  assert result.status == "interrupted" and result.checkpoint_step == 3
+  capsys.readouterr()
+  config = tp_config(corpus, seed, "bf16", 1, 2, 4)
+  config.resume = True
+  result = loop.train(config, run_dir)
+  assert result.status == "completed" and result.step == STEPS
+  out = capsys.readouterr().out
+  assert "mesh.tensor 2 -> 4" in out and "expect a different run" not in out, out
+  assert start_record(run_dir)["step"] == 3 and start_record(run_dir)["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
+  assert_same_run(run_dir, uninterrupted)
 
 
 # ---------------------------------------------------------------------------------------------
