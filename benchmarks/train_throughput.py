@@ -13,7 +13,8 @@ Prints a table last and writes JSON to ``--out``. Needs no network (synthetic da
 ``--configs configs/tiny.py --extra_recipes int8,bitnet --steps 2`` checks that it runs.
 
 One device by default (``mesh.fsdp=1``); ``--set mesh.fsdp=0`` times the FSDP step over every
-visible device (``train.main``'s default there), MFU then counting all of their peaks.
+visible device (``train.main``'s default there), MFU then counting all of their peaks; adding
+``--set mesh.tensor=2 --set model.fused_projections=False`` times FSDP x tensor parallelism.
 """
 
 from __future__ import annotations
