@@ -75,7 +75,7 @@ def _row_mean(a: jax.Array, split: Split) -> jax.Array:
 
 
 def _rms_norm_split(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split) -> tuple[jax.Array, jax.Array]:
-  """``(y, rstd [..., 1])`` of an RMSNorm whose features are split over ``split.cols`` (the mean square summed over them)."""
+  """``(y, rstd [..., 1])`` of an RMSNorm whose features are split over ``split.cols`` (mean square over all)."""
   x32 = x.astype(jnp.float32)
   rstd = jax.lax.rsqrt(_row_mean(x32 * x32, split) + eps)
   return round_to(x32 * (rstd * scale.astype(jnp.float32)), dtype), rstd

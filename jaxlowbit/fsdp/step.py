@@ -4,9 +4,9 @@ The loss function is written for ONE device: it gets the local parameter shards,
 step's scales, the local slice of the batch and any replicated extras (e.g. a dropout
 key), and returns the mean loss over that slice (it calls :func:`jaxlowbit.fsdp.apply` to
 run the model; under tensor parallelism, over this device's tokens of the slice, which
-``TensorParallel.local_tokens`` picks, and the mean runs over the tensor axis too). :func:`value_and_grad` wraps it in ``shard_map``: the loss is averaged over
-the batch axes, sharded parameters get their reduce-scattered gradient shard and
-replicated ones the all-reduced gradient. :func:`train_step` adds the optimizer update
+``TensorParallel.local_tokens`` picks). :func:`value_and_grad` wraps it in ``shard_map``: the
+loss is averaged over the batch axes (and the tensor axis), sharded parameters get their
+reduce-scattered gradient shard and replicated ones the all-reduced gradient. :func:`train_step` adds the optimizer update
 (plain ``jit`` over the sharded arrays: element-wise optimizers stay local, global norms
 get their collectives from XLA) and the next step's :func:`precompute_scales`.
 """

@@ -127,4 +127,6 @@ def decode(
   return payloads, scales[0]
 
 
-__all__ = ["SCALE_BYTES", "WIRE_DTYPE", "decode", "encode", "gather", "message_bytes", "pack", "payload_bytes", "unpack"]
+__all__ = [
+    "SCALE_BYTES", "WIRE_DTYPE", "decode", "encode", "gather", "message_bytes", "pack", "payload_bytes", "unpack",
+]
