@@ -1,4 +1,4 @@
-"""The collectives of a compiled XLA program: what FSDP's tests and benchmark count.
+"""The collectives of a compiled XLA program: what FSDP's tests and benchmarks count.
 
 ``collectives(jax.jit(f).lower(*args).compile().as_text())`` lists every all-gather,
 all-reduce, reduce-scatter, all-to-all and collective-permute instruction with its result
@@ -131,4 +131,18 @@ def collectives(hlo_text: str) -> list[Collective]:
   return [Collective(op, results, executions(comp), size) for comp, op, results, size in found]
 
 
-__all__ = ["COLLECTIVE_OPS", "Collective", "collectives", "element_bytes"]
+def summarize(found: list[Collective], by_group: bool = False) -> dict[str, dict]:
+  """Per collective op (``by_group``: per op and replica group size, ``"all-gather/2"``): its
+  instructions, executions and bytes per run of the program (loops counted), and element types."""
+  summary: dict[str, dict] = {}
+  for c in found:
+    key = f"{c.op}/{c.group_size or 'all'}" if by_group else c.op
+    entry = summary.setdefault(key, {"instructions": 0, "count": 0, "bytes": 0, "dtypes": set()})
+    entry["instructions"] += 1
+    entry["count"] += c.executions
+    entry["bytes"] += c.bytes_per_run
+    entry["dtypes"].update(dtype for dtype, _ in c.results)
+  return {key: {**e, "dtypes": sorted(e["dtypes"])} for key, e in summary.items()}
+
+
+__all__ = ["COLLECTIVE_OPS", "Collective", "collectives", "element_bytes", "summarize"]
