@@ -43,7 +43,7 @@ import jaxlowbit  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
 from benchmarks.layer import sqnr  # noqa: E402
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp  # noqa: E402
-from jaxlowbit.fsdp.hlo import collectives  # noqa: E402
+from jaxlowbit.fsdp.hlo import collectives, summarize  # noqa: E402
 
 # name -> (recipe, FsdpConfig fields)
 VARIANTS = {
@@ -89,18 +89,6 @@ class Stack(nn.Module):
     return stack(self.recipe, self.dim, self.hidden, name="blocks")(x, None)[0]
 
 
-def _summarize(found) -> dict:
-  """Per collective op: instructions, executions and bytes per step (loops counted), element types."""
-  by_op: dict[str, dict] = {}
-  for c in found:
-    entry = by_op.setdefault(c.op, {"instructions": 0, "count": 0, "bytes": 0, "dtypes": set()})
-    entry["instructions"] += 1
-    entry["count"] += c.executions
-    entry["bytes"] += c.bytes_per_run
-    entry["dtypes"].update(dtype for dtype, _ in c.results)
-  return {op: {**e, "dtypes": sorted(e["dtypes"])} for op, e in by_op.items()}
-
-
 def run_speed(args, mesh) -> list[dict]:
   tokens_per_device = args.batch * args.seq
   batch_size = args.batch * mesh.size
@@ -130,7 +118,7 @@ def run_speed(args, mesh) -> list[dict]:
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, scales, x).compile()
     compile_s = time.perf_counter() - t0
-    summary = _summarize(collectives(compiled.as_text()))
+    summary = summarize(collectives(compiled.as_text()))
     times = []
     for i in range(args.warmup + args.steps):
       t0 = time.perf_counter()

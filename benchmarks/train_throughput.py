@@ -9,11 +9,15 @@ XLA's memory estimate), run ``--warmup`` steps, then time ``--steps`` steps and 
 result. MFU counts model FLOPs (6 N T plus causal attention, ``train.model``) against the
 device's bf16 dense peak for every recipe, so low-bit rows can pass what bf16 reaches.
 
+Every row also lists the compiled step's collectives (``jaxlowbit.fsdp.hlo``: bytes per step per
+op and replica group size, so a ``fsdp x tensor`` mesh shows each axis's traffic apart).
+
 Prints a table last and writes JSON to ``--out``. Needs no network (synthetic data). On CPU,
 ``--configs configs/tiny.py --extra_recipes int8,bitnet --steps 2`` checks that it runs.
 
 One device by default (``mesh.fsdp=1``); ``--set mesh.fsdp=0`` times the FSDP step over every
-visible device (``train.main``'s default there), MFU then counting all of their peaks.
+visible device (``train.main``'s default there), MFU then counting all of their peaks; adding
+``--set mesh.tensor=2 --set model.fused_projections=False`` times FSDP x tensor parallelism.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import jax
 import numpy as np
 
 from benchmarks import common
+from jaxlowbit.fsdp.hlo import collectives, summarize
 from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
@@ -75,6 +80,7 @@ def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
   compiled = functions.train_step.lower(state, batches[0]).compile()
   compile_s = time.perf_counter() - started
   memory = compiled.memory_analysis()
+  moved = summarize(collectives(compiled.as_text()), by_group=True)  # per op and replica group size
   temp_gib = getattr(memory, "temp_size_in_bytes", 0) / GIB if memory is not None else None
 
   for batch in batches[:warmup]:
@@ -103,17 +109,19 @@ def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
       "devices": functions.runtime.num_devices,
       "compile_s": compile_s,
       "temp_gib": temp_gib,
+      "collectives": moved,
+      "moved_mib": sum(e["bytes"] for e in moved.values()) / 2**20,  # per device and step
       "last_loss": loss,
   }
 
 
 def format_table(rows: list[dict]) -> str:
-  header = ["config", "recipe", "tokens/s", "step ms", "MFU", "speed-up", "compile s", "temp GiB"]
+  header = ["config", "recipe", "tokens/s", "step ms", "MFU", "speed-up", "compile s", "temp GiB", "moved MiB"]
   lines = []
   base = next((r["tokens_per_s"] for r in rows if "error" not in r), None)
   for r in rows:
     if "error" in r:
-      lines.append([r["name"], r.get("recipe", "?"), "error: " + r["error"][:60], "", "", "", "", ""])
+      lines.append([r["name"], r.get("recipe", "?"), "error: " + r["error"][:60], "", "", "", "", "", ""])
       continue
     lines.append([
         r["name"],
@@ -124,13 +132,15 @@ def format_table(rows: list[dict]) -> str:
         f"{r['tokens_per_s'] / base:.2f}x",
         f"{r['compile_s']:.1f}",
         "-" if r["temp_gib"] is None else f"{r['temp_gib']:.1f}",
+        f"{r['moved_mib']:,.1f}",
     ])
   widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
 
   def fmt(cells: list) -> str:
     return " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))
 
-  note = f"speed-up: tokens/s relative to the first row ({rows[0]['name']})"
+  note = (f"speed-up: tokens/s relative to the first row ({rows[0]['name']}); moved: result bytes of each device's "
+          "collectives per step, as hlo.Collective.bytes counts them (JSON: per op and replica group size)")
   return "\n".join([fmt(header), "-+-".join("-" * w for w in widths), *map(fmt, lines), note])
 
 

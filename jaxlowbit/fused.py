@@ -17,6 +17,13 @@ dtype exactly as ``flax.linen.RMSNorm`` / ``nn.silu(gate) * up`` do, then quanti
 
 Shapes: inputs ``[..., C]`` come back as a 2-D operand ``[M, C]`` (``M`` = the leading dims'
 product); the consuming Dense's output is ``[M, N]``.
+
+Tensor parallelism (``jaxlowbit.fsdp.tensor``): ``split`` says how this device's ``[M, C]`` is
+split over mesh axes. ``Split(rows=...)``: the device holds some of the tokens (the residual
+stream before a column-parallel gather); amaxes over tokens are reduced over the devices.
+``Split(cols=...)``: it holds some of the features (a row-parallel linear's input); the RMSNorm's
+mean square and every per-token amax are reduced over the devices, so the output and its codes
+equal the unsplit op's.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ import jax.numpy as jnp
 
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, vary_over, varying_axes
 from jaxlowbit.recipes import OperandQuantization, Recipe
+from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
-from pallas_kernels.quantize import RmsNorm, SwiGLU, SwiGLUGrad
+from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, round_to
 
 
 # Off while a model converted for inference runs: its linears no longer run the training recipe.
@@ -59,67 +67,99 @@ def fused_quantization(recipe: Recipe | None) -> OperandQuantization | None:
 # RMSNorm
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
-  """``flax.linen.RMSNorm``'s output: ``x * (rsqrt(mean(x^2) + eps) * scale)`` in float32, cast to ``dtype``."""
+def _row_mean(a: jax.Array, split: Split) -> jax.Array:
+  """float32 mean of ``a [..., C]`` over its last axis, whose columns may be split over mesh axes."""
+  if not split.cols:
+    return jnp.mean(a, axis=-1, keepdims=True)
+  return split.psum(jnp.sum(a, axis=-1, keepdims=True)) / split.num_cols(a.shape[-1])
+
+
+def _rms_norm_split(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split) -> tuple[jax.Array, jax.Array]:
+  """``(y, rstd [..., 1])`` of an RMSNorm whose features are split over ``split.cols`` (mean square over all)."""
+  x32 = x.astype(jnp.float32)
+  rstd = jax.lax.rsqrt(_row_mean(x32 * x32, split) + eps)
+  return round_to(x32 * (rstd * scale.astype(jnp.float32)), dtype), rstd
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split = NO_SPLIT) -> jax.Array:
+  """``flax.linen.RMSNorm``'s output: ``x * (rsqrt(mean(x^2) + eps) * scale)`` in float32, cast to ``dtype``.
+
+  ``split.cols``: x holds this device's features ``[..., C / n]`` (``scale`` too); the mean runs over all C.
+  """
+  if split.cols:
+    return _rms_norm_split(x, scale, eps, dtype, split)[0]
   return RmsNorm(eps, jnp.dtype(dtype)).reference((x, scale))
 
 
-def _rms_norm_backward(dy, x, scale, rstd):
+def _rms_norm_backward(dy, x, scale, rstd, split: Split = NO_SPLIT):
   """``(dx, dscale)`` of ``y = x * rstd * scale`` with ``rstd = rsqrt(mean(x^2) + eps)``, in float32."""
   x, dy, scale = x.astype(jnp.float32), dy.astype(jnp.float32), scale.astype(jnp.float32)
   normed = x * rstd
   dscale = jnp.sum(dy * normed, axis=tuple(range(x.ndim - 1)))
   dnormed = dy * scale
   # d(x * rstd)/dx = rstd (I - normed normed^T / C) along the row.
-  dx = rstd * (dnormed - normed * jnp.mean(dnormed * normed, axis=-1, keepdims=True))
+  dx = rstd * (dnormed - normed * _row_mean(dnormed * normed, split))
   return dx, dscale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _rms_norm_quantized(x, scale, eps: float, how: OperandQuantization, dtype) -> LowBitOperand:
-  return _rms_norm_quantized_fwd(x, scale, eps, how, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _rms_norm_quantized(x, scale, eps: float, how: OperandQuantization, dtype, split: Split) -> LowBitOperand:
+  return _rms_norm_quantized_fwd(x, scale, eps, how, dtype, split)[0]
 
 
-def _produce(inputs, prologue, how: OperandQuantization, dtype):
-  """The prologue's output quantized as ``how`` says (one fused kernel on a GPU): ``(operand, row stat)``."""
+def _produce(inputs, prologue, how: OperandQuantization, dtype, sources=None):
+  """The prologue's output quantized as ``how`` says (one fused kernel on a GPU): ``(operand, row stat)``.
+
+  ``sources``: the arrays the operand's gradient reaches (default ``inputs``; their varying axes).
+  """
   rows, transposed, stat = dispatch.fused_quantize(
       inputs, prologue, how.rows, None if how.transposed_from_rows else how.transposed, how.transposed_from_rows)
   as_matrix = lambda part, spec: None if part is None else QuantizedMatrix(*part, spec)  # noqa: E731
   shape = (inputs[0].shape[0], prologue.width(inputs))
   operand = LowBitOperand(as_matrix(rows, how.rows), as_matrix(transposed, how.transposed or how.rows),
-                          carrier_like(shape, dtype, *inputs))
+                          carrier_like(shape, dtype, *(sources or inputs)))
   return operand, stat
 
 
-def _rms_norm_quantized_fwd(x, scale, eps, how, dtype):
-  operand, rstd = _produce((x, scale), RmsNorm(eps, dtype), how, dtype)
+def _rms_norm_quantized_fwd(x, scale, eps, how, dtype, split):
+  with dispatch.split_operands(split):
+    if split.cols:  # the norm over all devices' features first (XLA), then its output quantized
+      y, rstd = _rms_norm_split(x, scale, eps, dtype, split)
+      operand, _ = _produce((y,), Identity(), how, dtype, (x, scale))
+      return operand, (x, scale, rstd)
+    operand, rstd = _produce((x, scale), RmsNorm(eps, dtype), how, dtype)
   return operand, (x, scale, rstd[:, None])
 
 
-def _rms_norm_quantized_bwd(eps, how, dtype, residuals, ct):
+def _rms_norm_quantized_bwd(eps, how, dtype, split, residuals, ct):
   del eps, how, dtype
   x, scale, rstd = residuals
-  dx, dscale = _rms_norm_backward(ct.carrier, x, scale, rstd)
+  dx, dscale = _rms_norm_backward(ct.carrier, x, scale, rstd, split)
   return dx.astype(x.dtype), dscale.astype(scale.dtype)
 
 
 _rms_norm_quantized.defvjp(_rms_norm_quantized_fwd, _rms_norm_quantized_bwd)
 
 
-def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype) -> jax.Array | LowBitOperand:
+def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
+                 split: Split | None = None) -> jax.Array | LowBitOperand:
   """RMSNorm of ``x [..., C]`` (``scale [C]``), quantized for the linear that reads it when ``recipe`` allows.
+
+  ``split`` (tensor parallelism, inside ``shard_map``): how this device's x is split (module
+  docstring); with ``Split(cols=...)``, x and scale hold this device's ``C / n`` features.
 
   Returns:
     a :class:`LowBitOperand` ``[M, C]`` when ``recipe.input_quantization()`` says how (the norm's
     output quantized in one pass, never written in ``dtype``), else the normed ``[..., C]`` array
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
+  split = split or NO_SPLIT
   how = fused_quantization(recipe)
   if how is None:
-    return rms_norm(x, scale, eps, dtype)
+    return rms_norm(x, scale, eps, dtype, split)
   # Inside shard_map the scale's gradient varies with the tokens: autodiff of this cast sums it.
   scale = vary_over(scale, varying_axes(x))
-  return _rms_norm_quantized(x.reshape(-1, x.shape[-1]), scale, eps, how, jnp.dtype(dtype))
+  return _rms_norm_quantized(x.reshape(-1, x.shape[-1]), scale, eps, how, jnp.dtype(dtype), split)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,32 +198,36 @@ def _swiglu_backward(dh, gate_up):
   return dispatch.prologue_values((dh, gate_up), SwiGLUGrad())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _swiglu_quantized(gate_up, how: OperandQuantization) -> LowBitOperand:
-  return _swiglu_quantized_fwd(gate_up, how)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _swiglu_quantized(gate_up, how: OperandQuantization, split: Split) -> LowBitOperand:
+  return _swiglu_quantized_fwd(gate_up, how, split)[0]
 
 
-def _swiglu_quantized_fwd(gate_up, how):
-  return _produce((gate_up,), SwiGLU(), how, gate_up.dtype)[0], gate_up
+def _swiglu_quantized_fwd(gate_up, how, split):
+  with dispatch.split_operands(split):
+    return _produce((gate_up,), SwiGLU(), how, gate_up.dtype)[0], gate_up
 
 
-def _swiglu_quantized_bwd(how, gate_up, ct):
-  del how
+def _swiglu_quantized_bwd(how, split, gate_up, ct):
+  del how, split
   return (_swiglu_backward(ct.carrier, gate_up),)
 
 
 _swiglu_quantized.defvjp(_swiglu_quantized_fwd, _swiglu_quantized_bwd)
 
 
-def swiglu_for(gate_up: jax.Array, recipe: Recipe | None) -> jax.Array | LowBitOperand:
+def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = None) -> jax.Array | LowBitOperand:
   """SwiGLU of ``gate_up [..., 2H]``, quantized for the linear that reads it when ``recipe`` allows.
+
+  ``split``: how this device's values are split (tensor parallelism: ``Split(cols=...)`` when it
+  holds ``H / n`` hidden units, ``[gate | up]`` of its own; the per-token amaxes span all of H).
 
   Returns a :class:`LowBitOperand` ``[M, H]`` or the ``[..., H]`` array (as :func:`swiglu`).
   """
   how = fused_quantization(recipe)
   if how is None:
     return swiglu(gate_up)
-  return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how)
+  return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, split or NO_SPLIT)
 
 
 __all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "unfused"]

@@ -147,7 +147,8 @@ def _check_low_bit_input(module: nn.Module, inputs: LowBitOperand) -> None:
 Matmul = Callable[[DenseCall, jax.Array, Any], jax.Array]
 
 
-def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe | None, kernel: Any = None):
+def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe | None, kernel: Any = None,
+                  bias: Any = None):
   """The body of ``DenseGeneral.__call__`` (and ``Dense``'s) with the dot run by ``matmul``.
 
   Reads ``features``, ``axis``, ``batch_dims``, ``use_bias``, ``dtype``, ``param_dtype``,
@@ -163,6 +164,8 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
       a function ``matmul(call, inputs, kernel)`` (FSDP, inference, weight-only training).
     kernel: the kernel to use instead of creating the ``kernel`` parameter (a local shard,
       converted leaves, an ``Int8Weight``).
+    bias: the bias to use instead of the ``bias`` parameter (a tensor-parallel layer's share of
+      its features), when ``module.use_bias``.
 
   Returns:
     ``batch + free input dims + features`` in the compute dtype, bias added.
@@ -172,17 +175,21 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
     fan_in, fan_out = math.prod(call.kernel_shape[: len(call.batch_dims) + len(call.axis)]), call.kn[1]
     init = _reshaping_init(module.kernel_init, (fan_in, fan_out))
     kernel = module.param("kernel", init, call.kernel_shape, module.param_dtype)
-  bias = None
-  if module.use_bias:
+  if not module.use_bias:
+    bias = None
+  elif bias is None:
     bias_shape = tuple(inputs.shape[a] for a in call.batch_dims) + call.features
     bias_init = _reshaping_init(module.bias_init, (math.prod(bias_shape),))
-    bias = jnp.asarray(module.param("bias", bias_init, bias_shape, module.param_dtype), call.dtype)
+    bias = module.param("bias", bias_init, bias_shape, module.param_dtype)
+  if bias is not None:
+    bias = jnp.asarray(bias, call.dtype)
   if not callable(matmul):
     matmul = recipe_matmul(matmul)
   out = matmul(call, inputs if is_low_bit(inputs) else jnp.asarray(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
-    out = out + jnp.reshape(bias, expanded + call.features)
+    # The bias's own feature dims: a tensor-parallel layer's (jaxlowbit.fsdp) holds its share of them.
+    out = out + jnp.reshape(bias, expanded + tuple(bias.shape[len(call.batch_dims):]))
   return out
 
 

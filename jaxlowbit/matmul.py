@@ -10,6 +10,13 @@ operand reaches its producer (straight through the quantization).
 
 ``quantized_dot_general`` is the same for ``lax.dot_general``'s interface (Flax's
 ``dot_general=`` hook).
+
+Tensor parallelism (``jaxlowbit.fsdp.tensor``) runs the same custom_vjp with a *collective*: a
+static object that says how the linear's operands are split over a mesh axis and moves data
+around the recipe's matmuls (a row-parallel linear reduce-scatters its output, and gathers its
+output gradient before the backward). The recipe's forward and backward run unchanged, inside
+``pallas_kernels.dispatch.split_operands`` so that their quantizations see the whole split
+matrix (:class:`Collective`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +32,27 @@ from jax import lax
 
 from jaxlowbit.operand import LowBitOperand, is_low_bit, vary_over, varying_axes
 from jaxlowbit.recipes import Recipe, check_recipe
+from jaxlowbit_numerics.stats import Split
+from pallas_kernels import dispatch
+
+
+class Collective(Protocol):
+  """What a linear whose operands are split over a mesh axis does around the recipe (static, hashable).
+
+  Attributes:
+    forward_split: how the forward's operands are split (the recipe's quantizations reduce their
+      amaxes over it), or None.
+    backward_split: the same for the backward's operands.
+  """
+
+  forward_split: Split | None
+  backward_split: Split | None
+
+  def scatter(self, y: jax.Array) -> jax.Array:
+    """The forward's output ``[M, N]`` as this device keeps it (e.g. reduce-scattered rows)."""
+
+  def gather_gradient(self, g: jax.Array, recipe: Recipe) -> Any:
+    """This device's output gradient -> the ``g`` the recipe's backward reads (array or low-bit operand)."""
 
 
 def _check_array(a, name: str, who: str) -> None:
@@ -72,6 +101,7 @@ class _Operands:
   x_low_bit: bool
   w_low_bit: bool
   w_dtype: jnp.dtype  # dW comes back in the weight's dtype (a low-bit weight's: its carrier's)
+  collective: Collective | None = None
 
   def cotangents(self, dx: jax.Array, dw: jax.Array):
     """The gradients as the primal operands' types: a low-bit operand's reaches its carrier."""
@@ -81,16 +111,25 @@ class _Operands:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _linear(x, w, recipe: Recipe, operands: _Operands) -> jax.Array:
-  return recipe.forward(x, w)[0]
+  return _linear_fwd(x, w, recipe, operands)[0]
 
 
 def _linear_fwd(x, w, recipe, operands):
-  del operands
-  return recipe.forward(x, w)
+  collective = operands.collective
+  if collective is None:
+    return recipe.forward(x, w)
+  with dispatch.split_operands(collective.forward_split):
+    y, residuals = recipe.forward(x, w)
+  return collective.scatter(y), residuals
 
 
 def _linear_bwd(recipe, operands, residuals, g):
-  return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype))
+  collective = operands.collective
+  if collective is None:
+    return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype))
+  g = collective.gather_gradient(g, recipe)
+  with dispatch.split_operands(collective.backward_split):
+    return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype))
 
 
 # optimize_remat: under jax.checkpoint the residuals are recomputed by running the forward rule
@@ -98,7 +137,7 @@ def _linear_bwd(recipe, operands, residuals, g):
 _linear.defvjp(_linear_fwd, _linear_bwd, optimize_remat=True)
 
 
-def quantized_matmul(x, w, recipe: Recipe | None = None) -> jax.Array:
+def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective | None = None) -> jax.Array:
   """Linear ``x @ w`` whose forward and backward matmuls follow ``recipe``.
 
   Args:
@@ -108,10 +147,13 @@ def quantized_matmul(x, w, recipe: Recipe | None = None) -> jax.Array:
       (``jaxlowbit.fsdp.gather_weight``).
     recipe: a recipe (:class:`Int8MixedPrecision`, :class:`Float8`, :class:`BitNet`), or None for
       the plain high-precision matmul.
+    collective: inside ``shard_map``, a tensor-parallel linear's :class:`Collective`
+      (``jaxlowbit.fsdp.tensor``); x must then be 2-D ``[M, K]``.
 
   Returns:
-    ``[..., N]`` in ``x``'s dtype. Differentiable with respect to both arguments (``dx`` in
-    x's dtype, ``dw`` in w's dtype); works under jit, grad, vmap, remat, scan and shard_map.
+    ``[..., N]`` in ``x``'s dtype (with a collective: what its ``scatter`` keeps, e.g. ``[M / n,
+    N]``). Differentiable with respect to both arguments (``dx`` in x's dtype, ``dw`` in w's
+    dtype); works under jit, grad, vmap, remat, scan and shard_map.
     Empty operands (M, K or N = 0) give what ``lax.dot_general`` gives (K = 0: zeros).
 
   Raises:
@@ -121,19 +163,22 @@ def quantized_matmul(x, w, recipe: Recipe | None = None) -> jax.Array:
   """
   check_recipe(recipe, "quantized_matmul")
   check_linear_operands(x, w, "quantized_matmul")
+  if collective is not None and x.ndim != 2:
+    raise ValueError(f"quantized_matmul: a tensor-parallel linear takes x as [M, K], got shape {x.shape}")
+  scatter = (lambda y: y) if collective is None else collective.scatter  # noqa: E731  (autodiff transposes it)
   if recipe is None:
     if is_low_bit(x) or is_low_bit(w):
       raise ValueError("quantized_matmul: low-bit operands need the recipe they were quantized for, got recipe=None")
-    return jnp.matmul(x, w.astype(x.dtype))
+    return scatter(jnp.matmul(x, w.astype(x.dtype)))
   if 0 in x.shape or 0 in w.shape:  # nothing to quantize: the empty (or, for K = 0, zero) product
     if is_low_bit(x) or is_low_bit(w):
       raise ValueError(f"quantized_matmul: empty low-bit operands (x {x.shape}, w {w.shape})")
-    return jnp.matmul(x, w.astype(x.dtype))
+    return scatter(jnp.matmul(x, w.astype(x.dtype)))
   x, w = match_varying_axes(x, w)
   batch_shape, k = x.shape[:-1], x.shape[-1]
   x2 = x if is_low_bit(x) else x.reshape(math.prod(batch_shape), k)
-  y = _linear(x2, w, recipe, _Operands(is_low_bit(x), is_low_bit(w), jnp.dtype(w.dtype)))
-  return y.reshape(*batch_shape, w.shape[1])
+  y = _linear(x2, w, recipe, _Operands(is_low_bit(x), is_low_bit(w), jnp.dtype(w.dtype), collective))
+  return y if collective is not None else y.reshape(*batch_shape, w.shape[1])
 
 
 def _dimension_numbers(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[tuple[int, ...], ...]:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit_numerics import fp8, int8, ternary
-from jaxlowbit_numerics.stats import Axis
+from jaxlowbit_numerics.stats import NO_SPLIT, Axis, Split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +44,26 @@ class QuantSpec:
     return self.jnp_dtype == jnp.dtype(jnp.int8)
 
 
-def quantize(x: jax.Array, spec: QuantSpec, axis: Axis) -> tuple[jax.Array, jax.Array]:
-  """Quantize ``x`` reducing over ``axis`` (None: per tensor); scale is a dequant multiplier."""
+def quantize(x: jax.Array, spec: QuantSpec, axis: Axis, split: Split = NO_SPLIT) -> tuple[jax.Array, jax.Array]:
+  """Quantize ``x`` reducing over ``axis`` (None: per tensor); scale is a dequant multiplier.
+
+  ``split``: ``x`` is a 2-D tile of a matrix split over mesh axes (:class:`~jaxlowbit_numerics.stats.Split`);
+  the amax is reduced over the tiles first, so the tile is quantized with the whole matrix's scale.
+  """
   if spec.ternary:
+    if split:
+      raise NotImplementedError("ternary weights are quantized with FSDP's global scale (jaxlowbit.fsdp), not a Split")
     return ternary.quantize_ternary(x)
   if spec.per_tensor:
     axis = None
+  if not split:
+    if spec.is_int8:
+      return int8.quantize_int8(x, axis=axis, eps=spec.eps)
+    q, scale = fp8.quantize_fp8(x, spec.jnp_dtype, axis=axis, power_of_two=spec.power_of_two)
+    return q, 1.0 / scale
+  amax = split.absmax(x, axis)  # the same arithmetic as quantize_int8 / quantize_fp8 from here on
   if spec.is_int8:
-    return int8.quantize_int8(x, axis=axis, eps=spec.eps)
-  q, scale = fp8.quantize_fp8(x, spec.jnp_dtype, axis=axis, power_of_two=spec.power_of_two)
-  return q, 1.0 / scale
+    scale = int8.int8_scale(amax, spec.eps)
+    return int8.quantize_int8_with_scale(x, scale), scale
+  mult = fp8.fp8_scale(amax, spec.jnp_dtype, spec.power_of_two)
+  return fp8.cast_to_fp8(x, mult, spec.jnp_dtype), 1.0 / mult

@@ -20,10 +20,19 @@ Backends:
 
 Which backend runs is :mod:`pallas_kernels.policy`'s decision (``JAXLOWBIT_BACKEND=xla|pallas|auto``
 and every threshold); which kernel configuration runs a shape is :mod:`pallas_kernels.tuning`'s.
+
+Split operands (tensor parallelism, inside ``jax.shard_map``): within :func:`split_operands`,
+every quantization treats its 2-D input as one tile of a matrix split over mesh axes
+(:class:`~jaxlowbit_numerics.stats.Split`) and reduces its amaxes over the tiles, so each device
+quantizes with the scale of the whole matrix. Tensor-parallel linears set it around the parts of
+their recipe whose operands are split (a recipe's code does not change); producers that quantize
+on a device's share of an activation set it around their quantization.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.adam import AdamCoefficients
 from jaxlowbit_numerics.blockwise import BlockFormat, BlockQuantized
+from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import adam as adam_kernels
 from pallas_kernels import policy
 from pallas_kernels import quantize as quantize_kernels
@@ -40,8 +50,29 @@ from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["adam_update", "fused_quantize", "quantize_cols_t", "quantize_rows", "quantize_rows_and_cols_t",
-           "scaled_matmul", "select_backend"]
+__all__ = ["adam_update", "current_split", "fused_quantize", "prologue_values", "quantize_cols_t", "quantize_rows",
+           "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "split_operands"]
+
+_SPLIT = contextvars.ContextVar("jaxlowbit_split_operands", default=NO_SPLIT)
+
+
+@contextlib.contextmanager
+def split_operands(split: Split | None):
+  """Within this context every quantization's input is a tile of a matrix split as ``split`` says.
+
+  Set it while tracing (the quantizations read it when they are traced); None or an empty
+  ``Split`` leaves quantization local.
+  """
+  token = _SPLIT.set(split or NO_SPLIT)
+  try:
+    yield
+  finally:
+    _SPLIT.reset(token)
+
+
+def current_split() -> Split:
+  """The :class:`Split` quantizations traced now use (empty outside :func:`split_operands`)."""
+  return _SPLIT.get()
 
 
 # Every quantization and low-bit GEMM runs inside one of these scopes, so profiles
@@ -71,13 +102,16 @@ def fused_quantize(
   Returns:
     ``(rows or None, transposed or None, stat or None)`` (``stat``: the prologue's float32 row
     statistic ``[R]``, RmsNorm's ``rstd``). The kernel on a GPU where it takes the shape, the
-    XLA reference elsewhere; the same numbers up to rounding ties.
+    XLA reference elsewhere; the same numbers up to rounding ties. Inside
+    :func:`split_operands`, amaxes span the whole split matrix (columns split: XLA, whose
+    reductions can wait for the collective; rows split: the kernel reduces between its passes).
   """
   spec = rows_spec or cols_spec
   r, c = inputs[0].shape[0], prologue.width(inputs)
+  split = current_split()
   with jax.named_scope(QUANTIZE_SCOPE):
-    if not policy.quantize_on_kernel() or inputs[0].ndim != 2:
-      return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t)
+    if not policy.quantize_on_kernel() or inputs[0].ndim != 2 or split.cols:
+      return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
     stat = None
     if not isinstance(prologue, Identity) and not policy.fuse_prologue(type(prologue).__name__):
       # The op in XLA, its output written once, then the plain quantizers on it.
@@ -86,30 +120,31 @@ def fused_quantize(
     transposing = cols_spec is not None or rows_t
     if quantize_kernels.supported(spec, r, c, transposed=transposing, prologue=prologue):
       rows, transposed, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=cols_spec,
-                                           rows_t=rows_t)
+                                           rows_t=rows_t, split=split)
     elif (transposing and rows_spec is not None and not rows_spec.per_tensor
           and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue)):
       # A shape the transposing kernel does not take but the rows kernel does: the rows come from
       # the rows kernel, exactly as a rows-only request gets them (a layer's codes then do not
       # depend on whether its backward needs a transposed copy: training and an inference
       # conversion quantize alike), the transposed copy from XLA.
-      rows, _, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=None, rows_t=False)
+      rows, _, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=None, rows_t=False,
+                                  split=split)
       if rows_t:
         transposed = quantize_kernels.transposed_rows(rows)
       else:
-        transposed = quantize_kernels.fused_quantize_reference(inputs, prologue, None, cols_spec)[1]
+        transposed = quantize_kernels.fused_quantize_reference(inputs, prologue, None, cols_spec, split=split)[1]
     else:
       rows, transposed, own_stat = quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec,
-                                                                             rows_t)
+                                                                             rows_t, split)
     return rows, transposed, own_stat if stat is None else stat
 
 
-@functools.partial(jax.jit, static_argnames=("prologue", "rows_spec", "cols_spec", "rows_t"))
-def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t):
+@functools.partial(jax.jit, static_argnames=("prologue", "rows_spec", "cols_spec", "rows_t", "split"))
+def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split):
   """:func:`pallas_kernels.quantize.fused_quantize_kernel` called through ``jax.jit``: as a bare
   ``pallas_call`` inside ``nn.scan``'s loop-invariant check (partial evaluation, jax 0.11) it makes
   flax raise "broadcasted variable has a data dependency on the scan body"."""
-  return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t)
+  return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split=split)
 
 
 def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue) -> jax.Array:

@@ -50,6 +50,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics import fp8, int8
 from jaxlowbit_numerics.formats import QuantSpec
+from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from pallas_kernels.vma import out_struct
@@ -473,6 +474,7 @@ def fused_quantize_kernel(
     cols_spec: QuantSpec | None = None,
     rows_t: bool = False,
     interpret: bool = False,
+    split: Split = NO_SPLIT,
 ):
   """``prologue(*inputs)`` quantized without writing it: ``(rows, transposed, stat)``.
 
@@ -485,6 +487,10 @@ def fused_quantize_kernel(
     rows_t: instead, write the rows' codes transposed (``q^T [C', R]`` with the rows' scales as
       ``[1, R]``): BitNet's exact activations for its grad_weight. Needs ``rows_spec``.
     interpret: run in Pallas interpret mode (CPU tests).
+    split: the values are a tile of a matrix whose rows are split over mesh axes (``split.rows``,
+      inside ``shard_map``): per-column and per-tensor amaxes are reduced over them between the
+      measuring and the writing pass. Split columns (per-row statistics) need the whole row's
+      amax before the rows kernel writes, so they are refused here (dispatch uses XLA then).
 
   Returns:
     ``(rows or None, transposed or None, stat or None)``: ``stat`` is the prologue's float32 row
@@ -496,6 +502,10 @@ def fused_quantize_kernel(
   if rows_t and (rows_spec is None or cols_spec is not None or not rows_spec.is_int8 or rows_spec.per_tensor):
     raise ValueError("fused_quantize_kernel: rows_t writes the rows' int8 codes transposed: give an int8 per-row "
                      "rows_spec only")
+  if split.cols:
+    raise ValueError(f"fused_quantize_kernel: columns split over {split.cols} need each row's amax over all tiles "
+                     "before the write; use pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
+  reduce_rows = (lambda amax: lax.pmax(amax, split.rows)) if split.rows else (lambda amax: amax)  # noqa: E731
   r, c = inputs[0].shape[0], prologue.width(inputs)
   if not supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
     block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
@@ -505,7 +515,7 @@ def fused_quantize_kernel(
                      "which falls back to XLA")
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
-    param, scale = _scales(jnp.max(amax), spec)
+    param, scale = _scales(reduce_rows(jnp.max(amax)), spec)
     stat = stat[0] if stat else None
     r_param = jnp.broadcast_to(param, (r,)) if rows_spec is not None else None
     outs = _tile_call(inputs, prologue, stat, jnp.broadcast_to(param, (c,)), spec, per_row=False,
@@ -520,7 +530,7 @@ def fused_quantize_kernel(
     if prologue.stats:
       stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)[-1]
     rowmax, colmax = _tile_stats_call(inputs, prologue, stat, interpret)
-    param_t, scale_t = _scales(colmax, spec)
+    param_t, scale_t = _scales(reduce_rows(colmax), spec)
     param_r, scale_r = _scales(rowmax, spec) if rows_spec is not None else (None, None)
     outs = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
     rows = (outs[1], scale_r[:, None]) if rows_spec is not None else None
@@ -531,7 +541,7 @@ def fused_quantize_kernel(
   rows = (outs[0], outs[1][:, None]) if rows_spec is not None else None
   if cols_spec is not None:
     colmax = outs[2 if rows_spec is not None else 1]
-    param_t, scale_t = _scales(jnp.max(colmax, axis=0), spec)
+    param_t, scale_t = _scales(reduce_rows(jnp.max(colmax, axis=0)), spec)
     qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret)[0]
     return rows, (qt, scale_t[:, None]), stat
   if rows_t:  # int8 divides by its dequantization scale itself (see _scales)
@@ -571,13 +581,22 @@ def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: Prologue, interpret
   )(*inputs)
 
 
-def fused_quantize_reference(inputs, prologue: Prologue, rows_spec, cols_spec=None, rows_t: bool = False):
-  """:func:`fused_quantize_kernel` in XLA: the prologue in jnp, then ``formats.quantize``."""
+def fused_quantize_reference(inputs, prologue: Prologue, rows_spec, cols_spec=None, rows_t: bool = False,
+                             split: Split = NO_SPLIT):
+  """:func:`fused_quantize_kernel` in XLA: the prologue in jnp, then ``formats.quantize``.
+
+  ``split``: the prologue's output is a tile of a matrix split over mesh axes (inside
+  ``shard_map``); amaxes are reduced over the tiles. A prologue with a row statistic (RmsNorm)
+  computes it over the tile's own columns, so ``split.cols`` is refused for it.
+  """
+  if split.cols and prologue.stats:
+    raise ValueError(f"fused_quantize_reference: {type(prologue).__name__} over columns split over {split.cols}: "
+                     "compute the op over the whole rows first (jaxlowbit.fused does) and quantize its output")
   y = prologue.reference(inputs)
-  rows = quantize_rows_reference(y, rows_spec) if rows_spec is not None else None
+  rows = quantize_rows_reference(y, rows_spec, split) if rows_spec is not None else None
   transposed = None
   if cols_spec is not None:
-    transposed = quantize_cols_t_reference(y, cols_spec)
+    transposed = quantize_cols_t_reference(y, cols_spec, split)
   elif rows_t:
     transposed = transposed_rows(rows)
   stat = prologue.reference_stat(inputs) if prologue.stats else None

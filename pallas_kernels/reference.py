@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit_numerics.formats import QuantSpec, quantize
+from jaxlowbit_numerics.stats import NO_SPLIT, Split
 
 INT8 = jnp.dtype(jnp.int8)
 FP8_TYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -27,14 +28,17 @@ FP8_TYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 MAX_INT8_K = (2**31 - 1) // (127 * 127)
 
 
-def quantize_rows_reference(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
-  """``[R, C]`` -> (``q [R, C]``, scale ``[R, 1]`` or ``[1, 1]``): one scale per row."""
-  return quantize(x, spec, axis=-1)
+def quantize_rows_reference(x: jax.Array, spec: QuantSpec, split: Split = NO_SPLIT) -> tuple[jax.Array, jax.Array]:
+  """``[R, C]`` -> (``q [R, C]``, scale ``[R, 1]`` or ``[1, 1]``): one scale per row.
+
+  ``split``: ``x`` is a tile of a matrix split over mesh axes; its statistics span the whole matrix.
+  """
+  return quantize(x, spec, axis=-1, split=split)
 
 
-def quantize_cols_t_reference(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+def quantize_cols_t_reference(x: jax.Array, spec: QuantSpec, split: Split = NO_SPLIT) -> tuple[jax.Array, jax.Array]:
   """``[R, C]`` -> (``q^T [C, R]``, scale ``[C, 1]`` or ``[1, 1]``): one scale per column, transposed."""
-  q, scale = quantize(x, spec, axis=0)
+  q, scale = quantize(x, spec, axis=0, split=split)
   return q.T, scale.reshape(-1, 1)
 
 

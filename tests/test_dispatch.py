@@ -129,9 +129,9 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
 
   calls = []
 
-  def recording(inputs, prologue, rows_spec, cols_spec, rows_t):  # dispatch's call of the kernel
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):  # dispatch's call of the kernel
     calls.append((rows_spec is not None, cols_spec is not None or rows_t))
-    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda: True)
   monkeypatch.setattr(dispatch, "_kernel", recording)

@@ -212,3 +212,39 @@ def test_swiglu_backward_values_kernel_matches_reference_at_1b_shapes():
   inputs = (jax.random.normal(kd, (16384, 8192), jnp.bfloat16), 2 * jax.random.normal(kg, (16384, 16384), jnp.bfloat16))
   got = jax.jit(lambda a: qk.prologue_kernel(a, qk.SwiGLUGrad()))(inputs)
   bf16_values_close(got, jax.jit(qk.SwiGLUGrad().reference)(inputs))
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", ["int8", "fp8_tensorwise"])
+def test_fused_quantize_kernel_with_split_rows_under_shard_map(layout):
+  """Tensor parallelism's quantization of token rows split over devices, on the kernel: its amaxes
+  (per column, per tensor) are reduced over every GPU between its passes, so all devices' codes
+  are those of the whole matrix (one GPU: the collective spans one device; the CPU suite checks 4
+  in interpret mode, tests/test_tensor_parallel.py)."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxlowbit_numerics.stats import Split
+  from pallas_kernels import quantize as qk
+
+  spec = {"int8": QuantSpec("int8"), "fp8_tensorwise": QuantSpec("float8_e4m3fn", per_tensor=True)}[layout]
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("t",))
+  x = jax.random.normal(fresh_key(), (1024 * len(devices), 2048), jnp.bfloat16) * jnp.linspace(0.1, 10, 2048)
+  x = x.astype(jnp.bfloat16)
+
+  def local(t):
+    (q, s), (qt, st), _ = qk.fused_quantize_kernel((t,), qk.Identity(), spec, spec, split=Split(rows=("t",)))
+    return q, s[None] if spec.per_tensor else s, qt, st[None]  # reduced scales: every device's copy
+
+  rows_scale = P("t") if spec.per_tensor else P("t", None)
+  f = jax.shard_map(local, mesh=mesh, in_specs=P("t", None),
+                    out_specs=(P("t", None), rows_scale, P(None, "t"), P("t")))
+  q, s, qt, st = jax.block_until_ready(jax.jit(f)(x))
+  (q_w, s_w), (qt_w, st_w), _ = jax.jit(lambda a: qk.fused_quantize_reference((a,), qk.Identity(), spec, spec))(x)
+  for got, want in ((q, q_w), (qt, qt_w)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert (got != want).mean() <= 1e-3 and np.all(np.abs(got - want) <= np.maximum(1.0, 0.13 * np.abs(want)))
+  for copy in st:
+    np.testing.assert_allclose(copy, st_w, rtol=1e-5)
+  for copy in s if spec.per_tensor else (s,):
+    np.testing.assert_allclose(copy, s_w, rtol=1e-5)

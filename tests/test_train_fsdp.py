@@ -247,13 +247,13 @@ def test_mesh_shape_resolves_and_rejects(corpus):
     return train_config.mesh_shape(micro_config(corpus, **overrides), device_count=devices, process_count=processes)
 
   auto = {"mesh__fsdp": train_config.MESH_AUTO, "batch_size": 16}
-  assert shape(**auto) == (1, 8)
-  assert shape(devices=1, **auto) == (1, 1)  # one device: the unsharded run
-  assert shape(mesh__data=2, **auto) == (2, 4)
-  assert shape(mesh__fsdp=4) == (1, 4)  # one process may leave devices idle
-  assert shape(mesh__fsdp=1) == (1, 1)
+  assert shape(**auto) == (1, 8, 1)
+  assert shape(devices=1, **auto) == (1, 1, 1)  # one device: the unsharded run
+  assert shape(mesh__data=2, **auto) == (2, 4, 1)
+  assert shape(mesh__fsdp=4) == (1, 4, 1)  # one process may leave devices idle
+  assert shape(mesh__fsdp=1) == (1, 1, 1)
 
-  with pytest.raises(ValueError, match="do not split over the 8 devices.*multiple of 8"):
+  with pytest.raises(ValueError, match="do not split over the 8 data x fsdp groups.*multiple of 8"):
     shape(**{**auto, "batch_size": 12})
   with pytest.raises(ValueError, match="microbatches of 4 sequences.*make batch_size a multiple of 32"):
     shape(grad_accum_steps=4, **auto)  # every microbatch, not just the batch, splits over the devices

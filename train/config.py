@@ -5,8 +5,8 @@ change what differs, so no field is copied between files. Every field can be ove
 the command line: ``--config.recipe=int8 --config.model.n_layers=8 --config.steps=500``.
 
 Recipe names (``config.recipe``) map to jaxlowbit recipes in :data:`RECIPES`.
-Devices: ``config.mesh`` lays the run over a ``(data, fsdp)`` mesh (:func:`mesh_shape`) and
-``config.fsdp`` holds the options of ``jaxlowbit.fsdp`` (:func:`fsdp_config`).
+Devices: ``config.mesh`` lays the run over a ``(data, fsdp, tensor)`` mesh (:func:`mesh_shape`)
+and ``config.fsdp`` holds the options of ``jaxlowbit.fsdp`` (:func:`fsdp_config`).
 """
 
 from __future__ import annotations
@@ -94,12 +94,15 @@ def base_config() -> ml_collections.ConfigDict:
   data.hf_text_field = "text"
   data.hf_max_docs = 100_000
 
-  # Devices (jaxlowbit.fsdp): a (data, fsdp) mesh. Parameters and optimizer state are sharded
-  # over `fsdp` and replicated over `data`; every (micro)batch is split over all mesh devices.
-  # data x fsdp = 1 is the unsharded run (one device, the plain jitted step).
+  # Devices (jaxlowbit.fsdp): a (data, fsdp, tensor) mesh. Parameters and optimizer state are sharded
+  # over `fsdp` and replicated over `data`; every (micro)batch is split over data x fsdp. Tensor
+  # parallelism splits attention heads and MLP hidden units over `tensor` (each of its devices
+  # holds the same sequences and computes its share; docs/training.md says when it pays).
+  # data x fsdp x tensor = 1 is the unsharded run (one device, the plain jitted step).
   config.mesh = ml_collections.ConfigDict()
-  config.mesh.fsdp = MESH_AUTO  # devices per FSDP group: 0 = all visible devices / mesh.data; 1 = off
+  config.mesh.fsdp = MESH_AUTO  # devices per FSDP group: 0 = all visible devices / (mesh.data x mesh.tensor); 1 = off
   config.mesh.data = 1  # FSDP groups (data-parallel replicas)
+  config.mesh.tensor = 1  # devices per tensor-parallel group; > 1 needs model.fused_projections=False
   config.fsdp = ml_collections.ConfigDict()
   config.fsdp.int8_weight_scaling = "row"  # row | tensor: INT8 weight gathers (jaxlowbit.fsdp.FsdpConfig)
   config.fsdp.remat = "save_gathered"  # save_gathered | regather: gathered weight kept for the backward or not
@@ -280,6 +283,10 @@ def check(config: ml_collections.ConfigDict) -> None:
         f"config.mesh.data={config.mesh.data} must be >= 1 and config.mesh.fsdp={config.mesh.fsdp} >= 0 "
         "(0: all devices, 1: no FSDP)"
     )
+  if config.mesh.tensor < 1:
+    raise ConfigError(f"config.mesh.tensor={config.mesh.tensor} must be >= 1 (1: no tensor parallelism)")
+  if config.mesh.tensor > 1:
+    _check_tensor_parallel(config)
   try:
     from train.optimizer import adamw_factory  # noqa: PLC0415  (the optimizer module imports this one)
 
@@ -290,6 +297,21 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise
   except (ValueError, TypeError) as e:
     raise ConfigError(str(e)) from e
+
+
+def _check_tensor_parallel(config: ml_collections.ConfigDict) -> None:
+  """ConfigError for a model that ``config.mesh.tensor`` cannot split (heads, hidden units, fused kernels)."""
+  tensor, model = config.mesh.tensor, config.model
+  if model.fused_projections:
+    raise ConfigError(
+        f"config.mesh.tensor={tensor} splits q, k, v and gate, up by heads and hidden units, which fused qkv / "
+        "gate_up kernels cannot be split into: set --config.model.fused_projections=False (the checkpoint then "
+        "holds separate kernels, on every mesh)")
+  for field in ("n_heads", "n_kv_heads", "d_ff"):
+    if model[field] % tensor:
+      raise ConfigError(f"config.mesh.tensor={tensor} does not divide config.model.{field}={model[field]}: each "
+                        f"tensor-parallel device computes {field} / tensor of them; choose a tensor size that divides "
+                        "n_heads, n_kv_heads and d_ff")
 
 
 def adjust(config: ml_collections.ConfigDict) -> list[str]:
@@ -335,49 +357,60 @@ def _adopt_pretrained(config: ml_collections.ConfigDict) -> list[str]:
 
 def mesh_shape(
     config: ml_collections.ConfigDict, device_count: int | None = None, process_count: int | None = None
-) -> tuple[int, int]:
-  """``(data, fsdp)``: the run's mesh, ``config.mesh`` resolved against the visible devices.
+) -> tuple[int, int, int]:
+  """``(data, fsdp, tensor)``: the run's mesh, ``config.mesh`` resolved against the visible devices.
 
-  ``mesh.fsdp=0`` (auto) takes every device not used by ``mesh.data``: FSDP over all devices
-  as soon as more than one is visible, and ``(1, 1)``, the unsharded run, on one device. A
-  single process may use the first ``data x fsdp`` of its devices; a multi-process run uses
-  all of them.
+  ``mesh.fsdp=0`` (auto) takes every device not used by ``mesh.data`` and ``mesh.tensor``: FSDP
+  over all devices as soon as more than one is visible, and ``(1, 1, 1)``, the unsharded run, on
+  one device. A single process may use the first ``data x fsdp x tensor`` of its devices; a
+  multi-process run uses all of them.
 
   Args:
     config: the training config.
     device_count, process_count: default ``jax.device_count()``, ``jax.process_count()``.
 
   Raises:
-    ValueError: sizes that do not fit the devices, or a microbatch (``batch_size /
-      grad_accum_steps`` sequences) that does not split evenly over the mesh's devices.
+    ValueError: sizes that do not fit the devices, a microbatch (``batch_size /
+      grad_accum_steps`` sequences) that does not split evenly over the ``data x fsdp`` groups,
+      or a group's tokens that do not split over its ``tensor`` devices.
   """
   devices = jax.device_count() if device_count is None else device_count
   processes = jax.process_count() if process_count is None else process_count
   check(config)
-  data, size = config.mesh.data, config.mesh.fsdp
+  data, size, tensor = config.mesh.data, config.mesh.fsdp, config.mesh.tensor
+  names = f"data={data} x fsdp={{}}" + (f" x tensor={tensor}" if tensor > 1 else "")
   if size == MESH_AUTO:
-    if devices % data:
-      raise ConfigError(f"config.mesh.data={data} does not divide the {devices} visible devices")
-    size = devices // data
-  if data * size > devices:
+    if devices % (data * tensor):
+      groups = f"config.mesh.data={data}" + (f" x tensor={tensor}" if tensor > 1 else "")
+      raise ConfigError(f"{groups} does not divide the {devices} visible devices")
+    size = devices // (data * tensor)
+  used = data * size * tensor
+  if used > devices:
     raise ConfigError(
-        f"config.mesh: data={data} x fsdp={size} needs {data * size} devices but {devices} are visible; "
+        f"config.mesh: {names.format(size)} needs {used} devices but {devices} are visible; "
         "lower them, or set --config.mesh.fsdp=0 to use every device"
     )
-  if processes > 1 and data * size != devices:
+  if processes > 1 and used != devices:
     raise ConfigError(
-        f"config.mesh: data={data} x fsdp={size} uses {data * size} of the {devices} devices of this "
+        f"config.mesh: {names.format(size)} uses {used} of the {devices} devices of this "
         f"{processes}-process run; a multi-process run must use all of them (--config.mesh.fsdp=0)"
     )
   micro = config.batch_size // config.grad_accum_steps
   if micro % (data * size):
     raise ConfigError(
         f"config.batch_size={config.batch_size} makes microbatches of {micro} sequences "
-        f"(grad_accum_steps={config.grad_accum_steps}), which do not split over the {data * size} devices of the "
-        f"mesh (data={data} x fsdp={size}); make batch_size a multiple of "
+        f"(grad_accum_steps={config.grad_accum_steps}), which do not split over the {data * size} data x fsdp "
+        f"groups of the mesh ({names.format(size)}); make batch_size a multiple of "
         f"{config.grad_accum_steps * data * size} or change config.mesh"
     )
-  return data, size
+  tokens = micro // (data * size) * config.seq_len
+  if tokens % tensor:
+    raise ConfigError(
+        f"config.mesh.tensor={tensor}: each data x fsdp group computes {micro // (data * size)} sequences of "
+        f"seq_len={config.seq_len} tokens per microbatch ({tokens} tokens), which do not split over its {tensor} "
+        "tensor-parallel devices; make seq_len (or the sequences per group) a multiple of the tensor size"
+    )
+  return data, size, tensor
 
 
 def fsdp_config(config: ml_collections.ConfigDict) -> fsdp.FsdpConfig:

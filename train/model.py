@@ -28,6 +28,15 @@ Layers are stacked with ``nn.scan`` (one compiled block for all layers: a 1B mod
 in seconds) and optionally rematerialized with ``nn.remat`` under a named policy. Parameters
 of the scanned stack carry a leading ``[n_layers]`` axis: ``params["layers"]["attn"]["qkv"]
 ["kernel"]`` is ``[n_layers, d_model, (n_heads + 2 n_kv_heads) head_dim]``.
+
+Tensor parallelism (``jaxlowbit.fsdp.apply`` on a mesh with a ``tensor`` axis, rules from
+:func:`tensor_parallel_rules`; needs ``fused_projections=False``): the residual stream, the
+embedding, the norms and the LM head work on this device's ``B T / n`` token rows; each group of
+column-parallel projections (q, k, v; gate, up) reads the whole sequence, gathered once (8-bit
+when the group's input arrives quantized from the norm), and computes this device's heads or
+hidden units; attention runs over the whole sequence with the local heads; the row-parallel
+projections (attention output, down) reduce-scatter their output back to the token rows. The
+parameters are the same on every mesh, so checkpoints move between meshes.
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ import jax.numpy as jnp
 
 import jaxlowbit
 import jaxlowbit.fused
+from jaxlowbit.fsdp import COLUMN, FEATURES, ROW, tensor_parallel
 from jaxlowbit.interception import LayerFilter
+from jaxlowbit.operand import is_low_bit
 
 # Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
 # block at all; the others are ``jax.checkpoint_policies`` that say what the backward may
@@ -179,6 +190,29 @@ class ModelConfig:
     return self.bitnet_norms and recipe is not None and recipe.norm_before_linear
 
 
+# How tensor parallelism splits each projection (by name; jaxlowbit.fsdp.tensor): column-parallel
+# projections compute this device's heads / hidden units of the whole sequence, row-parallel ones
+# read them and reduce-scatter. The LM head and the norms are not split.
+TENSOR_PARALLEL = {"q": COLUMN, "k": COLUMN, "v": COLUMN, "out": ROW, "gate": COLUMN, "up": COLUMN, "down": ROW}
+
+
+def tensor_parallel_rules(config: ModelConfig) -> dict:
+  """The ``jaxlowbit.fsdp.plan_for_model(tensor_parallel=...)`` rules of this model: every split
+  projection, and the BitNet norms in front of row-parallel ones (over the features they split)."""
+  if config.fused_projections:
+    raise ValueError("tensor parallelism splits q, k, v and gate, up by heads and hidden units, which fused qkv / "
+                     "gate_up kernels cannot be split into: set fused_projections=False (model.fused_projections)")
+  rules = {}
+  for path in projection_paths(config):
+    kind, name = path.split(".")[-2:] if "." in path else ("", path)
+    if name not in TENSOR_PARALLEL:
+      continue
+    rules[f"{kind}.{name}"] = TENSOR_PARALLEL[name]
+    if TENSOR_PARALLEL[name] is ROW and config.norm_before(path):
+      rules[f"{kind}.{name}_norm"] = FEATURES
+  return rules
+
+
 def projection_paths(config: ModelConfig) -> dict[str, tuple[int, int]]:
   """Every projection's path -> ``(in_features, out_features)`` (one layer's; LM head included)."""
   d, hd = config.d_model, config.head_dim
@@ -307,28 +341,49 @@ class RMSNorm(nn.Module):
   param_dtype: Any
 
   @nn.compact
-  def __call__(self, x: jax.Array, quantize_for=None):
-    """``x [..., C]`` -> ``[..., C]`` of ``dtype``, or a ``[M, C]`` low-bit operand for ``quantize_for``."""
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype)
+  def __call__(self, x: jax.Array, quantize_for=None, split=None):
+    """``x [..., C]`` -> ``[..., C]`` of ``dtype``, or a ``[M, C]`` low-bit operand for ``quantize_for``.
+
+    ``split``: how this device's x is split under tensor parallelism (``jaxlowbit.fused``); with
+    its features split (the input of a row-parallel projection), x and the scale hold ``C / n``.
+    """
+    if split is not None and split.cols:  # the stored scale is this device's share: no init shape to check
+      scale = self.get_variable("params", "scale")
+    else:
+      scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split)
 
 
 def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
   return RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
 
 
-def projection(config: ModelConfig, x, path: str, features: int, std: float, lead: tuple[int, ...]) -> jax.Array:
-  """One linear ``x [*lead, K] -> [*lead, features]`` named by the last part of ``path``.
+def _split_role(path: str):
+  """The projection's tensor-parallel role while the model runs tensor-parallel (else None)."""
+  return TENSOR_PARALLEL.get(path.split(".")[-1]) if tensor_parallel() is not None else None
 
-  ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (``lead`` gives the shape back).
-  Must be called inside a compact method (the layers attach to that module). Applies the
-  BitNet model surgery: with a BitNet recipe, ``x`` is first RMS-normalized by its own norm
-  (which quantizes its output for the projection when the model fuses quantizers).
+
+def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False) -> jax.Array:
+  """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``.
+
+  ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (the output is then ``[M,
+  features]``). Must be called inside a compact method (the layers attach to that module).
+  Applies the BitNet model surgery: with a BitNet recipe, ``x`` is first RMS-normalized by its
+  own norm (which quantizes its output for the projection when the model fuses quantizers).
+
+  Tensor parallelism: a column-parallel projection reads the whole sequence; unless the caller
+  ``gathered`` x for its group, it gathers it here (after its own norm) and returns this device's
+  ``features / n`` for all tokens. A row-parallel one reads ``[M, K / n]`` (its norm over the split
+  features) and returns this device's ``[M / n, features]`` token rows.
   """
   name = path.split(".")[-1]
   recipe = config.recipe_for(path)
+  role, tp = _split_role(path), tensor_parallel()
   if config.norm_before(path):
-    x = rms_norm(config, f"{name}_norm")(x, quantize_for=recipe if config.fused_quantizers else None)
+    split = tp.feature_split if role is ROW else tp.token_split if role is COLUMN and not gathered else None
+    x = rms_norm(config, f"{name}_norm")(x, quantize_for=recipe if config.fused_quantizers else None, split=split)
+  if role is COLUMN and not gathered:
+    x = tp.gather(x, recipe)
   dense = jaxlowbit.dense_for(
       recipe,
       features=features,
@@ -338,7 +393,29 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, lea
       kernel_init=nn.initializers.normal(std),
       name=name,
   )
-  return dense(x).reshape(*lead, features)
+  return dense(x)
+
+
+def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float) -> list[jax.Array]:
+  """The projections ``{path: features}`` that read one input ``x`` (q, k, v; gate, up), in order.
+
+  Under tensor parallelism x holds this device's token rows and the group is column-parallel: x
+  is gathered to the whole sequence once for the projections without a norm of their own (8-bit
+  when it arrives quantized, else as their common recipe reads it); BitNet's projections
+  normalize their own input and gather it each (``projection``).
+  """
+  tp = tensor_parallel()
+  shared = [p for p in paths if not config.norm_before(p)] if tp is not None else []
+  if shared:
+    recipes = {config.recipe_for(p) for p in shared}
+    x_whole = tp.gather(x, recipes.pop() if len(recipes) == 1 else None)
+  return [projection(config, x_whole if path in shared else x, path, n, std, gathered=path in shared)
+          for path, n in paths.items()]
+
+
+def _check_unfused(config: ModelConfig) -> None:
+  if config.fused_projections and tensor_parallel() is not None:
+    tensor_parallel_rules(config)  # raises: the error that says what to change
 
 
 class Attention(nn.Module):
@@ -348,22 +425,23 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x, positions: jax.Array, lead: tuple[int, int]) -> jax.Array:
-    """``x [B, T, d_model]`` (dtype; or its ``[B T, d_model]`` low-bit operand), ``positions [T]``,
-    ``lead = (B, T)`` -> ``[B, T, d_model]`` (dtype)."""
+  def __call__(self, x, positions: jax.Array) -> jax.Array:
+    """``x [B, T, d_model]`` (dtype; or its ``[B T, d_model]`` low-bit operand), ``positions [T]`` ->
+    ``[B T, d_model]`` (dtype). Tensor-parallel: x and the result are this device's ``[B T / n,
+    d_model]`` token rows; attention runs over the whole sequences with this device's heads."""
     c = self.config
-    b, t = lead
-    hd, q_dim, kv_dim = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    _check_unfused(c)
+    t, hd, q_dim, kv_dim = positions.shape[0], c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     if c.fused_projections:
-      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std, lead)
+      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std)
       q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
     else:
-      q = projection(c, x, "layers.attn.q", q_dim, c.init_std, lead)
-      k = projection(c, x, "layers.attn.k", kv_dim, c.init_std, lead)
-      v = projection(c, x, "layers.attn.v", kv_dim, c.init_std, lead)
-    q = rope(q.reshape(b, t, c.n_heads, hd), positions, c.rope_theta, c.rope_scaling)
-    k = rope(k.reshape(b, t, c.n_kv_heads, hd), positions, c.rope_theta, c.rope_scaling)
-    v = v.reshape(b, t, c.n_kv_heads, hd)
+      q, k, v = group_projections(c, x, {"layers.attn.q": q_dim, "layers.attn.k": kv_dim, "layers.attn.v": kv_dim},
+                                  c.init_std)
+    # [B, T, heads, head_dim]; under tensor parallelism this device's heads (of the whole sequence)
+    q = rope(q.reshape(-1, t, q.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
+    k = rope(k.reshape(-1, t, k.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
+    v = v.reshape(-1, t, v.shape[-1] // hd, hd)
     mask = None
     if self.decode:  # the mask is None while initializing (that allocates the cache)
       k, v, mask = kv_cache_update(self, k, v, positions)
@@ -372,7 +450,7 @@ class Attention(nn.Module):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
       else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    return projection(c, out.reshape(b, t, q_dim), "layers.attn.out", c.d_model, _residual_std(c), lead)
+    return projection(c, out.reshape(-1, out.shape[2] * hd), "layers.attn.out", c.d_model, _residual_std(c))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,17 +483,21 @@ class Mlp(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, lead: tuple[int, ...]) -> jax.Array:
-    """``x [*lead, d_model]`` (or its ``[M, d_model]`` low-bit operand) -> ``[*lead, d_model]``."""
+  def __call__(self, x) -> jax.Array:
+    """``x [..., d_model]`` (or its ``[M, d_model]`` low-bit operand) -> ``[M, d_model]`` (``M``: the
+    tokens; tensor-parallel: this device's token rows, the hidden units split over the devices)."""
     c = self.config
+    _check_unfused(c)
     if c.fused_projections:
-      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, lead)
+      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std)
     else:
-      gate = projection(c, x, "layers.mlp.gate", c.d_ff, c.init_std, lead)
-      up = projection(c, x, "layers.mlp.up", c.d_ff, c.init_std, lead)
+      gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std)
       gate_up = jnp.concatenate([gate, up], axis=-1)
-    h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"))
-    return projection(c, h, "layers.mlp.down", c.d_model, _residual_std(c), lead)
+    tp = tensor_parallel()
+    h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"),
+                                   split=tp.feature_split if tp is not None else None)
+    return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), "layers.mlp.down", c.d_model,
+                      _residual_std(c))
 
 
 def _residual_std(config: ModelConfig) -> float:
@@ -430,15 +512,17 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+    """``x [B, T, d_model]`` (tensor-parallel: this device's ``[B T / n, d_model]`` token rows), ``positions [T]``."""
     c = self.config
     dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
-    lead = x.shape[:-1]
     attn_paths = ("layers.attn.qkv",) if c.fused_projections else ("layers.attn.q", "layers.attn.k", "layers.attn.v")
     mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
-    h = rms_norm(c, "attn_norm")(x, quantize_for=c.fused_input_recipe(*attn_paths))
-    x = x + dropout(Attention(c, self.decode, name="attn")(h, positions, lead))
-    h = rms_norm(c, "mlp_norm")(x, quantize_for=c.fused_input_recipe(*mlp_paths))
-    x = x + dropout(Mlp(c, name="mlp")(h, lead))
+    tp = tensor_parallel()
+    split = tp.token_split if tp is not None else None  # the norms quantize this device's tokens for a gather
+    h = rms_norm(c, "attn_norm")(x, quantize_for=c.fused_input_recipe(*attn_paths), split=split)
+    x = x + dropout(Attention(c, self.decode, name="attn")(h, positions).reshape(x.shape))
+    h = rms_norm(c, "mlp_norm")(x, quantize_for=c.fused_input_recipe(*mlp_paths), split=split)
+    x = x + dropout(Mlp(c, name="mlp")(h).reshape(x.shape))
     return x, None
 
 
@@ -455,7 +539,12 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    """``tokens [B, T]`` -> ``[B, T, vocab_size]`` float32; tensor-parallel (``jaxlowbit.fsdp.apply`` on a
+    mesh with a tensor axis): the logits of this device's ``B T / n`` token rows, ``[B T / n, vocab_size]``."""
     c = self.config
+    tp = tensor_parallel()
+    if tp is not None and self.decode:
+      raise ValueError("Transformer: decoding with a KV cache runs on one device, not tensor-parallel")
     embed = nn.Embed(
         c.vocab_size,
         c.d_model,
@@ -464,8 +553,8 @@ class Transformer(nn.Module):
         param_dtype=c.param_dtype,
         name="embed",
     )
-    x = embed(tokens)
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = embed(tokens if tp is None else tp.local_tokens(tokens))  # [B, T, D] or this device's [B T / n, D]
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)  # the whole sequence's (attention sees all of it)
     if self.decode:
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
       if not self.is_initializing():
@@ -494,7 +583,7 @@ class Transformer(nn.Module):
       logits = embed.attend(rms_norm(c, "final_norm")(x))
     else:
       x = rms_norm(c, "final_norm")(x, quantize_for=c.fused_input_recipe("lm_head"))
-      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std, lead)
+      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std).reshape(*lead, c.vocab_size)
     return logits.astype(jnp.float32)
 
 
@@ -506,5 +595,6 @@ __all__ = [
     "projection_paths",
     "rope",
     "rope_frequencies",
+    "tensor_parallel_rules",
     "train_flops_per_token",
 ]

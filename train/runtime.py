@@ -1,4 +1,4 @@
-"""Where a run's step executes: one device, or FSDP over a ``(data, fsdp)`` mesh.
+"""Where a run's step executes: one device, or FSDP (and tensor parallelism) over a ``(data, fsdp, tensor)`` mesh.
 
 The trainer picks a runtime once (:func:`make_runtime`, from ``config.mesh`` and the visible
 devices) and the step functions (``train/steps.py``) ask it for everything that differs between
@@ -14,6 +14,9 @@ the two, so they contain no sharding branches:
                                                             gradients reduce-scattered
 ``loss``            cross-entropy of ``model.apply``        the same, averaged over the mesh
 ``microbatches``    ``[accum, B / accum, T + 1]``           the placed batch's microbatch axis moved first
+``tensor``          -                                       with ``mesh.tensor > 1``: heads and MLP hidden
+                                                            units split over ``tensor``, each of its devices
+                                                            computing the loss of its share of the tokens
 ``scales``          None                                    every quantized weight's global scale for the
                                                             next step (one all-reduce)
 ``apply_update``    ``optax`` update                        the same, sharded, then the next scales
@@ -39,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxlowbit import fsdp
 from train import config as train_config
 from train import data
-from train.model import Transformer
+from train.model import Transformer, tensor_parallel_rules
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -55,7 +58,7 @@ def _dropout_rngs(model: Transformer, rng: jax.Array | None) -> dict:
 
 
 class Unsharded:
-  """One device: the plain jitted step (``config.mesh`` resolves to ``data x fsdp = 1``)."""
+  """One device: the plain jitted step (``config.mesh`` resolves to ``data x fsdp x tensor = 1``)."""
 
   num_devices = 1
   mesh_shape = None
@@ -110,23 +113,28 @@ class Unsharded:
 
 
 class Fsdp:
-  """FSDP over a ``(data, fsdp)`` mesh through ``jaxlowbit.fsdp`` (see ``train/config.py``'s ``mesh``).
+  """FSDP over a ``(data, fsdp, tensor)`` mesh through ``jaxlowbit.fsdp`` (see ``train/config.py``'s ``mesh``).
 
   Parameters and optimizer state are sharded by an :class:`~jaxlowbit.fsdp.FsdpPlan`; every
-  device runs the model on its slice of each microbatch; quantized linears all-gather their
-  weights low-bit with the global scales kept in ``TrainState.scales``; gradients return
-  reduce-scattered. Several processes (hosts) join one run through ``jax.distributed``
-  (``train.main``); each follows the same data stream and reads only its devices' rows of every batch.
+  ``data x fsdp`` group runs the model on its slice of each microbatch; quantized linears
+  all-gather their weights low-bit with the global scales kept in ``TrainState.scales``;
+  gradients return reduce-scattered. With ``mesh.tensor > 1`` the plan also splits the
+  projections the model names (``train.model.tensor_parallel_rules``) over the tensor axis: each
+  of its devices holds the group's sequences, computes the model on its share of the tokens and
+  heads (``jaxlowbit.fsdp.tensor``) and the loss of its tokens. Several processes (hosts) join
+  one run through ``jax.distributed`` (``train.main``); each follows the same data stream and
+  reads only its devices' rows of every batch.
   """
 
-  def __init__(self, model: Transformer, config: ml_collections.ConfigDict, data: int, size: int):
+  def __init__(self, model: Transformer, config: ml_collections.ConfigDict, data: int, size: int, tensor: int = 1):
     self.model = model
     fsdp_config = train_config.fsdp_config(config)
-    devices = jax.devices()[: data * size]
-    mesh = fsdp.make_mesh(fsdp=size, data=data, devices=devices, config=fsdp_config)
+    devices = jax.devices()[: data * size * tensor]
+    mesh = fsdp.make_mesh(fsdp=size, data=data, tensor=tensor, devices=devices, config=fsdp_config)
     example = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), example)["params"]
-    self.plan = fsdp.plan_for_model(model, params, example, mesh=mesh, config=fsdp_config)
+    rules = tensor_parallel_rules(model.config) if tensor > 1 else {}
+    self.plan = fsdp.plan_for_model(model, params, example, mesh=mesh, config=fsdp_config, tensor_parallel=rules)
     self.num_devices = mesh.size
     self.mesh_shape = dict(mesh.shape)
     # XLA:CPU runs the collectives of its virtual devices on one shared thread pool: with several
@@ -149,7 +157,8 @@ class Fsdp:
     rngs = _dropout_rngs(self.model, rng)  # fsdp.apply folds the key per device
     logits = fsdp.apply(self.model, params, tokens[:, :-1], plan=self.plan, scales=scales,
                         **({"rngs": rngs} if rngs else {}))
-    return cross_entropy(logits, tokens[:, 1:])
+    targets, tp = tokens[:, 1:], self.plan.tensor_parallel
+    return cross_entropy(logits, targets if tp is None else tp.local_tokens(targets))  # tensor: this device's tokens
 
   def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array):
     """``(loss, grads)`` of one microbatch: mean over devices, gradients sharded like the params."""
@@ -185,12 +194,14 @@ class Fsdp:
   def describe(self) -> str:
     """One line: the mesh and what FSDP shards (for the log)."""
     plan = self.plan
-    sharded = [path for path, dim in plan.shard_dims.items() if dim is not None]
+    sharded = [path for path in plan.shard_dims if plan.spec(path) != P()]
     low_bit = [path for path, linear in plan.linears.items() if linear.recipe is not None and path in sharded]
+    tensor = f" x tensor {plan.tensor_size}" if plan.tensor_size > 1 else ""
+    split = f", {len(plan.tensor_splits)} linears tensor-parallel" if plan.tensor_size > 1 else ""
     return (f"FSDP over {plan.mesh.size} devices (mesh data {plan.mesh.shape[plan.config.data_axis]} x fsdp "
-            f"{plan.fsdp_size}, {jax.process_count()} process(es)): {len(sharded)} of {len(plan.shard_dims)} "
+            f"{plan.fsdp_size}{tensor}, {jax.process_count()} process(es)): {len(sharded)} of {len(plan.shard_dims)} "
             f"parameter tensors sharded, {len(low_bit)} linears gather low-bit (int8 weights: "
-            f"{plan.config.int8_weight_scaling}, remat: {plan.config.remat})")
+            f"{plan.config.int8_weight_scaling}, remat: {plan.config.remat}){split}")
 
 
 Runtime = Unsharded | Fsdp
@@ -224,10 +235,10 @@ def place_global_batch(batch: data.GlobalBatch, sharding: jax.sharding.Sharding,
 def make_runtime(config: ml_collections.ConfigDict, mesh: Mapping[str, int] | None = None) -> Runtime:
   """The runtime ``config.mesh`` asks for on the visible devices (``mesh``: an already resolved shape)."""
   model = Transformer(train_config.model_config(config))
-  data, size = (mesh["data"], mesh["fsdp"]) if mesh else train_config.mesh_shape(config)
-  if data * size == 1:
+  data, size, tensor = (mesh["data"], mesh["fsdp"], mesh.get("tensor", 1)) if mesh else train_config.mesh_shape(config)
+  if data * size * tensor == 1:
     return Unsharded(model)
-  return Fsdp(model, config, data, size)
+  return Fsdp(model, config, data, size, tensor)
 
 
 __all__ = ["Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime", "place_global_batch", "placed_rows"]

@@ -1,7 +1,7 @@
 """The pure step functions of a run and their compiled, cached form.
 
 ``train_step(state, batch) -> (state, metrics)`` is one function for every runtime (one
-device or FSDP, ``train/runtime.py``): the runtime supplies the loss and gradients of a
+device, or FSDP with tensor parallelism, ``train/runtime.py``): the runtime supplies the loss and gradients of a
 microbatch, the batch layout and the next step's weight scales. It is jitted with the state
 donated (its buffers are reused for the new state).
 """
@@ -193,8 +193,9 @@ class StepFunctions:
 def step_functions(config: ml_collections.ConfigDict) -> StepFunctions:
   """:class:`StepFunctions` for ``config`` (cached on every field not in :data:`RUNTIME_ONLY_FIELDS`)."""
   compiled = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_ONLY_FIELDS}
-  data_size, fsdp_size = train_config.mesh_shape(config)
-  compiled["mesh"] = {"data": data_size, "fsdp": fsdp_size}  # auto resolved: the key names the devices used
+  data_size, fsdp_size, tensor_size = train_config.mesh_shape(config)
+  # auto resolved: the key names the devices used
+  compiled["mesh"] = {"data": data_size, "fsdp": fsdp_size, "tensor": tensor_size}
   return _step_functions(json.dumps(compiled, sort_keys=True))
 
 

@@ -26,6 +26,11 @@ or plain ``nn.Dense`` with ``recipe=`` given to the plan)::
     step = fsdp.train_step(loss_fn, optimizer, plan)
     params, opt_state, scales, loss = step(params, opt_state, scales, fsdp.shard_batch(batch, plan))
 
+Tensor parallelism: ``make_mesh(fsdp=..., tensor=t)`` adds a ``tensor`` axis and
+``plan_for_model(..., tensor_parallel={"attn.q": COLUMN, "attn.out": ROW, ...})`` names the
+column- and row-parallel linears; activations entering column-parallel linears are all-gathered
+8-bit (``tensor.py``) and the model reads ``tensor_parallel()`` while ``apply`` runs it.
+
 Multi-host: start one process per host with your scheduler and set
 ``JAX_COORDINATOR_ADDRESS=host0:port``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (or run
 under SLURM / Open MPI / Kubernetes and call ``initialize_distributed(cluster=True)``);
@@ -39,19 +44,38 @@ from jaxlowbit.fsdp.linear import fsdp_linear
 from jaxlowbit.fsdp.linen import apply, linears_of, plan_for_model
 from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, make_mesh, make_plan, shard_batch, shard_params
 from jaxlowbit.fsdp.scales import precompute_scales
+from jaxlowbit.fsdp.tensor import (
+    COLUMN,
+    FEATURES,
+    ROW,
+    ColumnParallel,
+    RowParallel,
+    TensorParallel,
+    TensorSplit,
+    gather_activation,
+    tensor_parallel,
+)
 from jaxlowbit.scaling import WeightScaling
 from jaxlowbit.fsdp.step import apply_update, evaluate, init_optimizer, train_step, value_and_grad
 
 __all__ = [
+    "COLUMN",
+    "FEATURES",
     "REMAT_MODES",
+    "ROW",
+    "ColumnParallel",
     "FsdpConfig",
     "FsdpPlan",
     "LinearWeight",
+    "RowParallel",
+    "TensorParallel",
+    "TensorSplit",
     "WeightScaling",
     "apply",
     "apply_update",
     "evaluate",
     "fsdp_linear",
+    "gather_activation",
     "gather_weight",
     "global_scale",
     "init_optimizer",
@@ -63,6 +87,7 @@ __all__ = [
     "precompute_scales",
     "shard_batch",
     "shard_params",
+    "tensor_parallel",
     "train_step",
     "value_and_grad",
     "weight_scaling",

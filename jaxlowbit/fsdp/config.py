@@ -18,6 +18,8 @@ class FsdpConfig:
     fsdp_axis: mesh axis the parameters are sharded over (and the batch, too).
     data_axis: mesh axis the parameters are replicated over and the batch sharded over
       (HSDP); ignored when the mesh has no such axis.
+    tensor_axis: mesh axis of tensor parallelism (``jaxlowbit.fsdp.tensor``): the linears the
+      plan's rules name are split over it, the batch is not; ignored when the mesh has no such axis.
     int8_weight_scaling: how an INT8 mixed-precision weight travels.
       ``"row"`` (default): int8 with one global scale per output channel, exactly the
       forward of ``quantized_matmul``; grad_input re-quantizes the gathered (dequantized)
@@ -39,6 +41,7 @@ class FsdpConfig:
 
   fsdp_axis: str = "fsdp"
   data_axis: str = "data"
+  tensor_axis: str = "tensor"
   int8_weight_scaling: Literal["tensor", "row"] = "row"
   remat: Literal["save_gathered", "regather"] = "save_gathered"
 
@@ -49,8 +52,9 @@ class FsdpConfig:
       )
     if self.remat not in REMAT_MODES:
       raise ValueError(f"FsdpConfig.remat must be one of {REMAT_MODES}, got {self.remat!r}")
-    if self.fsdp_axis == self.data_axis:
-      raise ValueError(f"FsdpConfig: fsdp_axis and data_axis must differ, both are {self.fsdp_axis!r}")
+    names = (self.data_axis, self.fsdp_axis, self.tensor_axis)
+    if len(set(names)) != 3:
+      raise ValueError(f"FsdpConfig: data_axis, fsdp_axis and tensor_axis must differ, got {names}")
 
 
 __all__ = ["REMAT_MODES", "FsdpConfig"]

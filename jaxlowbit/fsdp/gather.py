@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlowbit.fsdp import wire
+from jaxlowbit.fsdp.tensor import ColumnParallel, RowParallel
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like
 from jaxlowbit.recipes import Recipe, check_recipe
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS, Reduction, WeightScaling
@@ -138,7 +139,14 @@ def _gather_bwd(layout, scale, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def global_scale(w: jax.Array, scaling: WeightScaling, axis_name: str | None) -> jax.Array:
+def _axes_size(axes: tuple[str, ...]) -> int:
+  size = 1
+  for axis in axes:
+    size *= lax.axis_size(axis)
+  return size
+
+
+def global_scale(w: jax.Array, scaling: WeightScaling, axis_name: str | None, tensor=None) -> jax.Array:
   """The quantizer's global scale of a weight sharded along dim 0 over ``axis_name``.
 
   One all-reduce over the axis (MAX of the amax, or SUM of the abs-sum); none when
@@ -147,15 +155,19 @@ def global_scale(w: jax.Array, scaling: WeightScaling, axis_name: str | None) ->
 
   Args:
     w: local ``[K/n, N]`` shard (or the whole ``[K, N]`` weight with ``axis_name=None``).
+    tensor: the linear's tensor-parallel collective (``jaxlowbit.fsdp.tensor``), or None:
+      ``RowParallel`` weights are split along K over its axis too, ``ColumnParallel`` ones along N
+      (their per-channel scales stay this device's ``[N / n]``).
   Returns:
     float32 ``()`` or ``[N]`` (per-channel scalings), no gradient.
   """
+  k_axes = ((tensor.axis_name,) if isinstance(tensor, RowParallel) else ()) + ((axis_name,) if axis_name else ())
+  n_axes = (tensor.axis_name,) if isinstance(tensor, ColumnParallel) else ()
   stat = scaling.statistic(lax.stop_gradient(w))
-  n = 1
-  if axis_name is not None:
-    n = lax.axis_size(axis_name)
-    stat = lax.pmax(stat, axis_name) if scaling.reduction is Reduction.MAX else lax.psum(stat, axis_name)
-  return scaling.scale(stat, w.shape[0] * n * w.shape[1])
+  axes = k_axes if scaling.per_channel else k_axes + n_axes  # channels split along N are this device's own
+  if axes:
+    stat = lax.pmax(stat, axes) if scaling.reduction is Reduction.MAX else lax.psum(stat, axes)
+  return scaling.scale(stat, w.shape[0] * _axes_size(k_axes) * w.shape[1] * _axes_size(n_axes))
 
 
 def gather_weight(
@@ -165,6 +177,7 @@ def gather_weight(
     *,
     scale: jax.Array | None = None,
     axis_name: str | None = None,
+    tensor=None,
 ) -> LowBitOperand | jax.Array:
   """The whole weight ``[K, N]`` from this device's rows ``w [K/n, N]``, gathered per ``scaling``.
 
@@ -172,8 +185,10 @@ def gather_weight(
     w: the local shard ``[K/n, N]`` (or the whole weight with ``axis_name=None``).
     scaling: how the weight travels (``weight_scaling(recipe, ...)``).
     compute_dtype: the dtype a high-precision weight travels in.
-    scale: the weight's global scale for this step (``precompute_scales``); None reduces it here.
+    scale: the weight's global scale for this step (``precompute_scales``; per channel: this
+      device's channels); None reduces it here.
     axis_name: the FSDP mesh axis, or None for an unsharded weight (no collective).
+    tensor: the linear's tensor-parallel collective, for a scale reduced here (:func:`global_scale`).
 
   Returns:
     A :class:`~jaxlowbit.operand.LowBitOperand` (quantized scalings) or a ``[K, N]`` array of
@@ -183,7 +198,7 @@ def gather_weight(
   num_shards = 1 if axis_name is None else lax.axis_size(axis_name)
   if scaling.quantized:
     if scale is None:
-      scale = global_scale(w, scaling, axis_name)
+      scale = global_scale(w, scaling, axis_name, tensor)
     expected = (scaling.num_scales(w.shape[1]),) if scaling.per_channel else ()
     if scale.shape != expected:
       raise ValueError(f"gather_weight: scale must have shape {expected} for {scaling.value} weights, got {scale.shape}")

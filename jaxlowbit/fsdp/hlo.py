@@ -1,4 +1,4 @@
-"""The collectives of a compiled XLA program: what FSDP's tests and benchmark count.
+"""The collectives of a compiled XLA program: what FSDP's tests and benchmarks count.
 
 ``collectives(jax.jit(f).lower(*args).compile().as_text())`` lists every all-gather,
 all-reduce, reduce-scatter, all-to-all and collective-permute instruction with its result
@@ -7,7 +7,8 @@ trip counts of the while loops around it, e.g. ``nn.scan`` over layers), in prog
 whether XLA emitted it synchronously (``all-gather(``) or asynchronously
 (``all-gather-start(``; an op wrapped in ``async-start`` shows as its synchronous form
 inside the wrapped computation), and whether XLA combined several into one instruction
-(a tuple of results).
+(a tuple of results), and how many devices each of its replica groups holds (which mesh axis it
+runs over: with FSDP 4 x tensor 2, the tensor axis's groups hold 2 devices).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _CALLEES = re.compile(r"(?P<key>body|calls|to_apply|condition|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+# replica_groups={{0,1},{2,3}} (explicit) or replica_groups=[4,2]<=[8] (iota: 4 groups of 2).
+_GROUPS = re.compile(r"replica_groups=(?:\{\{(?P<first>[\d,]*)\}|\[\d+,(?P<size>\d+)\]<=)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Collective:
   op: str
   results: tuple[tuple[str, tuple[int, ...]], ...]
   executions: int = 1  # per run of the program (loop trip counts; 1 outside loops)
+  group_size: int | None = None  # devices per replica group (None: not stated, e.g. all devices)
 
   @property
   def dtype(self) -> str:
@@ -76,7 +80,7 @@ def collectives(hlo_text: str) -> list[Collective]:
 
   A while loop without a known trip count counts its body once.
   """
-  found: list[tuple[str, str, tuple]] = []  # (computation, op, results)
+  found: list[tuple[str, str, tuple, int | None]] = []  # (computation, op, results, group size)
   calls: dict[str, list[tuple[str, int]]] = {}  # callee -> [(caller, times per caller run)]
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -106,8 +110,12 @@ def collectives(hlo_text: str) -> list[Collective]:
       arrays = arrays[len(arrays) // 2 :]  # (operands..., results...)
     elif match["start"] and match["op"] == "collective-permute":
       arrays = arrays[1:2]  # (operand, result, contexts...)
+    groups = _GROUPS.search(line)
+    group_size = None
+    if groups:
+      group_size = int(groups["size"]) if groups["size"] else len(groups["first"].split(","))
     if arrays:
-      found.append((current, match["op"], tuple(arrays)))
+      found.append((current, match["op"], tuple(arrays), group_size))
 
   memo: dict[str, int] = {}
 
@@ -120,7 +128,21 @@ def collectives(hlo_text: str) -> list[Collective]:
       memo[name] = sum(times * executions(caller, seen | {name}) for caller, times in calls[name])
     return memo[name]
 
-  return [Collective(op, results, executions(comp)) for comp, op, results in found]
+  return [Collective(op, results, executions(comp), size) for comp, op, results, size in found]
 
 
-__all__ = ["COLLECTIVE_OPS", "Collective", "collectives", "element_bytes"]
+def summarize(found: list[Collective], by_group: bool = False) -> dict[str, dict]:
+  """Per collective op (``by_group``: per op and replica group size, ``"all-gather/2"``): its
+  instructions, executions and bytes per run of the program (loops counted), and element types."""
+  summary: dict[str, dict] = {}
+  for c in found:
+    key = f"{c.op}/{c.group_size or 'all'}" if by_group else c.op
+    entry = summary.setdefault(key, {"instructions": 0, "count": 0, "bytes": 0, "dtypes": set()})
+    entry["instructions"] += 1
+    entry["count"] += c.executions
+    entry["bytes"] += c.bytes_per_run
+    entry["dtypes"].update(dtype for dtype, _ in c.results)
+  return {key: {**e, "dtypes": sorted(e["dtypes"])} for key, e in summary.items()}
+
+
+__all__ = ["COLLECTIVE_OPS", "Collective", "collectives", "element_bytes", "summarize"]

@@ -11,6 +11,11 @@ weight again instead of keeping it (and re-quantizes the input it reads).
 
 Activation scales are per device, as in any data-parallel run: per-token scales are
 unaffected, per-tensor and per-column (over tokens) ones see the local tokens only.
+
+Tensor parallelism: ``tensor`` is the linear's collective (``jaxlowbit.fsdp.tensor``). A
+``ColumnParallel`` linear holds ``[K/n, N/t]`` (its own output channels), reads the whole
+sequence and gives ``[M, N/t]``; a ``RowParallel`` one holds ``[K/(t n), N]``, reads ``[M, K/t]``
+and gives its ``[M/t, N]`` rows, reduce-scattered. The FSDP gather is the same in both.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from jax import lax
 
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.gather import gather_weight, weight_scaling
+from jaxlowbit.fsdp.tensor import ColumnParallel, RowParallel
 from jaxlowbit.matmul import match_varying_axes, quantized_matmul
 from jaxlowbit.operand import is_low_bit
 from jaxlowbit.recipes import Recipe, check_recipe
@@ -36,6 +42,7 @@ def fsdp_linear(
     scale: jax.Array | None = None,
     axis_name: str | None = None,
     config: FsdpConfig = FsdpConfig(),
+    tensor: ColumnParallel | RowParallel | None = None,
 ) -> jax.Array:
   """``x @ W`` for a weight ``W [K, N]`` sharded along K over the mesh axis ``axis_name``.
 
@@ -48,13 +55,16 @@ def fsdp_linear(
       axis), or the whole ``[K, N]`` when ``axis_name`` is None.
     recipe: a recipe (:class:`Int8MixedPrecision`, :class:`Float8`, :class:`BitNet`) or None.
     scale: the weight's global scale for this step (``precompute_scales``: float32 ``()``
-      or ``[N]``); None computes it here with one all-reduce over the axis.
+      or ``[N]``, all N channels also for a column-parallel weight); None computes it here with
+      one all-reduce over the axis.
     axis_name: the FSDP mesh axis, or None for an unsharded weight.
     config: ``int8_weight_scaling`` and ``remat`` are read from it.
+    tensor: the linear's tensor-parallel collective (module docstring), or None.
 
   Returns:
-    ``[..., N]`` in x's dtype; differentiable in x (``dx`` in x's dtype) and w (``dw`` the
-    ``[K/n, N]`` shard of the full gradient summed over devices, in w's dtype).
+    ``[..., N]`` in x's dtype (row-parallel: this device's ``[M/t, N]``); differentiable in x
+    (``dx`` in x's dtype) and w (``dw`` the ``[K/n, N]`` shard of the full gradient summed over
+    devices, in w's dtype).
   """
   check_recipe(recipe, "fsdp_linear")
   for name, a in (("x", x), ("w", w)):  # a low-bit x (a fused producer's) has its logical dtype
@@ -69,16 +79,22 @@ def fsdp_linear(
         f"fsdp_linear: x {x.shape} must end in K={k} (w shard {w.shape} x {num_shards} shards on {axis_name!r})"
     )
   scaling = weight_scaling(recipe, config.int8_weight_scaling)
+  if isinstance(tensor, RowParallel) and x.ndim != 2:
+    raise ValueError(f"fsdp_linear: a row-parallel linear reads x as [M, K/t] and returns its [M/t, N] rows; got x "
+                     f"{x.shape}: flatten the tokens first")
+  if isinstance(tensor, ColumnParallel) and scale is not None and scaling.per_channel:
+    scale = tensor.local_columns(scale)  # the precomputed scale covers all N channels
   x, w = match_varying_axes(x, w)  # dW of data-parallel tokens: autodiff of this cast sums it over them
   batch_shape = x.shape[:-1]
 
   def linear(x, w, scale):
-    return quantized_matmul(x, gather_weight(w, scaling, x.dtype, scale=scale, axis_name=axis_name), recipe)
+    gathered = gather_weight(w, scaling, x.dtype, scale=scale, axis_name=axis_name, tensor=tensor)
+    return quantized_matmul(x, gathered, recipe, collective=tensor)
 
   if config.remat == "regather":  # keep nothing of the linear but its inputs: the backward gathers again
     linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)
   y = linear(x if is_low_bit(x) else x.reshape(math.prod(batch_shape), k), w, scale)
-  return y.reshape(*batch_shape, w.shape[1])
+  return y if isinstance(tensor, RowParallel) else y.reshape(*batch_shape, w.shape[1])
 
 
 __all__ = ["fsdp_linear"]

@@ -7,6 +7,13 @@ interceptor: each recorded linear computes through :func:`jaxlowbit.fsdp.fsdp_li
 its local kernel shard (one low-bit gather), and every other sharded parameter is
 all-gathered in its own dtype before the model starts.
 
+Tensor parallelism: ``plan_for_model(..., tensor_parallel=rules)`` names the column- and
+row-parallel linears (``jaxlowbit.fsdp.plan``); :func:`apply` runs them with their collectives
+and makes the :class:`~jaxlowbit.fsdp.tensor.TensorParallel` current, so the model reads its
+device's tokens and gathers the whole sequence before its column-parallel groups
+(``jaxlowbit.fsdp.tensor_parallel()``; ``train/model.py`` does). A column-parallel linear's
+output has its device's ``N / t`` features; a row-parallel one returns ``[M / t, N]``.
+
 Which recipe a linear runs: a jaxlowbit layer (``Int8Dense``, ``Fp8Dense``,
 ``BitNetDense``, or ``dense_for(recipe)``) keeps its own; a plain Flax ``Dense`` /
 ``DenseGeneral`` runs the ``recipe`` given to :func:`plan_for_model` unless
@@ -27,8 +34,9 @@ from jax import lax
 from jaxlowbit.convert import worth_quantizing
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.linear import fsdp_linear
-from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, Path, flatten, make_plan, unflatten
+from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
 from jaxlowbit.fsdp.scales import Scales
+from jaxlowbit.fsdp.tensor import running
 from jaxlowbit.interception import PASS, as_filter, dense_interceptor
 from jaxlowbit.layers import DenseCall, _LowBitDenseGeneral, dense_general, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
@@ -109,6 +117,7 @@ def plan_for_model(
     auto_filter_small_kn: bool = False,
     filter_fn: Callable[[str, nn.Module], bool] | None = None,
     method=None,
+    tensor_parallel: TensorRules = (),
     **kwargs,
 ) -> FsdpPlan:
   """The :class:`FsdpPlan` of a Linen model's (unsharded) ``params`` over ``mesh``.
@@ -120,6 +129,9 @@ def plan_for_model(
     mesh: from :func:`jaxlowbit.fsdp.make_mesh`, or None for the unsharded plan.
     config: :class:`FsdpConfig`.
     recipe, filter_fqns, filter_fn, auto_filter_small_kn: the recipe of plain Flax Dense layers.
+    tensor_parallel: ``{module path end: COLUMN | ROW | FEATURES}`` for a mesh with a tensor
+      axis (:func:`jaxlowbit.fsdp.make_plan`); the model must gather before its column-parallel
+      linears (module docstring).
   """
   linears = linears_of(
       model,
@@ -132,24 +144,25 @@ def plan_for_model(
       method=method,
       **kwargs,
   )
-  return make_plan(params, mesh, linears, config)
+  return make_plan(params, mesh, linears, config, tensor_parallel)
 
 
-def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig):
+def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig, tensor=None):
   """The Dense body's matmul under FSDP: ``fsdp_linear`` on this device's kernel shard."""
 
   def matmul(call: DenseCall, inputs, kernel):
     x = call.flat_inputs(inputs)
-    w = kernel.reshape(math.prod(kernel.shape[: len(call.axis)]), call.kn[1])  # [K/n, N]: no shape check
-    return call.unflat_outputs(fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config))
+    w = kernel.reshape(math.prod(kernel.shape[: len(call.axis)]), -1)  # [K/n, N] (N/t column-parallel)
+    y = fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config, tensor=tensor)
+    return y if tensor is not None else call.unflat_outputs(y)  # tensor-parallel: one output dim, its share
 
   return matmul
 
 
-def _batch_index(plan: FsdpPlan) -> jax.Array:
-  """This device's position along the batch axes (data-major), inside shard_map."""
+def _device_index(plan: FsdpPlan) -> jax.Array:
+  """This device's position along the axes its tokens differ over (data-major), inside shard_map."""
   index = 0
-  for name in plan.batch_axes:
+  for name in plan.loss_axes:
     index = index * lax.axis_size(name) + lax.axis_index(name)
   return index
 
@@ -166,8 +179,9 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
     scales: from :func:`jaxlowbit.fsdp.precompute_scales` for these parameters; a linear
       without an entry reduces its own scale (one all-reduce).
 
-  ``rngs`` (e.g. dropout) are folded with the device's index along the batch axes, so each
-  device draws for its own examples.
+  ``rngs`` (e.g. dropout) are folded with the device's index along the batch axes (and the
+  tensor axis), so each device draws for its own tokens. With a tensor axis the model runs with
+  :func:`jaxlowbit.fsdp.tensor_parallel` returning it (module docstring).
 
   Returns:
     What ``model.apply`` returns. Differentiable in ``params``: sharded leaves get their
@@ -185,7 +199,7 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
       raise ValueError(f"FSDP: scales name {'/'.join(path)}, which is not a linear of the plan")
     flat[path[:-1] + (SCALE_PARAM,)] = lax.stop_gradient(scale)
   if sharded and kwargs.get("rngs") is not None:
-    index = _batch_index(plan)
+    index = _device_index(plan)
     rngs = kwargs["rngs"]
     rngs = {name: jax.random.fold_in(key, index) for name, key in rngs.items()} if isinstance(rngs, Mapping) else (
         jax.random.fold_in(rngs, index))
@@ -200,10 +214,11 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
       raise ValueError(f"FSDP: linear {path} was not seen when the plan was made; plan with the same call")
     axis_name = axis if sharded and plan.shard_dims[kernel_path] is not None else None
     scale = module.get_variable("params", SCALE_PARAM)  # None: the layer reduces its own
-    matmul = _fsdp_matmul(linear, scale, axis_name, plan.config)
-    return dense_general(module, inputs, matmul, kernel=module.get_variable("params", "kernel"))
+    matmul = _fsdp_matmul(linear, scale, axis_name, plan.config, plan.collective(kernel_path) if sharded else None)
+    bias = module.get_variable("params", "bias") if module.use_bias else None  # tensor-parallel: its share
+    return dense_general(module, inputs, matmul, kernel=module.get_variable("params", "kernel"), bias=bias)
 
-  with nn.intercept_methods(dense_interceptor(run_linear)):
+  with nn.intercept_methods(dense_interceptor(run_linear)), running(plan.tensor_parallel if sharded else None):
     return model.apply({"params": unflatten(flat)}, *args, method=method, **kwargs)
 
 

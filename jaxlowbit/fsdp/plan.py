@@ -10,6 +10,18 @@ The sharding rule (one dimension per tensor, over the ``fsdp`` axis; replicated 
   before the model runs (embeddings, stacked norm scales);
 - a tensor whose sharded dimension does not divide by the axis size, and every tensor of
   rank < 2 (biases, norm scales), stays replicated: no padding, no gather.
+
+Tensor parallelism (a ``tensor`` mesh axis, ``jaxlowbit.fsdp.tensor``): the plan's rules name
+modules by the end of their path (``{"attn.q": COLUMN, "attn.out": ROW, "attn.out_norm":
+FEATURES}``) and split their parameters over ``tensor`` as well, never gathered along it:
+
+- ``COLUMN``: the kernel ``[K, N]`` along N (and its bias along N); FSDP shards K as before;
+- ``ROW``: the kernel along K, tensor-major: ``P(("tensor", "fsdp"))``, so the FSDP gather
+  returns this device's ``[K / n_tensor, N]`` rows;
+- ``FEATURES``: every parameter of the module along its last dimension (a norm's scale over the
+  features a row-parallel linear reads).
+
+Everything else is replicated over ``tensor`` (its gradient is summed over it, as over ``data``).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlowbit.fsdp.config import FsdpConfig
 from jaxlowbit.fsdp.gather import weight_scaling
+from jaxlowbit.fsdp.tensor import COLUMN, FEATURES, ROW, ColumnParallel, RowParallel, TensorParallel, TensorSplit
 from jaxlowbit.scaling import WeightScaling
 from jaxlowbit.recipes import Recipe, check_recipe
 
@@ -73,20 +86,65 @@ class FsdpPlan:
   Linen model). ``mesh=None`` is the unsharded plan: the same numerics on one device.
 
   Attributes:
-    mesh: a mesh with ``config.fsdp_axis`` (and optionally ``config.data_axis``), or None.
+    mesh: a mesh with ``config.fsdp_axis`` (and optionally ``config.data_axis``,
+      ``config.tensor_axis``), or None.
     config: the :class:`FsdpConfig`.
     linears: ``{kernel path: LinearWeight}`` of every linear that gathers its own weight.
-    shard_dims: ``{path: dim or None}`` for every parameter leaf.
+    shard_dims: ``{path: dim or None}`` for every parameter leaf (over the FSDP axis).
+    tensor_dims: ``{path: dim}``: the dimension split over the tensor axis (only where it has
+      more than one device).
+    tensor_splits: ``{kernel path: COLUMN or ROW}`` of the tensor-parallel linears.
   """
 
   mesh: Mesh | None
   config: FsdpConfig
   linears: Mapping[Path, LinearWeight]
   shard_dims: Mapping[Path, int | None]
+  tensor_dims: Mapping[Path, int] = dataclasses.field(default_factory=dict)
+  tensor_splits: Mapping[Path, TensorSplit] = dataclasses.field(default_factory=dict)
 
   @property
   def fsdp_size(self) -> int:
     return 1 if self.mesh is None else self.mesh.shape[self.config.fsdp_axis]
+
+  @property
+  def tensor_size(self) -> int:
+    """Devices on the tensor axis (1 without one)."""
+    if self.mesh is None or self.config.tensor_axis not in self.mesh.axis_names:
+      return 1
+    return self.mesh.shape[self.config.tensor_axis]
+
+  @property
+  def tensor_parallel(self) -> TensorParallel | None:
+    """The tensor axis the model runs over inside ``shard_map``, or None (size 1 or no mesh)."""
+    return TensorParallel(self.config.tensor_axis, self.tensor_size) if self.tensor_size > 1 else None
+
+  def collective(self, path: Path) -> ColumnParallel | RowParallel | None:
+    """The tensor-parallel collective of the linear whose kernel is at ``path`` (None: not split)."""
+    tp, split = self.tensor_parallel, self.tensor_splits.get(path)
+    if tp is None or split is None:
+      return None
+    return tp.column() if split is COLUMN else tp.row()
+
+  def split_axes(self, path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(axes splitting K, axes splitting N)`` of the kernel at ``path``: what its statistics reduce over."""
+    k_axes, n_axes = [], []
+    split = self.tensor_splits.get(path) if self.tensor_size > 1 else None
+    if split is ROW:
+      k_axes.append(self.config.tensor_axis)
+    if self.mesh is not None and self.shard_dims[path] is not None:
+      k_axes.append(self.config.fsdp_axis)  # after tensor: K is split tensor-major
+    if split is COLUMN:
+      n_axes.append(self.config.tensor_axis)
+    return tuple(k_axes), tuple(n_axes)
+
+  @property
+  def param_axes(self) -> tuple[str, ...]:
+    """Mesh axes parameters are split over (FSDP, tensor) that have more than one device."""
+    if self.mesh is None:
+      return ()
+    names = (self.config.fsdp_axis, self.config.tensor_axis)
+    return tuple(a for a in names if a in self.mesh.axis_names and self.mesh.shape[a] > 1)
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -100,9 +158,22 @@ class FsdpPlan:
     names = (self.config.data_axis, self.config.fsdp_axis)
     return tuple(a for a in names if a in self.mesh.axis_names and self.mesh.shape[a] > 1)
 
+  @property
+  def loss_axes(self) -> tuple[str, ...]:
+    """Mesh axes a per-device mean loss is averaged over: the batch axes, and tensor (each of its
+    devices holds other tokens: ``TensorParallel.local_tokens``)."""
+    return self.batch_axes + ((self.config.tensor_axis,) if self.tensor_size > 1 else ())
+
   def spec(self, path: Path) -> P:
-    dim = self.shard_dims[path]
-    return P() if dim is None else P(*([None] * dim), self.config.fsdp_axis)
+    dim, tdim = self.shard_dims[path], self.tensor_dims.get(path)
+    if dim is None and tdim is None:
+      return P()
+    entries: list = [None] * (max(d for d in (dim, tdim) if d is not None) + 1)
+    if tdim is not None:
+      entries[tdim] = self.config.tensor_axis
+    if dim is not None:  # on a tensor-split dim, tensor-major (see the module docstring)
+      entries[dim] = (self.config.tensor_axis, self.config.fsdp_axis) if dim == tdim else self.config.fsdp_axis
+    return P(*entries)
 
   def specs(self) -> dict:
     """Nested dict of ``PartitionSpec`` matching the parameter tree (shard_map in_specs)."""
@@ -124,12 +195,66 @@ class FsdpPlan:
       raise ValueError(f"FsdpPlan.{who}: this plan has no mesh (mesh=None is the unsharded plan)")
 
 
-def shard_dim(shape: tuple[int, ...], fsdp_size: int, linear: LinearWeight | None) -> int | None:
-  """The dimension a leaf of ``shape`` is sharded along (module docstring), or None."""
+def shard_dim(shape: tuple[int, ...], fsdp_size: int, linear: LinearWeight | None, tensor_dim: int | None = None,
+              tensor_size: int = 1) -> int | None:
+  """The dimension a leaf of ``shape`` is sharded along over FSDP (module docstring), or None.
+
+  ``tensor_dim``: the dimension split over ``tensor_size`` devices of the tensor axis; a kernel's
+  K that is split there is FSDP-sharded within each tensor slice, another leaf's never on it.
+  """
   dim = linear.stacked_ndim if linear is not None else 0
-  if len(shape) - dim < 2 or fsdp_size <= 1 or shape[dim] % fsdp_size:
+  if len(shape) - dim < 2 or fsdp_size <= 1:
     return None
-  return dim
+  size = shape[dim]
+  if tensor_dim == dim and tensor_size > 1:
+    if linear is None:
+      return None
+    size //= tensor_size
+  return None if size % fsdp_size else dim
+
+
+TensorRules = Mapping[str, "TensorSplit | str"]
+
+
+def _module_matches(path: Path, rule: str) -> bool:
+  """Whether the module holding the parameter at ``path`` ends with the dotted ``rule`` (whole names)."""
+  names = tuple(rule.split("."))
+  return len(path) > len(names) and tuple(path[-1 - len(names) : -1]) == names
+
+
+def _tensor_layout(flat: Mapping[Path, Any], linears: Mapping[Path, LinearWeight], rules: TensorRules,
+                   tensor_size: int) -> tuple[dict[Path, int], dict[Path, TensorSplit]]:
+  """``(tensor_dims, tensor_splits)`` of the parameters the rules name (module docstring); ValueError for
+  rules that name nothing, kernels that are not 2-D ``[K, N]`` linears, and sizes that do not split."""
+  dims: dict[Path, int] = {}
+  splits: dict[Path, TensorSplit] = {}
+  for rule, split in dict(rules).items():
+    split = TensorSplit(split)
+    matched = [path for path in flat if _module_matches(path, rule)]
+    if not matched:
+      raise ValueError(f"tensor_parallel: no parameter belongs to a module named {rule!r}; rules name modules by the "
+                       "end of their dotted path (e.g. 'attn.q' for layers.attn.q)")
+    for path in matched:
+      shape = tuple(flat[path].shape)
+      if split is FEATURES:
+        dims[path] = len(shape) - 1
+      elif path[-1] == "kernel":
+        linear = linears.get(path)
+        if linear is None or linear.contract_ndim != 1 or len(shape) - linear.stacked_ndim != 2:
+          raise ValueError(f"tensor_parallel: {'/'.join(path)} ({shape}) is not the 2-D [K, N] kernel of a linear "
+                           f"the plan found; {split.value}-parallel linears need one contracted and one output dim")
+        dims[path] = linear.stacked_ndim if split is ROW else len(shape) - 1
+        splits[path] = split
+      elif split is COLUMN:  # the bias of a column-parallel linear: its output features
+        dims[path] = len(shape) - 1
+      else:
+        continue  # a row-parallel linear's bias is added after the reduce-scatter: whole
+      size = shape[dims[path]]
+      if size % tensor_size:
+        raise ValueError(f"tensor_parallel: {'/'.join(path)} has {size} entries along the dim split over tensor, "
+                         f"which do not divide by tensor={tensor_size}; choose a tensor size that divides the "
+                         "heads and hidden sizes")
+  return dims, splits
 
 
 def make_plan(
@@ -137,14 +262,18 @@ def make_plan(
     mesh: Mesh | None,
     linears: Mapping[Path, LinearWeight | Recipe | None] = (),
     config: FsdpConfig = FsdpConfig(),
+    tensor_parallel: TensorRules = (),
 ) -> FsdpPlan:
   """The plan for a parameter tree (arrays or ``jax.ShapeDtypeStruct``s, unsharded shapes).
 
   Args:
     params: nested dict of parameters.
-    mesh: mesh with ``config.fsdp_axis``, or None for the unsharded plan.
+    mesh: mesh with ``config.fsdp_axis`` (and optionally ``config.tensor_axis``), or None for
+      the unsharded plan.
     linears: ``{path: LinearWeight}`` (a bare recipe means a 2-D ``[K, N]`` kernel).
     config: :class:`FsdpConfig`.
+    tensor_parallel: ``{module path end: COLUMN | ROW | FEATURES}`` (module docstring); applied
+      when the mesh has a tensor axis of more than one device, checked always.
   """
   if mesh is not None and config.fsdp_axis not in mesh.axis_names:
     raise ValueError(f"make_plan: mesh axes {mesh.axis_names} lack the FSDP axis {config.fsdp_axis!r}")
@@ -156,25 +285,38 @@ def make_plan(
   if missing:
     raise ValueError(f"make_plan: linears name paths that are not parameters: {missing}")
   size = 1 if mesh is None else mesh.shape[config.fsdp_axis]
-  dims = {path: shard_dim(tuple(leaf.shape), size, linears.get(path)) for path, leaf in flat.items()}
-  return FsdpPlan(mesh=mesh, config=config, linears=linears, shard_dims=dims)
+  tensor_size = 1 if mesh is None or config.tensor_axis not in mesh.axis_names else mesh.shape[config.tensor_axis]
+  tensor_dims, tensor_splits = _tensor_layout(flat, linears, tensor_parallel, tensor_size)
+  if tensor_size == 1:
+    tensor_dims = {}
+  dims = {path: shard_dim(tuple(leaf.shape), size, linears.get(path), tensor_dims.get(path), tensor_size)
+          for path, leaf in flat.items()}
+  return FsdpPlan(mesh=mesh, config=config, linears=linears, shard_dims=dims, tensor_dims=tensor_dims,
+                  tensor_splits=tensor_splits)
 
 
-def make_mesh(fsdp: int = -1, data: int = 1, devices=None, config: FsdpConfig = FsdpConfig()) -> Mesh:
-  """A ``(data, fsdp)`` mesh over ``devices`` (default: all devices of all processes).
+def make_mesh(fsdp: int = -1, data: int = 1, devices=None, config: FsdpConfig = FsdpConfig(), tensor: int = 1) -> Mesh:
+  """A ``(data, fsdp)`` mesh, or ``(data, fsdp, tensor)`` with ``tensor > 1``, over ``devices``
+  (default: all devices of all processes).
 
-  ``fsdp=-1`` takes every device not used by ``data``. The FSDP axis is the minor one, so
-  with ``jax.devices()``'s order an FSDP group sits within a host where it fits and the
-  ``data`` axis spans hosts (multi-host: call ``jax.distributed.initialize()`` first).
+  ``fsdp=-1`` takes every device not used by ``data`` and ``tensor``. The tensor axis is the
+  minor one, then FSDP, so with ``jax.devices()``'s order a tensor group (which moves
+  activations in every layer) sits on the fastest links, within a host, an FSDP group within a
+  host where it fits, and the ``data`` axis spans hosts (multi-host: call
+  ``jax.distributed.initialize()`` first).
   """
   devices = list(jax.devices() if devices is None else devices)
-  if data < 1 or len(devices) % data:
-    raise ValueError(f"make_mesh: data={data} must divide the {len(devices)} devices")
+  if tensor < 1 or data < 1 or len(devices) % (data * tensor):
+    raise ValueError(f"make_mesh: data={data} x tensor={tensor} must divide the {len(devices)} devices")
   if fsdp == -1:
-    fsdp = len(devices) // data
-  if fsdp * data != len(devices):
-    raise ValueError(f"make_mesh: data={data} x fsdp={fsdp} != {len(devices)} devices; pass fsdp=-1 or a matching size")
-  return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp), (config.data_axis, config.fsdp_axis))
+    fsdp = len(devices) // (data * tensor)
+  if fsdp * data * tensor != len(devices):
+    raise ValueError(f"make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} != {len(devices)} devices; pass "
+                     "fsdp=-1 or a matching size")
+  if tensor == 1:
+    return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp), (config.data_axis, config.fsdp_axis))
+  return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, tensor),
+              (config.data_axis, config.fsdp_axis, config.tensor_axis))
 
 
 def _global_array(value, sharding: NamedSharding) -> jax.Array:

@@ -13,6 +13,14 @@ all-reduce acts as an all-gather. Every device then adds a weight's n sums in sh
 so all devices finish with the same bits (a ``psum`` would not promise that), and the
 per-channel amaxes, the bulk of the vector, are not repeated n times.
 
+Tensor parallelism splits some weights over the ``tensor`` axis as well (along K: row-parallel;
+along N: column-parallel). The one ``pmax`` then runs over ``(fsdp, tensor)``: amaxes over a
+split K reduce as above; a column-parallel weight's per-channel amaxes go into its own ``N / n``
+slots of its ``[N]`` entry (zeros elsewhere), so the MAX assembles every channel's; abs-sums
+get one slot per shard over both axes. Every scale comes back whole and replicated (per
+channel ``[N]``), the same shapes as without tensor parallelism, so checkpoints of the scales do
+not depend on the mesh; a column-parallel linear takes its own channels' slice.
+
 Weights that are replicated (not sharded) have global statistics locally and join no
 collective. Kernels stacked by ``nn.scan`` get one scale per layer (``[layers]`` or
 ``[layers, N]``), which ``jaxlowbit.fsdp.apply`` hands to the scanned body beside the
@@ -39,37 +47,46 @@ def scaled_paths(plan: FsdpPlan) -> list[Path]:
   return sorted(p for p in plan.linears if plan.scaling(p).quantized)
 
 
+def _shard_index(axes: tuple[str, ...]) -> tuple[jax.Array, int]:
+  """This device's index among the shards over ``axes`` (the first axis major), and their number."""
+  index, count = 0, 1
+  for axis in axes:
+    index = index * lax.axis_size(axis) + lax.axis_index(axis)
+    count *= lax.axis_size(axis)
+  return index, count
+
+
 def _local_scales(kernels: Mapping[Path, jax.Array], plan: FsdpPlan) -> Scales:
-  """Per-device body: local statistics -> one pmax (when any kernel is sharded) -> scales."""
-  axis, n = plan.config.fsdp_axis, plan.fsdp_size
-  stats, parts, sharded = {}, [], []
+  """Per-device body: local statistics -> one pmax (when any kernel is split) -> scales."""
+  stats, parts, split, counts = {}, [], [], {}
   for path in scaled_paths(plan):
     linear, scaling = plan.linears[path], plan.scaling(path)
     w = lax.stop_gradient(kernels[path])
     stack = w.shape[: linear.stacked_ndim]
-    stat = scaling.statistic(w.reshape(*stack, -1, linear.kn(w.shape)[1]))  # [*stack, S]
+    k, n_out = linear.kn(w.shape)
+    stat = scaling.statistic(w.reshape(*stack, -1, n_out))  # [*stack, S]
+    k_axes, n_axes = plan.split_axes(path) if plan.mesh is not None else ((), ())
+    (k_index, k_shards), (n_index, n_shards) = _shard_index(k_axes), _shard_index(n_axes)
+    counts[path] = k * k_shards * n_out * n_shards  # local shard -> whole weight
     stats[path] = stat
-    if plan.shard_dims[path] is None:
+    if not k_axes and not n_axes:
       continue
-    if scaling.reduction is Reduction.SUM:  # this device's sum in its own of n slots
-      stat = jnp.zeros((*stack, n), stat.dtype).at[..., lax.axis_index(axis)].set(stat[..., 0])
-    sharded.append(path)
+    if scaling.reduction is Reduction.SUM:  # this device's sum in its own slot of every shard's
+      slots = jnp.zeros((*stack, k_shards * n_shards), stat.dtype)
+      stat = slots.at[..., k_index * n_shards + n_index].set(stat[..., 0])
+    elif scaling.per_channel and n_axes:  # this device's channels in their place of all N (zeros elsewhere)
+      whole = jnp.zeros((*stack, n_out * n_shards), stat.dtype)
+      stat = lax.dynamic_update_slice_in_dim(whole, stat, n_index * n_out, axis=whole.ndim - 1)
+    split.append(path)
     parts.append(stat)
 
-  if parts:
-    reduced = lax.pmax(jnp.concatenate([p.reshape(-1) for p in parts]), axis)  # the one collective
+  if parts:  # the one collective
+    reduced = lax.pmax(jnp.concatenate([p.reshape(-1) for p in parts]), plan.param_axes)
     offset = 0
-    for path, part in zip(sharded, parts):
+    for path, part in zip(split, parts):
       stats[path] = reduced[offset : offset + part.size].reshape(part.shape)
       offset += part.size
-
-  scales = {}
-  for path, stat in stats.items():
-    k, n_out = plan.linears[path].kn(kernels[path].shape)
-    if plan.shard_dims[path] is not None:
-      k *= n  # local shard -> whole weight
-    scales[path] = plan.scaling(path).scale(stat, k * n_out)
-  return scales
+  return {path: plan.scaling(path).scale(stat, counts[path]) for path, stat in stats.items()}
 
 
 def precompute_scales(params: Mapping, plan: FsdpPlan) -> Scales:
@@ -88,7 +105,7 @@ def precompute_scales(params: Mapping, plan: FsdpPlan) -> Scales:
   """
   flat = flatten(params)
   kernels = {p: flat[p] for p in scaled_paths(plan)}
-  if plan.mesh is None or not any(plan.shard_dims[p] is not None for p in kernels):
+  if plan.mesh is None or not any(any(plan.split_axes(p)) for p in kernels):
     return _local_scales(kernels, plan)
   specs = {p: plan.spec(p) for p in kernels}
   return jax.shard_map(

@@ -3,9 +3,10 @@
 The loss function is written for ONE device: it gets the local parameter shards, the
 step's scales, the local slice of the batch and any replicated extras (e.g. a dropout
 key), and returns the mean loss over that slice (it calls :func:`jaxlowbit.fsdp.apply` to
-run the model). :func:`value_and_grad` wraps it in ``shard_map``: the loss is averaged over
-the batch axes, sharded parameters get their reduce-scattered gradient shard and
-replicated ones the all-reduced gradient. :func:`train_step` adds the optimizer update
+run the model; under tensor parallelism, over this device's tokens of the slice, which
+``TensorParallel.local_tokens`` picks). :func:`value_and_grad` wraps it in ``shard_map``: the
+loss is averaged over the batch axes (and the tensor axis), sharded parameters get their
+reduce-scattered gradient shard and replicated ones the all-reduced gradient. :func:`train_step` adds the optimizer update
 (plain ``jit`` over the sharded arrays: element-wise optimizers stay local, global norms
 get their collectives from XLA) and the next step's :func:`precompute_scales`.
 """
@@ -48,7 +49,7 @@ def value_and_grad(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
   """
   if plan.mesh is None:
     return jax.value_and_grad(loss_fn)
-  axes = plan.batch_axes
+  axes = plan.loss_axes
 
   def f(params, scales, batch, *extras):
     def local(params, scales, batch, *extras):
@@ -64,7 +65,7 @@ def evaluate(loss_fn: LossFn, plan: FsdpPlan) -> Callable:
   """``f(params, scales, batch, *extras) -> loss`` averaged over the batch axes, without gradients."""
   if plan.mesh is None:
     return loss_fn
-  axes = plan.batch_axes
+  axes = plan.loss_axes
 
   def f(params, scales, batch, *extras):
     local = lambda *a: lax.pmean(loss_fn(*a), axes)

@@ -1,14 +1,19 @@
-"""What one weight shard looks like on the wire: one flat ``uint8`` message per shard.
+"""What one shard looks like on the wire: one flat ``uint8`` message per shard.
 
-A quantized weight's shard travels as its low-bit payload followed by its float32
-scales, both bit-cast to bytes, so payload and scales move in ONE ``all_gather``::
+A message is several arrays bit-cast to bytes and concatenated (:func:`pack`), so they all
+move in ONE ``all_gather``; :func:`unpack` splits the gathered ``[n, L]`` messages back into
+every shard's arrays.
+
+A quantized weight's shard (FSDP) travels as its low-bit payload followed by its float32
+scales (:func:`encode` / :func:`decode`)::
 
     message = [ payload bytes (int8 / e4m3 / 2-bit packed ternary) | scale bytes (float32 -> 4 x uint8) ]
 
-Gathering stacks the ``n`` shards' messages into ``[n, L]``; :func:`decode` splits them
-back into the payload of every shard and the scales. Every shard is quantized with the
-same *global* scale, so every message carries the same scale bytes; the receiver uses the
-first shard's (what travelled, not a copy it already had).
+Every shard is quantized with the same *global* scale, so every message carries the same scale
+bytes; the receiver uses the first shard's (what travelled, not a copy it already had).
+A quantized activation's shard (tensor parallelism, ``jaxlowbit.fsdp.tensor``) travels as its
+per-token payload, its per-token float32 scales and, where the recipe reads one, its transposed
+payload (``[ rows payload | row scales | transposed payload ]``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,44 @@ def message_bytes(payload_shape: tuple[int, ...], payload_dtype, num_scales: int
   return payload_bytes(payload_shape, payload_dtype) + SCALE_BYTES * num_scales
 
 
+def _as_bytes(a: jax.Array) -> jax.Array:
+  """``a`` bit-cast to a flat ``uint8`` vector (``a.size * itemsize`` bytes)."""
+  return lax.bitcast_convert_type(a, WIRE_DTYPE).reshape(-1)
+
+
+def pack(parts) -> jax.Array:
+  """One message: every array of ``parts`` bit-cast to bytes, concatenated in order.
+
+  Args:
+    parts: arrays of any shape and dtype (int8, uint8, float8, bfloat16, float32 ...).
+
+  Returns:
+    ``uint8 [sum of the parts' byte sizes]``.
+  """
+  return jnp.concatenate([_as_bytes(a) for a in parts])
+
+
+def unpack(messages: jax.Array, layouts) -> list[jax.Array]:
+  """The parts of gathered messages: ``[n, L]`` -> one ``[n, *shape]`` array per ``(shape, dtype)`` layout.
+
+  ValueError when the layouts' bytes do not add up to ``L``.
+  """
+  n = messages.shape[0]
+  sizes = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in layouts]
+  if sum(sizes) != messages.shape[1]:
+    raise ValueError(f"unpack: messages of {messages.shape[1]} bytes do not hold parts {list(layouts)} "
+                     f"({sum(sizes)} bytes)")
+  parts, offset = [], 0
+  for (shape, dtype), size in zip(layouts, sizes):
+    dtype = jnp.dtype(dtype)
+    chunk = messages[:, offset : offset + size]
+    offset += size
+    if dtype.itemsize > 1:
+      chunk = chunk.reshape(n, size // dtype.itemsize, dtype.itemsize)
+    parts.append(lax.bitcast_convert_type(chunk, dtype).reshape(n, *shape))
+  return parts
+
+
 def encode(payload: jax.Array, scales: jax.Array) -> jax.Array:
   """One shard's message.
 
@@ -47,9 +90,7 @@ def encode(payload: jax.Array, scales: jax.Array) -> jax.Array:
     ``uint8 [payload.size + 4 * scales.size]``.
   """
   payload_bytes(payload.shape, payload.dtype)  # checks the width
-  body = lax.bitcast_convert_type(payload, WIRE_DTYPE).reshape(-1)
-  tail = lax.bitcast_convert_type(scales.astype(jnp.float32).reshape(-1), WIRE_DTYPE).reshape(-1)
-  return jnp.concatenate([body, tail])
+  return pack([payload, scales.astype(jnp.float32).reshape(-1)])
 
 
 def gather(message: jax.Array, axis_name: str | None) -> jax.Array:
@@ -76,17 +117,16 @@ def decode(
     ``(payloads, scales)``: ``payload_dtype [n, *payload_shape]`` in shard order, and the
     first message's float32 scales ``[num_scales]``.
   """
-  n = messages.shape[0]
   size = payload_bytes(payload_shape, payload_dtype)
   if messages.shape[1] != size + SCALE_BYTES * num_scales:
     raise ValueError(
         f"decode: messages of {messages.shape[1]} bytes do not hold a {payload_shape} payload "
         f"({size} bytes) plus {num_scales} float32 scales"
     )
-  payloads = lax.bitcast_convert_type(messages[:, :size], jnp.dtype(payload_dtype))
-  tail = messages[0, size:].reshape(num_scales, SCALE_BYTES)
-  scales = lax.bitcast_convert_type(tail, jnp.float32)
-  return payloads.reshape(n, *payload_shape), scales
+  payloads, scales = unpack(messages, [(tuple(payload_shape), payload_dtype), ((num_scales,), jnp.float32)])
+  return payloads, scales[0]
 
 
-__all__ = ["SCALE_BYTES", "WIRE_DTYPE", "decode", "encode", "gather", "message_bytes", "payload_bytes"]
+__all__ = [
+    "SCALE_BYTES", "WIRE_DTYPE", "decode", "encode", "gather", "message_bytes", "pack", "payload_bytes", "unpack",
+]

@@ -1,0 +1,136 @@
+"""The pieces of tensor parallelism (``jaxlowbit.fsdp.tensor``) against their unsplit references.
+
+Inside ``shard_map`` over 4 virtual CPU devices on one axis, each holding a tile of a matrix:
+
+- ``formats.quantize`` with a :class:`Split` gives every tile the codes and scales the whole matrix
+  gets (rows split: per-column and per-tensor amaxes reduced; columns split: per-row ones);
+- the Pallas quantization kernel (interpret mode) reduces its amaxes between its passes alike;
+- ``gather_activation`` delivers the whole matrix quantized as the recipe reads it, from one
+  all-gather, and its gradient is the sum of the readers' ``dx``, reduce-scattered;
+- the RMSNorm over features split across devices equals the whole row's norm.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from helpers import fresh_key
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fused
+from jaxlowbit.fsdp import gather_activation
+from jaxlowbit.recipes.base import quantize_operand
+from jaxlowbit_numerics.formats import QuantSpec, quantize
+from jaxlowbit_numerics.stats import Split
+from pallas_kernels import quantize as qk
+
+AXIS, N = "t", 4
+ROWS, COLS = Split(rows=(AXIS,)), Split(cols=(AXIS,))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return Mesh(np.asarray(jax.devices()[:N]), (AXIS,))
+
+
+def _tiles(mesh, f, split: Split, *arrays, out_specs=P(), check_vma: bool = True):
+  """``f(*tiles)`` on every device; arrays are split along dim 0 (``split.rows``) or their last dim."""
+  spec = P(AXIS, None) if split.rows else P(None, AXIS)
+  f = jax.shard_map(f, mesh=mesh, in_specs=tuple(spec for _ in arrays), out_specs=out_specs, check_vma=check_vma)
+  return jax.jit(f)(*arrays)
+
+
+# (spec, axis the amax reduces over, how the matrix is split): every statistic that crosses tiles.
+QUANTIZE_CASES = [
+    (QuantSpec("int8"), 0, ROWS),  # per column over tokens split across devices (grad_weight's x)
+    (QuantSpec("float8_e4m3fn", per_tensor=True), None, ROWS),  # FP8 tensorwise
+    (QuantSpec("float8_e4m3fn", power_of_two=True), 0, ROWS),  # FP8 rowwise's x^T
+    (QuantSpec("int8"), -1, COLS),  # per token over features split across devices (row-parallel input)
+    (QuantSpec("float8_e5m2", per_tensor=True), None, COLS),
+]
+
+
+@pytest.mark.parametrize("spec, axis, split", QUANTIZE_CASES, ids=str)
+def test_split_quantize_equals_the_whole_matrix(spec, axis, split, mesh):
+  x = jax.random.normal(fresh_key(), (64, 128)) * jnp.linspace(0.1, 10, 128)
+  q_whole, s_whole = quantize(x, spec, axis)
+  spec_out = P(AXIS, None) if split.rows else P(None, AXIS)
+  # Scales of a split dim come back per tile (concatenated), others once (replicated).
+  scale_spec = spec_out if (axis == -1 and split.rows) or (axis == 0 and split.cols) else P()
+  q, s = _tiles(mesh, lambda t: quantize(t, spec, axis, split=split), split, x, out_specs=(spec_out, scale_spec))
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(q_whole, np.float32))
+  np.testing.assert_allclose(s, s_whole, rtol=1e-6)  # jit vs eager: FP8's 1 / scale may round apart by an ulp
+  if split.rows and axis is not None:  # and the local quantization would have differed
+    assert not np.array_equal(np.asarray(quantize(x[:16], spec, axis)[1]), np.asarray(s_whole))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("float8_e4m3fn", per_tensor=True)], ids=str)
+def test_kernel_with_split_rows_equals_the_reference(spec, mesh):
+  """The fused quantizer kernel (interpret mode) on each device's 64 rows == the reference on all 256."""
+  x = jax.random.normal(fresh_key(), (N * 64, 128), jnp.float32) * jnp.linspace(0.1, 10, 128)
+  rows_w, cols_w, _ = qk.fused_quantize_reference((x,), qk.Identity(), spec, spec)
+  kernel = functools.partial(qk.fused_quantize_kernel, prologue=qk.Identity(), rows_spec=spec, cols_spec=spec,
+                             interpret=True, split=ROWS)
+
+  def quantized(t):
+    (q, s), (qt, st), _ = kernel((t,))
+    return q, s if not spec.per_tensor else s[None], qt, st[None]  # reduced scales: every device's copy
+
+  # Pallas's interpreter (jax 0.10) mixes varying and unvarying operands in its dynamic slices.
+  rows_scale = P(AXIS) if spec.per_tensor else P(AXIS, None)
+  q, s, qt, st = _tiles(mesh, quantized, ROWS, x, check_vma=False,
+                        out_specs=(P(AXIS, None), rows_scale, P(None, AXIS), P(AXIS)))
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(rows_w[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(qt, np.float32), np.asarray(cols_w[0], np.float32))
+  for copy in st:
+    np.testing.assert_allclose(copy, cols_w[1], rtol=1e-6)
+  for copy in s if spec.per_tensor else (s,):
+    np.testing.assert_allclose(copy, rows_w[1], rtol=1e-6)
+
+
+RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+def test_gather_activation_is_the_whole_operand(recipe, mesh):
+  x = jax.random.normal(fresh_key(), (N * 8, 64), jnp.float32)
+  how = recipe.input_quantization()
+  want_rows, want_t = quantize_operand(x, how)
+
+  def gathered(t):  # every device's copy of the whole operand, stacked
+    operand = gather_activation(t, recipe, AXIS)
+    parts = (operand.rows.data, operand.rows.scale, operand.transposed.data, operand.transposed.scale)
+    return tuple(a[None] for a in parts)
+
+  got = _tiles(mesh, gathered, ROWS, x, out_specs=P(AXIS))
+  want = (want_rows.data, want_rows.scale, want_t.data, want_t.scale)
+  for i, (copies, w) in enumerate(zip(got, want)):
+    assert copies.shape == (N, *w.shape) and copies.dtype == w.dtype, (copies.shape, w.shape)
+    for copy in copies:  # codes exactly; scales up to jit-vs-eager rounding of FP8's 1 / scale
+      np.testing.assert_allclose(np.asarray(copy, np.float32), np.asarray(w, np.float32), rtol=1e-6 if i % 2 else 0)
+
+
+def test_gather_gradient_is_the_summed_dx_reduce_scattered(mesh):
+  """Each device reads the whole gathered x with its own weights; dx of its rows sums every reader's."""
+  kx, kw = jax.random.split(fresh_key())
+  x, w = jax.random.normal(kx, (N * 8, 16)), jax.random.normal(kw, (N, 16, 16))  # one [16, 16] per device
+
+  def loss(t, w_local):
+    return jax.lax.psum(jnp.sum(jnp.tanh(gather_activation(t, None, AXIS) @ w_local[0])), AXIS)
+
+  grad = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(AXIS, None), P(AXIS)), out_specs=P(AXIS, None)))
+  want = jax.grad(lambda x: sum(jnp.sum(jnp.tanh(x @ w[d])) for d in range(N)))(x)
+  np.testing.assert_allclose(grad(x, w), want, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_over_split_features_equals_the_whole_row(mesh):
+  kx, ks = jax.random.split(fresh_key())
+  x, scale = jax.random.normal(kx, (16, 64)), 1 + 0.1 * jax.random.normal(ks, (64,))
+  want = fused.rms_norm(x, scale, 1e-5, jnp.float32)
+  norm = lambda t, s: fused.rms_norm(t, s, 1e-5, jnp.float32, split=COLS)  # noqa: E731
+  got = jax.jit(jax.shard_map(norm, mesh=mesh, in_specs=(P(None, AXIS), P(AXIS)), out_specs=P(None, AXIS)))(x, scale)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

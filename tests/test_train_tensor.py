@@ -1,0 +1,255 @@
+"""Tensor parallelism (a ``tensor`` mesh axis, ``jaxlowbit.fsdp.tensor``) on 8 virtual CPU devices.
+
+- 5 trainer steps on a ``data x fsdp x tensor`` mesh give the per-step training losses and the
+  validation loss of the run without tensor parallelism within ``test_train_fsdp``'s bounds:
+  every recipe on (fsdp 4, tensor 2), bf16 and one recipe on (fsdp 2, tensor 4) and on
+  (data 2, fsdp 2, tensor 2);
+- a checkpoint of a tensor-parallel run resumes on another tensor size;
+- the compiled step moves activations as the issue asks: before each column-parallel group one
+  8-bit all-gather over the tensor axis (payload and scales in one message), the row-parallel
+  outputs reduce-scattered in bf16; a negative control (bf16) shows the check tells them apart;
+- ``mesh_shape`` and ``check`` refuse tensor sizes the model or batch cannot split, with messages
+  that say what to change; ``python -m train.main --config.mesh.tensor=2`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import test_train_loop
+from helpers import fresh_key
+from test_train_fsdp import STEPS, assert_same_run, rtol_for, run_config, start_record
+from test_train_loop import REPO, TINY, micro_config, train_losses
+from jaxlowbit import fsdp
+from jaxlowbit.fsdp.hlo import collectives
+from train import config as train_config
+from train import loop, steps
+from train.model import ModelConfig, Transformer, tensor_parallel_rules
+
+corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
+
+# The micro model with heads that split over tensor 2 and 4 (head_dim 4; 2 query heads per kv
+# head, so every mesh runs grouped-query attention on its own heads) and separate q, k, v and
+# gate, up kernels (fused ones cannot be split by heads).
+TP_MODEL = {"model__n_heads": 8, "model__n_kv_heads": 4, "model__fused_projections": False}
+
+# (recipe, (data, fsdp, tensor), the reference run's (data, fsdp)). The tensor axis splits each
+# data x fsdp group's tokens, and its quantizers reduce their amaxes over it, so a group computes
+# what one device holding the group's tokens computes. bf16 and BitNet quantize nothing over the
+# tokens: their reference is the one-device run. INT8 and FP8 scale over a device's tokens
+# (test_train_fsdp.SHARDED_VS_UNSHARDED says why): their reference is data parallelism over as
+# many devices as there are groups, so what differs is exactly what tensor parallelism splits.
+TENSOR_VS_UNSHARDED = [
+    ("bf16", (1, 4, 2), (1, 1)),
+    ("int8", (1, 4, 2), (4, 1)),
+    ("fp8_tensorwise", (1, 4, 2), (4, 1)),
+    ("fp8_rowwise", (1, 4, 2), (4, 1)),
+    ("bitnet", (1, 4, 2), (1, 1)),
+    ("bf16", (1, 2, 4), (1, 1)),
+    ("bitnet", (1, 2, 4), (1, 1)),  # ternary weights split 4 ways along K: abs-means summed over shards
+    ("bf16", (2, 2, 2), (1, 1)),
+    ("int8", (2, 2, 2), (4, 1)),
+]
+
+
+@pytest.fixture(scope="module")
+def seed() -> int:
+  """One fresh ``config.seed`` (parameter init and data order) for the whole module."""
+  return int(jax.random.randint(fresh_key(), (), 0, 2**31 - 1))
+
+
+def tp_config(corpus: str, seed: int, recipe: str, data: int, fsdp_size: int, tensor: int):
+  return run_config(corpus, seed, recipe, fsdp_size, data, mesh__tensor=tensor, **TP_MODEL)
+
+
+@pytest.fixture(scope="module")
+def run(corpus, seed, tmp_path_factory):
+  """``run(recipe, data, fsdp, tensor) -> run dir`` of a completed 5-step run (each runs once)."""
+  root = tmp_path_factory.mktemp("runs")
+  done = {}
+
+  def run_once(recipe: str, data: int, fsdp_size: int, tensor: int = 1):
+    key = (recipe, data, fsdp_size, tensor)
+    if key not in done:
+      run_dir = root / "_".join(map(str, key))
+      result = loop.train(tp_config(corpus, seed, *key), run_dir)
+      assert result.status == "completed" and result.step == STEPS
+      done[key] = run_dir
+    return done[key]
+
+  return run_once
+
+
+@pytest.mark.parametrize("recipe, mesh, reference_mesh", TENSOR_VS_UNSHARDED, ids=lambda v: str(v))
+def test_tensor_parallel_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus, seed):
+  """Per-step training losses and the final validation loss as in test_train_fsdp; the run really split."""
+  run_dir = run(recipe, *mesh)
+  assert_same_run(run_dir, run(recipe, *reference_mesh), rtol=rtol_for(recipe))
+
+  data, fsdp_size, tensor = mesh
+  assert start_record(run_dir)["mesh"] == {"data": data, "fsdp": fsdp_size, "tensor": tensor}
+  plan = steps.step_functions(tp_config(corpus, seed, recipe, *mesh)).runtime.plan  # cached by the run
+  assert plan.tensor_size == tensor
+  # The scanned stack's kernels [layers, K, N]: q's K over fsdp and its heads over tensor; down's
+  # K over both, tensor-major (each tensor device's hidden units, FSDP-sharded within them).
+  q, down = plan.spec(("layers", "attn", "q", "kernel")), plan.spec(("layers", "mlp", "down", "kernel"))
+  assert q == P(None, "fsdp", "tensor") and down == P(None, ("tensor", "fsdp")), (q, down)
+
+
+def test_tensor_parallel_checkpoint_resumes_on_another_mesh(run, corpus, seed, tmp_path, capsys):
+  """A bf16 run on (fsdp 4, tensor 2) stopped at step 3 resumes on (fsdp 2, tensor 4) and continues the
+  uninterrupted run: the checkpoint holds whole parameters whatever the mesh (the compiled steps are
+  those of the equality runs above)."""
+  uninterrupted = run("bf16", 1, 4, 2)
+  run_dir = tmp_path / "stopped"
+  result = loop.train(tp_config(corpus, seed, "bf16", 1, 4, 2), run_dir, should_stop=lambda step: step == 3)
+  assert result.status == "interrupted" and result.checkpoint_step == 3
+  capsys.readouterr()
+  config = tp_config(corpus, seed, "bf16", 1, 2, 4)
+  config.resume = True
+  result = loop.train(config, run_dir)
+  assert result.status == "completed" and result.step == STEPS
+  out = capsys.readouterr().out
+  assert "mesh.tensor 2 -> 4" in out and "expect a different run" not in out, out
+  assert start_record(run_dir)["step"] == 3 and start_record(run_dir)["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
+  assert_same_run(run_dir, uninterrupted)
+
+
+# ---------------------------------------------------------------------------------------------
+# What moves: the compiled gradient step of a one-layer bf16 model on (fsdp 4, tensor 2).
+
+HLO_FSDP, HLO_TENSOR = 4, 2
+HLO_BATCH, HLO_SEQ, HLO_D = 8, 32, 64
+# Each device's token rows of its group: 8 sequences over 4 FSDP groups, their tokens over 2.
+HLO_ROWS = HLO_BATCH // HLO_FSDP * HLO_SEQ // HLO_TENSOR  # 32
+# The message of one gathered activation [32, 64] (jaxlowbit.fsdp.tensor's table): INT8 sends
+# its per-token rows and scales and x^T (per input feature); FP8 tensorwise sends its e4m3 rows
+# (the one scale is reduced first, x^T derived from the rows).
+ACTIVATION_BYTES = {
+    "int8": HLO_ROWS * HLO_D + 4 * HLO_ROWS + HLO_D * HLO_ROWS,
+    "fp8_tensorwise": HLO_ROWS * HLO_D,
+}
+
+
+def _tensor_parallel_step(recipe: str):
+  """``(compiled HLO text, lowered StableHLO text)`` of value_and_grad of a 1-layer bf16 model's loss."""
+  config = ModelConfig(d_model=HLO_D, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=2 * HLO_D, vocab_size=256,
+                       dtype=jnp.bfloat16, recipe=train_config.recipe_from_name(recipe), fused_projections=False,
+                       scan_layers=False)
+  model = Transformer(config)
+  tokens = jax.random.randint(jax.random.key(1), (HLO_BATCH, HLO_SEQ + 1), 0, config.vocab_size)
+  params = jax.eval_shape(model.init, jax.random.key(0), tokens[:1, :-1])["params"]
+  mesh = fsdp.make_mesh(fsdp=HLO_FSDP, tensor=HLO_TENSOR)
+  plan = fsdp.plan_for_model(model, params, tokens[:1, :-1], mesh=mesh, tensor_parallel=tensor_parallel_rules(config))
+
+  def loss_fn(p, scales, batch):
+    logits = fsdp.apply(model, p, batch[:, :-1], plan=plan, scales=scales)
+    targets = plan.tensor_parallel.local_tokens(batch[:, 1:])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  sharded = fsdp.shard_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params), plan)
+  scales = jax.jit(lambda p: fsdp.precompute_scales(p, plan))(sharded)
+  lowered = jax.jit(fsdp.value_and_grad(loss_fn, plan)).lower(sharded, scales, fsdp.shard_batch(tokens, plan))
+  return lowered.compile().as_text(), lowered.as_text()
+
+
+# A reduce-scatter in the lowered program: its replica groups and its result type.
+_LOWERED_SCATTER = re.compile(
+    r'"stablehlo\.reduce_scatter".*?replica_groups = dense<\[\[(?P<group>[\d, ]*)\].*?'
+    r"\}\) : \(tensor<[^>]*>\) -> tensor<(?P<type>[^>]*)>", re.DOTALL)
+
+
+def _tensor_scatter_types(lowered: str) -> list[str]:
+  """Result types (``32x64xbf16``) of the lowered program's reduce-scatters over the tensor axis."""
+  return [m["type"] for m in _LOWERED_SCATTER.finditer(lowered) if len(m["group"].split(",")) == HLO_TENSOR]
+
+
+@pytest.mark.parametrize("recipe", ["int8", "fp8_tensorwise", "bf16"])
+def test_activations_gather_8_bit_and_outputs_reduce_scatter_bf16(recipe):
+  compiled, lowered = _tensor_parallel_step(recipe)
+  found = collectives(compiled)
+  assert {c.group_size for c in found} >= {HLO_FSDP, HLO_TENSOR}, found
+  gathers = [c for c in found if c.op == "all-gather" and c.group_size == HLO_TENSOR]
+  if recipe == "bf16":
+    # Negative control: the same count finds the gathers (2 forward, 2 of g), in the compute
+    # dtype (XLA:CPU hoists its float32 dot's convert above them), none of them 8-bit.
+    assert len(gathers) == 4 and all(c.dtype in ("bf16", "f32") for c in gathers), found
+    assert all(c.shape == (HLO_ROWS * HLO_TENSOR, HLO_D) for c in gathers), found
+  else:
+    # One per column-parallel group in the forward (q, k, v; gate, up) and, where the recipe
+    # quantizes the output gradient anyway, one per row-parallel linear's g (out, down): its
+    # [32, 64] rows travel as the activations do, so all four messages have the same bytes.
+    assert len(gathers) == 4, found
+    assert all(c.dtype == "u8" and c.shape == (HLO_TENSOR, ACTIVATION_BYTES[recipe]) for c in gathers), found
+  # Row-parallel outputs (forward: out, down) and the gathers' dx (backward) leave in bf16:
+  # 4 reduce-scatters over tensor, bf16 as JAX hands them to XLA (XLA:CPU then runs them in
+  # float32, as it runs the dots before them; a GPU keeps bf16).
+  assert _tensor_scatter_types(lowered) == [f"{HLO_ROWS}x{HLO_D}xbf16"] * 4, lowered.count("reduce_scatter")
+  scatters = [c for c in found if c.op == "reduce-scatter" and c.group_size == HLO_TENSOR]
+  assert len(scatters) == 4 and all(c.shape == (HLO_ROWS, HLO_D) for c in scatters), found
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration: what the trainer refuses, and the command line.
+
+
+def test_mesh_shape_with_tensor_resolves_and_rejects(corpus):
+  def shape(devices: int = 8, **overrides):
+    config = micro_config(corpus, **{**TP_MODEL, "batch_size": 16, **overrides})
+    return train_config.mesh_shape(config, device_count=devices, process_count=1)
+
+  auto = {"mesh__fsdp": train_config.MESH_AUTO}
+  assert shape(mesh__tensor=2, **auto) == (1, 4, 2)
+  assert shape(mesh__tensor=4, mesh__data=2, **auto) == (2, 1, 4)
+  assert shape(mesh__tensor=8, model__n_kv_heads=8, **auto) == (1, 1, 8)
+  assert shape(mesh__tensor=2, mesh__fsdp=2) == (1, 2, 2)  # one process may leave devices idle
+
+  with pytest.raises(ValueError, match="mesh.tensor=0 must be >= 1"):
+    shape(mesh__tensor=0)
+  with pytest.raises(ValueError, match="mesh.data=3 x tensor=2 does not divide the 8 visible devices"):
+    shape(mesh__tensor=2, mesh__data=3, **auto)
+  with pytest.raises(ValueError, match="tensor=3 does not divide config.model.n_heads=8"):
+    shape(mesh__tensor=3, **auto)
+  with pytest.raises(ValueError, match="data=1 x fsdp=4 x tensor=4 needs 16 devices but 8 are visible"):
+    shape(mesh__tensor=4, mesh__fsdp=4)
+  with pytest.raises(ValueError, match="fused_projections=False"):
+    shape(mesh__tensor=2, model__fused_projections=True, **auto)
+  with pytest.raises(ValueError, match=r"tensor=8 does not divide config.model.n_kv_heads=4.*divides n_heads"):
+    shape(mesh__tensor=8, model__n_heads=16, **auto)
+  with pytest.raises(ValueError, match=r"tensor=4 does not divide config.model.d_ff=66"):
+    shape(mesh__tensor=4, model__d_ff=66, **auto)
+  # 16 sequences of 3 tokens over 8 groups: 6 tokens per group do not split over tensor 4.
+  with pytest.raises(ValueError, match=r"6 tokens.*do not split over its 4 tensor-parallel devices.*multiple"):
+    shape(devices=32, mesh__tensor=4, seq_len=3, **auto)
+
+
+def test_main_runs_tensor_parallel(tmp_path, corpus):
+  """``python -m train.main --config.mesh.tensor=2`` on 8 devices: (fsdp 4, tensor 2), exit 0, the loss falls."""
+  fields = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 64,
+            "model.dtype": "float32", "model.fused_projections": False, "mesh.tensor": 2, "recipe": "int8",
+            "data.path": corpus, "steps": 2, "batch_size": 8, "seq_len": 32, "warmup_steps": 1, "log_every": 1,
+            "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2, "tensorboard": False}
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+  env = {**os.environ, "PYTHONPATH": str(REPO),
+         "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=8"])}
+  run_dir = tmp_path / "main"
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", f"--config={TINY}", f"--workdir={run_dir}",
+       *[f"--config.{k}={v}" for k, v in fields.items()]],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "mesh data 1 x fsdp 4 x tensor 2" in proc.stdout and "linears tensor-parallel" in proc.stdout, proc.stdout
+  assert start_record(run_dir)["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  losses = train_losses(run_dir)
+  assert sorted(losses) == [1, 2] and np.isfinite(list(losses.values())).all()
