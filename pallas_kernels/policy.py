@@ -45,6 +45,11 @@ FUSED_PROLOGUES = frozenset({"RmsNorm"})
 # The Triton lowering converts to float8_e4m3fn only on sm89+; compute_capability() reads the
 # major version, so FP8 optimizer states take the kernel from Hopper (sm90) on.
 FP8_STATE_KINDS = frozenset({"e4m3"})
+# optim_fused_h200.json (1.1B parameter shapes, step = update + apply, ms; XLA update / kernel):
+# FP8 9.71 / 7.63, FP8-O2 10.10 / 8.36, 8-bit dynamic map 12.45 / 16.10, 4-bit 12.33 / 12.16. The
+# kernel's nearest-code search over the 256-entry dynamic map costs more than XLA's, so under
+# ``auto`` states with a dynamic-map moment stay on XLA (``pallas`` still forces the kernel).
+ADAM_AUTO_XLA_KINDS = frozenset({"dynamic"})
 
 
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
@@ -138,18 +143,28 @@ def quantize_on_kernel() -> bool:
   return requested_backend() != "xla" and major is not None and major >= AMPERE
 
 
-def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
-  """Whether the low-bit Adam update may run on the fused kernel for moments stored as ``kinds``
-  (``BlockFormat.kind`` of ``m`` and ``v``); the kernel also checks each tensor's shape.
-
-  ``auto`` and ``pallas`` take it on every NVIDIA GPU it runs on (sm80+, sm90+ for e4m3 states);
-  elsewhere, and under ``xla``, XLA runs the update. Like the quantizers, a forced ``pallas``
-  on a device without the kernel falls back to XLA rather than failing: the two are one spec.
-  """
+def adam_kernel_runs(kinds: tuple[str, ...]) -> bool:
+  """Whether the fused Adam kernel runs here for moments stored as ``kinds`` (``BlockFormat.kind``
+  of ``m`` and ``v``): an NVIDIA GPU from sm80, sm90 for e4m3 states."""
   major = compute_capability()
-  if requested_backend() == "xla" or major is None or major < AMPERE:
+  if major is None or major < AMPERE:
     return False
   return major >= HOPPER or not FP8_STATE_KINDS.intersection(kinds)
+
+
+def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
+  """Whether the low-bit Adam update runs on the fused kernel for moments stored as ``kinds``;
+  the kernel also checks each tensor's shape.
+
+  ``auto``: where it runs (:func:`adam_kernel_runs`) and was measured faster than XLA (not for
+  dynamic-map states, :data:`ADAM_AUTO_XLA_KINDS`); ``pallas``: wherever it runs; ``xla``: never.
+  Like the quantizers, a forced ``pallas`` on a device without the kernel falls back to XLA
+  rather than failing: the two are one spec.
+  """
+  backend = requested_backend()
+  if backend == "xla" or not adam_kernel_runs(kinds):
+    return False
+  return backend == "pallas" or not ADAM_AUTO_XLA_KINDS.intersection(kinds)
 
 
 def w8a16_kernel_wanted(m: int) -> bool:
