@@ -4,6 +4,7 @@ import itertools
 
 import jax
 import numpy as np
+import pytest
 
 _counter = itertools.count()
 
@@ -40,3 +41,9 @@ def bf16_values_close(got, want, max_fraction=0.01):
   differ = got != want
   assert differ.mean() <= max_fraction, differ.mean()
   assert np.all(np.abs(got - want)[differ] <= 2.0**-7 * np.abs(want)[differ])
+
+
+def needs_devices(n: int):
+  """Skip unless ``n`` devices are visible: CPU runs get 8 virtual ones (tests/conftest.py); a GPU
+  host shows its GPUs, often fewer."""
+  return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices, this host has {jax.device_count()}")

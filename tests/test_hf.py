@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import fresh_key
+from helpers import fresh_key, needs_devices
 from train import hf
 from train.model import Transformer
 
@@ -272,7 +272,7 @@ def test_transformers_loads_our_export_and_we_load_theirs(name, tmp_path):
 # The trainer: init_from, a tokenizer.json, generate and export.
 
 
-@pytest.mark.parametrize("fsdp", [1, 2], ids=["one_device", "fsdp2"])
+@pytest.mark.parametrize("fsdp", [1, pytest.param(2, marks=needs_devices(2))], ids=["one_device", "fsdp2"])
 def test_finetune_from_a_hf_folder_then_generate_and_export(fsdp, tmp_path, capsys):
   pytest.importorskip("tokenizers")
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -314,6 +314,7 @@ def test_finetune_from_a_hf_folder_then_generate_and_export(fsdp, tmp_path, caps
   jax.tree.map(np.testing.assert_array_equal, exported, original)  # lr 1e-30: two steps change no float32 weight
 
 
+@needs_devices(8)
 def test_init_from_places_each_pretrained_leaf_on_the_inits_fsdp_sharding(tmp_path, monkeypatch):
   """Under FSDP (8 devices) every loaded leaf lands on exactly the init's sharding, each device
   receiving only its shard; nothing is placed whole on one device first."""

@@ -110,8 +110,12 @@ def test_gspmd_each_gpu_updates_its_blocks():
     np.testing.assert_array_equal(a, b)
 
 
-def test_dispatch_picks_the_kernel_here():
-  m_format, v_format = _takes_kernel("8bit")
+@pytest.mark.parametrize("name, backend, fused", [("fp8", "auto", True), ("8bit", "auto", False),
+                                                  ("8bit", "pallas", True)])
+def test_dispatch_picks_the_kernel_here(name, backend, fused, monkeypatch):
+  """auto: the kernel for e4m3 states, XLA for dynamic-map ones (measured faster); pallas forces it."""
+  m_format, v_format = _takes_kernel(name)
+  monkeypatch.setenv(policy.BACKEND_ENV, backend)
   g, m, v, c = random_case(fresh_key(), (16, 1024), m_format, v_format)
   text = jax.jit(lambda g, m, v: dispatch.adam_update(g, m, v, c, m_format, v_format)).lower(g, m, v).as_text()
-  assert "jaxlowbit_adam_update" in text
+  assert ("jaxlowbit_adam_update" in text) is fused
