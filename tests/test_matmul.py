@@ -83,7 +83,15 @@ def test_bitnet_default_backward_is_high_precision():
   _, dx, dw = _fwd_bwd(BitNet(), x, w, g)
   _, vjp = jax.vjp(_bitnet_fake_quant, x, w)
   rdx, rdw = vjp(g)
-  assert rel_err(dx, rdx) <= 1e-5 and rel_err(dw, rdw) <= 1e-5
+  assert rel_err(dx, rdx) <= 1e-5
+  # dW = x_q^T g: an activation within float rounding of a code midpoint may round the other way
+  # (the scale is 127 / amax here, amax / 127 in the kernels), moving row k of dW by g[m] / xs[m].
+  # Allow exactly those moves on top of float rounding.
+  x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
+  xs = 127.0 / np.maximum(np.abs(x64).max(axis=-1, keepdims=True), 1e-5)
+  near_tie = np.abs(np.abs(x64 * xs - np.floor(x64 * xs)) - 0.5) < 1e-4
+  flips = np.sum(near_tie * (np.linalg.norm(g64, axis=1, keepdims=True) / xs))
+  assert rel_err(dw, rdw) <= 1e-5 + flips / np.linalg.norm(np.asarray(rdw, np.float64)), (rel_err(dw, rdw), flips)
 
 
 @pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3)), ids=str)
