@@ -1,6 +1,10 @@
 """Numerics helpers for tests: SQNR, relative error, fresh random inputs."""
 
 import itertools
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -47,3 +51,28 @@ def needs_devices(n: int):
   """Skip unless ``n`` devices are visible: CPU runs get 8 virtual ones (tests/conftest.py); a GPU
   host shows its GPUs, often fewer."""
   return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices, this host has {jax.device_count()}")
+
+
+def run_distributed_workers(worker: str, args: list[list[str]], timeout: float) -> list[str]:
+  """Runs ``tests/<worker>`` as ``len(args)`` ``jax.distributed`` processes on this host with 2 CPU
+  devices each (process ``i`` gets the command-line arguments ``args[i]``); asserts every one
+  exits 0 and returns their outputs. A process still running at the end is killed."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  with socket.socket() as s:  # a free port for the coordinator
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(len(args)))
+  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+  procs = [subprocess.Popen([sys.executable, os.path.join(here, worker), *a], env=dict(env, JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i, a in enumerate(args)]
+  try:
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  return outputs

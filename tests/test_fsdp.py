@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -32,13 +28,12 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp, quantized_matmul
 from jaxlowbit.fsdp import FsdpConfig, WeightScaling
 from jaxlowbit.fsdp.hlo import collectives
 from fsdp_common import TinyNet, data, sharded_and_unsharded, train
-from helpers import fresh_key, rel_err, sqnr_db
+from helpers import fresh_key, rel_err, run_distributed_workers, sqnr_db
 
 FSDP, DATA = 4, 2
 TRAIN_STEPS = 5
 LOSS_RTOL = 1e-5  # the bound: equal losses within 1e-5 relative (fp32 parameters)
 TIE_FLIP_RTOL = 1e-3  # BitNet, after step 1: a weight flipped across a rounding tie (see below)
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -465,38 +460,11 @@ def test_initialize_distributed_needs_all_or_nothing(monkeypatch):
 MULTIPROCESS_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_step_like_one(tmp_path):
   seed = int(np.random.SeedSequence().entropy % (2**31))
   print(f"seed={seed}")
-  port = _free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
-  env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
-  worker = os.path.join(HERE, "fsdp_multiprocess_worker.py")
-  procs = [
-      subprocess.Popen(
-          [sys.executable, worker, str(seed), str(tmp_path / f"losses_{i}.json")],
-          env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      )
-      for i in range(2)
-  ]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=MULTIPROCESS_TIMEOUT_S)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  run_distributed_workers("fsdp_multiprocess_worker.py",
+                          [[str(seed), str(tmp_path / f"losses_{i}.json")] for i in range(2)], MULTIPROCESS_TIMEOUT_S)
   two = [json.loads((tmp_path / f"losses_{i}.json").read_text()) for i in range(2)]
   assert two[0]["process_count"] == 2 and two[0]["device_count"] == 4
   assert two[0]["losses"] == two[1]["losses"]

@@ -3,9 +3,6 @@ global batches that each process reads only its share of (one process with 8 dev
 real ``jax.distributed`` processes)."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import types
 
@@ -15,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from helpers import run_distributed_workers
 from train import data, runtime
 
 
@@ -268,31 +266,10 @@ def test_placing_a_batch_over_8_devices_reads_each_row_once(accum):
     assert shard.data.shape[0] == 32 // accum // 8
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_each_read_only_their_rows(tmp_path):
   """jax.distributed over 2 processes x 2 CPU devices: each process reads exactly the half of every
   global batch its devices hold (never the other half), and holds the rows one process would."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-             JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}", JAX_NUM_PROCESSES="2")
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-  worker = os.path.join(here, "data_share_worker.py")
-  procs = [subprocess.Popen([sys.executable, worker, str(tmp_path / f"p{i}.json")], env=dict(env, JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  try:
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  run_distributed_workers("data_share_worker.py", [[str(tmp_path / f"p{i}.json")] for i in range(2)], 300)
   import data_share_worker as worker_module
 
   results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
