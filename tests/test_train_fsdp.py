@@ -116,6 +116,21 @@ def has_scales(run_dir, step: int) -> bool:
     checkpointer.close()
 
 
+def run_main(run_dir, fields: dict, devices: int) -> subprocess.CompletedProcess:
+  """``python -m train.main --config=configs/tiny.py`` with ``--config.KEY=VALUE`` per field on
+  ``devices`` virtual CPU devices, in a subprocess; asserts it exits 0."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+  env = {**os.environ, "PYTHONPATH": str(REPO),
+         "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", f"--config={TINY}", f"--workdir={run_dir}",
+       *[f"--config.{k}={v}" for k, v in fields.items()]],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  return proc
+
+
 def start_record(run_dir) -> dict:
   """The ``start`` record of the run's latest (re)start."""
   return [r for r in metrics.read_metrics(run_dir) if r.get("event") == "start"][-1]
@@ -273,15 +288,7 @@ def test_main_runs_fsdp_over_two_devices(tmp_path, corpus):
             "model.dtype": "float32", "data.path": corpus, "steps": 2, "batch_size": 4, "seq_len": 32,
             "warmup_steps": 1, "log_every": 1, "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2,
             "tensorboard": False}
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-  env = {**os.environ, "PYTHONPATH": str(REPO),
-         "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=2"])}
   run_dir = tmp_path / "main"
-  proc = subprocess.run(
-      [sys.executable, "-m", "train.main", f"--config={TINY}", f"--workdir={run_dir}",
-       *[f"--config.{k}={v}" for k, v in fields.items()]],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-  )
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  proc = run_main(run_dir, fields, devices=2)
   assert "devices: FSDP over 2 devices (mesh data 1 x fsdp 2, 1 process(es))" in proc.stdout, proc.stdout
   assert start_record(run_dir)["devices"] == 2 and sorted(train_losses(run_dir)) == [1, 2]

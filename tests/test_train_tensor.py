@@ -14,10 +14,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 import test_train_loop
 from helpers import fresh_key
-from test_train_fsdp import STEPS, assert_same_run, rtol_for, run_config, start_record
-from test_train_loop import REPO, TINY, micro_config, train_losses
+from test_train_fsdp import STEPS, assert_same_run, rtol_for, run_config, run_main, start_record
+from test_train_loop import micro_config, train_losses
 from jaxlowbit import fsdp
 from jaxlowbit.fsdp.hlo import collectives
 from train import config as train_config
@@ -239,16 +236,8 @@ def test_main_runs_tensor_parallel(tmp_path, corpus):
             "model.dtype": "float32", "model.fused_projections": False, "mesh.tensor": 2, "recipe": "int8",
             "data.path": corpus, "steps": 2, "batch_size": 8, "seq_len": 32, "warmup_steps": 1, "log_every": 1,
             "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2, "tensorboard": False}
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-  env = {**os.environ, "PYTHONPATH": str(REPO),
-         "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=8"])}
   run_dir = tmp_path / "main"
-  proc = subprocess.run(
-      [sys.executable, "-m", "train.main", f"--config={TINY}", f"--workdir={run_dir}",
-       *[f"--config.{k}={v}" for k, v in fields.items()]],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-  )
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  proc = run_main(run_dir, fields, devices=8)
   assert "mesh data 1 x fsdp 4 x tensor 2" in proc.stdout and "linears tensor-parallel" in proc.stdout, proc.stdout
   assert start_record(run_dir)["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
   losses = train_losses(run_dir)
