@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxlowbit import optim, qstate
 from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
+from pallas_kernels import adam as ak
 
 # The (m, v) formats of adamw_8bit, adamw_4bit, adamw_fp8 and adamw_fp8_o2.
 FORMATS = {name: optim.moment_formats(f"adamw_{name}") for name in ("8bit", "4bit", "fp8", "fp8_o2")}
@@ -110,3 +111,35 @@ def assert_update_agrees(kernel_out, reference_out, g, m, v, coefficients, m_for
   assert np.all(err[finite] <= bound[finite]), np.max(err[finite] / bound[finite])
   assert_codes_agree_but_ties(m_new, rm, m_exact, m_format, "m", m_terms)
   assert_codes_agree_but_ties(v_new, rv, v_exact, v_format, "v")  # no cancellation: both terms >= 0
+
+
+reference = jax.jit(ak.adam_update_reference, static_argnums=(4, 5, 6))
+
+
+def assert_kernel_matches_reference(kernel, key, shape, m_format, v_format, nesterov, seeds):
+  """``seeds`` fresh draws of ``shape`` (odd draws with bfloat16 gradients, the third with traced
+  hyperparameters): ``kernel(g, m, v, c, m_format, v_format, nesterov)`` agrees with XLA's update
+  (:func:`assert_update_agrees`)."""
+  for seed in range(seeds):
+    grad_dtype = jnp.bfloat16 if seed % 2 else jnp.float32  # bf16 parameters' gradients
+    g, m, v, c = random_case(jax.random.fold_in(key, seed), shape, m_format, v_format, grad_dtype,
+                             hyper_arrays=seed == 2)
+    out = kernel(g, m, v, c, m_format, v_format, nesterov)
+    want = reference(g, m, v, c, m_format, v_format, nesterov)
+    assert_update_agrees(out, want, g, m, v, c, m_format, v_format, nesterov)
+
+
+def assert_nonfinite_gradients_reach_the_state_as_nan(kernel, key, m_format, v_format, n):
+  """NaN, +inf and -inf gradient elements of a ``[4, n]`` tensor make exactly their blocks' moments
+  NaN (every other block finite) and exactly their own update elements NaN."""
+  g, m, v, c = random_case(key, (4, n), m_format, v_format)
+  block = m_format.block
+  g = g.at[1, 3].set(jnp.nan).at[2, block + 5].set(jnp.inf).at[3, 7].set(-jnp.inf)
+  u, m_new, v_new = kernel(g, m, v, c, m_format, v_format, False)
+  bad = np.zeros((4, n // block), bool)
+  bad[1, 0] = bad[2, 1] = bad[3, 0] = True
+  for q, fmt in ((m_new, m_format), (v_new, v_format)):
+    values = np.asarray(qstate.dequantize_blockwise(q, fmt, g.shape)).reshape(4, -1, block)
+    assert np.all(np.isnan(values[bad])) and np.all(np.isfinite(values[~bad])), fmt
+  assert np.isnan(u[1, 3]) and np.isnan(u[2, block + 5]) and np.isnan(u[3, 7])
+  assert np.isfinite(np.asarray(u)).sum() == u.size - 3

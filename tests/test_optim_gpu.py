@@ -10,9 +10,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from helpers import fresh_key
-from jaxlowbit import optim, qstate
+from jaxlowbit import optim
 from jaxlowbit.qstate import BlockQuantized
-from optim_kernel_common import FORMATS, assert_update_agrees, random_case
+from optim_kernel_common import (FORMATS, assert_kernel_matches_reference,
+                                 assert_nonfinite_gradients_reach_the_state_as_nan,
+                                 random_case)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
 
@@ -20,7 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 SEEDS = 4
 kernel = jax.jit(ak.adam_update_kernel, static_argnums=(4, 5, 6))
-reference = jax.jit(ak.adam_update_reference, static_argnums=(4, 5, 6))
 
 
 def _takes_kernel(name):
@@ -35,30 +36,12 @@ def _takes_kernel(name):
 @pytest.mark.parametrize("nesterov", [False, True], ids=["adam", "nesterov"])
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_kernel_matches_xla_update(name, nesterov, shape):
-  m_format, v_format = _takes_kernel(name)
-  key = fresh_key()
-  for seed in range(SEEDS):
-    grad_dtype = jnp.bfloat16 if seed % 2 else jnp.float32
-    g, m, v, c = random_case(jax.random.fold_in(key, seed), shape, m_format, v_format, grad_dtype,
-                             hyper_arrays=seed == 2)
-    out = kernel(g, m, v, c, m_format, v_format, nesterov)
-    want = reference(g, m, v, c, m_format, v_format, nesterov)
-    assert_update_agrees(out, want, g, m, v, c, m_format, v_format, nesterov)
+  assert_kernel_matches_reference(kernel, fresh_key(), shape, *_takes_kernel(name), nesterov, SEEDS)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_nonfinite_gradients_reach_the_state_as_nan(name):
-  m_format, v_format = _takes_kernel(name)
-  g, m, v, c = random_case(fresh_key(), (4, 1024), m_format, v_format)
-  block = m_format.block
-  g = g.at[1, 3].set(jnp.nan).at[2, block + 5].set(jnp.inf).at[3, 7].set(-jnp.inf)
-  u, m_new, v_new = kernel(g, m, v, c, m_format, v_format, False)
-  bad = np.zeros((4, 1024 // block), bool)
-  bad[1, 0] = bad[2, 1] = bad[3, 0] = True
-  for q, fmt in ((m_new, m_format), (v_new, v_format)):
-    values = np.asarray(qstate.dequantize_blockwise(q, fmt, g.shape)).reshape(4, -1, block)
-    assert np.all(np.isnan(values[bad])) and np.all(np.isfinite(values[~bad])), fmt
-  assert np.isfinite(np.asarray(u)).sum() == u.size - 3
+  assert_nonfinite_gradients_reach_the_state_as_nan(kernel, fresh_key(), *_takes_kernel(name), 1024)
 
 
 @pytest.mark.parametrize("name", ["8bit", "4bit", "fp8"])

@@ -14,7 +14,9 @@ from helpers import fresh_key
 from jaxlowbit import optim, qstate
 from jaxlowbit.qstate import BlockFormat, BlockQuantized
 from jaxlowbit_numerics.adam import adam_coefficients
-from optim_kernel_common import FORMATS, assert_update_agrees, random_case
+from optim_kernel_common import (FORMATS, assert_kernel_matches_reference,
+                                 assert_nonfinite_gradients_reach_the_state_as_nan,
+                                 assert_update_agrees, random_case, reference)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
 
@@ -22,41 +24,17 @@ pytestmark = pytest.mark.timeout(300)  # interpret mode is slow; nothing may han
 
 SEEDS = 3  # fresh inputs per test; each draw is checked on its own
 interpret_kernel = functools.partial(ak.adam_update_kernel, interpret=True)
-reference = jax.jit(ak.adam_update_reference, static_argnums=(4, 5, 6))
 
 
 @pytest.mark.parametrize("nesterov", [False, True], ids=["adam", "nesterov"])
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_kernel_matches_xla_update_interpret(name, nesterov):
-  m_format, v_format = FORMATS[name]
-  key = fresh_key()
-  for seed in range(SEEDS):
-    grad_dtype = jnp.bfloat16 if seed == 1 else jnp.float32  # bf16 parameters' gradients
-    g, m, v, c = random_case(jax.random.fold_in(key, seed), (3, 4, 512), m_format, v_format, grad_dtype,
-                             hyper_arrays=seed == 2)
-    out = interpret_kernel(g, m, v, c, m_format, v_format, nesterov)
-    want = reference(g, m, v, c, m_format, v_format, nesterov)
-    assert_update_agrees(out, want, g, m, v, c, m_format, v_format, nesterov)
+  assert_kernel_matches_reference(interpret_kernel, fresh_key(), (3, 4, 512), *FORMATS[name], nesterov, SEEDS)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_nonfinite_gradients_reach_the_state_as_nan(name):
-  m_format, v_format = FORMATS[name]
-  g, m, v, c = random_case(fresh_key(), (4, 512), m_format, v_format)
-  block = m_format.block
-  g = g.at[1, 3].set(jnp.nan).at[2, block + 5].set(jnp.inf).at[3, 7].set(-jnp.inf)
-  u, m_new, v_new = interpret_kernel(g, m, v, c, m_format, v_format)
-  bad_blocks = {(1, 0), (2, 1), (3, 0)}
-  for q, fmt in ((m_new, m_format), (v_new, v_format)):
-    values = np.asarray(qstate.dequantize_blockwise(q, fmt, g.shape)).reshape(4, -1, block)
-    for row in range(4):
-      for b in range(values.shape[1]):
-        if (row, b) in bad_blocks:
-          assert np.all(np.isnan(values[row, b])), (fmt, row, b)
-        else:
-          assert np.all(np.isfinite(values[row, b])), (fmt, row, b)
-  assert np.isnan(u[1, 3]) and np.isnan(u[2, block + 5]) and np.isnan(u[3, 7])
-  assert np.isfinite(np.asarray(u)).sum() == u.size - 3
+  assert_nonfinite_gradients_reach_the_state_as_nan(interpret_kernel, fresh_key(), *FORMATS[name], 512)
 
 
 def test_supported_shapes_and_a_clear_error():
