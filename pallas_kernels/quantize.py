@@ -6,8 +6,10 @@ write their high-precision output:
 - :class:`Identity`: ``x [R, C]`` itself;
 - :class:`RmsNorm`: ``x [R, C]``, ``gamma [C]`` -> ``round(x * (rsqrt(mean(x^2) + eps) * gamma))``,
   as ``flax.linen.RMSNorm`` computes it (float32 statistics, rounded to the compute dtype);
-- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(silu(gate) * up)`` ``[R, H]``;
-- :class:`SwiGLUGrad`: ``dh [R, H]``, ``gate_up [R, 2H]`` -> SwiGLU's ``d gate_up [R, 2H]``.
+- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(silu(gate) * up)`` ``[R, H]``.
+
+:class:`SwiGLUGrad` (``dh [R, H]``, ``gate_up [R, 2H]`` -> SwiGLU's ``d gate_up [R, 2H]``) is
+not quantized: the values kernel writes it.
 
 Kernels:
 
@@ -21,13 +23,14 @@ Kernels:
   layout too;
 - the *stats* kernel: every tile's row and column maxima (the scales of a rows + transposed
   request without the rows kernel's per-program partials);
-- the *values* kernel: the prologue's output itself, written in its dtype (SwiGLU's backward as
+- the *values* kernel: :class:`SwiGLUGrad` written in ``gate_up``'s dtype (SwiGLU's backward as
   one pass where XLA would concatenate its halves in a second one).
 
 Public entry points: :func:`quantize_rows_kernel`, :func:`quantize_cols_t_kernel`,
 :func:`quantize_rows_and_cols_t_kernel` (identity prologue), :func:`fused_quantize_kernel`
-(any prologue, any of the layouts) and :func:`prologue_kernel` (the values). :func:`fused_quantize_reference` is the XLA definition of
-the last: the prologue in jnp, then the references of ``pallas_kernels.reference``.
+(any prologue, any of the layouts) and :func:`prologue_kernel` (the values).
+:func:`fused_quantize_reference` is the XLA definition of :func:`fused_quantize_kernel`: the
+prologue in jnp, then the references of ``pallas_kernels.reference``.
 
 Numerics are exactly those of the reference up to float rounding: ``round(x / scale)`` may land
 on the other side of a .5 tie, and the norm's sum of squares is added in another order (its
@@ -90,9 +93,6 @@ class Identity:
   def reference(self, inputs) -> jax.Array:
     return inputs[0]
 
-  def out_dtype(self, inputs):
-    return inputs[0].dtype
-
 
 @dataclasses.dataclass(frozen=True)
 class RmsNorm:
@@ -131,10 +131,6 @@ class RmsNorm:
     x = inputs[0].astype(jnp.float32)
     return lax.rsqrt(jnp.mean(x * x, axis=-1) + self.eps)
 
-  def out_dtype(self, inputs):
-    del inputs
-    return self.dtype
-
 
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
@@ -156,9 +152,6 @@ class SwiGLU:
   def reference(self, inputs) -> jax.Array:
     gate, up = jnp.split(inputs[0].astype(jnp.float32), 2, axis=-1)
     return round_to(gate / (1.0 + jnp.exp(-gate)) * up, inputs[0].dtype)
-
-  def out_dtype(self, inputs):
-    return inputs[0].dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,12 +186,6 @@ class SwiGLUGrad:
     return (dh_ref[rows, cols].astype(jnp.float32), gate_up_ref[rows, cols].astype(jnp.float32),
             gate_up_ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32))
 
-  def values(self, refs, rows, cols, stat):
-    del stat
-    h = refs[0].shape[1]
-    d_gate, d_up = self.halves(*self._load(refs, rows, pl.ds(cols.start % h, cols.size)))
-    return jnp.where(cols.start < h, d_gate, d_up).astype(refs[1].dtype).astype(jnp.float32)
-
   def write(self, refs, out_ref, rows, cols):
     """Writes ``out[rows, cols]`` and ``out[rows, cols + H]`` for ``cols`` within ``[0, H)``."""
     d_gate, d_up = self.halves(*self._load(refs, rows, cols))
@@ -214,7 +201,7 @@ class SwiGLUGrad:
     return inputs[1].dtype
 
 
-Prologue = Identity | RmsNorm | SwiGLU | SwiGLUGrad
+Prologue = Identity | RmsNorm | SwiGLU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +342,7 @@ def _tile_stats_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int
   colmax_ref[pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
 
 
-def _values_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int, int]):
+def _values_kernel(*refs, prologue: SwiGLUGrad, n_inputs: int, tile: tuple[int, int]):
   """Inputs; output: the prologue's values in the output's dtype. One tile of the grid per program,
   over ``prologue.value_columns`` (the prologue writes the output blocks that tile's inputs make)."""
   i, j = pl.program_id(0), pl.program_id(1)
@@ -437,16 +424,11 @@ def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prolo
     return False
   if c % 16:
     return False
-  stats_tile, tile = tuning.quantize_stats_tile_config(prologue), tuning.quantize_tile_config(prologue)
   if transposed and _stats_from_tiles(spec, prologue):
-    return (_tiles_divide(r, c, stats_tile) and _tiles_divide(r, c, tile) and _halves_divide(c, stats_tile[1], prologue)
-            and _halves_divide(c, tile[1], prologue) and (not prologue.stats or _rows_divide(r, spec, prologue)))
-  block_rows, chunk, _ = tuning.quantize_rows_config(spec.jnp_dtype, prologue)
-  if not _halves_divide(c, _col_chunk(c, chunk), prologue):
-    return False
-  if transposed or spec.per_tensor:
-    return _rows_divide(r, spec, prologue) and _tiles_divide(r, c, tile) and _halves_divide(c, tile[1], prologue)
-  return _rows_divide(r, spec, prologue)
+    return _tiles_divide(r, c, tuning.quantize_stats_tile_config(prologue)) and _tiles_divide(
+        r, c, tuning.quantize_tile_config(prologue)) and (not prologue.stats or _rows_divide(r, spec, prologue))
+  tiles = _tiles_divide(r, c, tuning.quantize_tile_config(prologue))
+  return _rows_divide(r, spec, prologue) and (tiles or not (transposed or spec.per_tensor))
 
 
 def _rows_divide(r: int, spec: QuantSpec, prologue: Prologue) -> bool:
@@ -457,9 +439,9 @@ def _tiles_divide(r: int, c: int, tile) -> bool:
   return r % tile[0] == 0 and c % tile[1] == 0
 
 
-def _halves_divide(c: int, block_c: int, prologue: Prologue) -> bool:
-  """:class:`SwiGLUGrad` computes a block of columns from one half: the half must divide by the block."""
-  return not isinstance(prologue, SwiGLUGrad) or (c // 2) % block_c == 0
+def _halves_divide(c: int, block_c: int) -> bool:
+  """:class:`SwiGLUGrad`'s blocks of columns lie within one half: the half must divide by the block."""
+  return (c // 2) % block_c == 0
 
 
 def _stats_from_tiles(spec: QuantSpec, prologue: Prologue) -> bool:
@@ -550,13 +532,13 @@ def fused_quantize_kernel(
   return rows, None, stat
 
 
-def prologue_supported(r: int, c: int, prologue: Prologue) -> bool:
+def prologue_supported(r: int, c: int, prologue: SwiGLUGrad) -> bool:
   """Whether :func:`prologue_kernel` takes a ``[R, C]`` output of ``prologue``."""
   tile_r, tile_c, _ = tuning.prologue_tile_config(prologue)
-  return hasattr(prologue, "write") and _tiles_divide(r, c, (tile_r, tile_c)) and _halves_divide(c, tile_c, prologue)
+  return hasattr(prologue, "write") and _tiles_divide(r, c, (tile_r, tile_c)) and _halves_divide(c, tile_c)
 
 
-def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: Prologue, interpret: bool = False) -> jax.Array:
+def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: SwiGLUGrad, interpret: bool = False) -> jax.Array:
   """``prologue(*inputs)`` written in its dtype, ``[R, C]``: one read of the inputs, one write.
 
   Args:

@@ -235,8 +235,3 @@ def test_prologue_kernel_rejects_what_it_cannot_tile():
     qk.prologue_kernel(_swiglu_grad_inputs(64, 192), qk.SwiGLUGrad(), interpret=True)  # a half of 192 columns
   with pytest.raises(ValueError, match="by blocks"):
     qk.prologue_kernel((jnp.ones((64, 128)), jnp.ones(128)), qk.RmsNorm(1e-5, jnp.dtype(jnp.float32)), interpret=True)
-
-
-@pytest.mark.timeout(300)
-def test_fused_swiglu_grad_quantize_interpret_matches_reference():
-  _check_fused(_swiglu_grad_inputs(64, 2048), qk.SwiGLUGrad(), INT8, INT8, False)  # int8 rows load 2048 columns
