@@ -14,8 +14,9 @@ kernel (``JAXLOWBIT_BACKEND=pallas``: ``pallas_kernels.adam`` wherever the polic
 allow) and in XLA (``JAXLOWBIT_BACKEND=xla``); ``on``/``off`` run one of them, ``auto`` what the
 policy picks. The table's ``update`` column says which ran, read from the lowered step (``fused``
 when the kernel is in it). ``--param-dtype bfloat16`` times bf16 parameters with stochastic
-rounding (``optim.make(..., stochastic_rounding_seed=0)``). ``--tune`` times the kernel alone
-over launch configurations (``pallas_kernels.tuning.ADAM_CONFIGS``) on the largest tensor.
+rounding (``optim.make(..., stochastic_rounding_seed=0)``). ``--tune`` first times the kernel alone
+over launch configurations on the largest tensor, then runs the steps with each format's fastest
+(set in ``pallas_kernels.tuning.ADAM_CONFIGS`` for this process; the JSON records which).
 
 ``--encode`` adds the quantizer micro-benchmark: the dynamic map's nearest code computed
 arithmetically (what the optimizers use) vs ``searchsorted`` over the code table.
@@ -43,7 +44,7 @@ from benchmarks import common
 from jaxlowbit import optim, qstate
 from jaxlowbit_numerics.adam import adam_coefficients
 from pallas_kernels import adam as adam_kernels
-from pallas_kernels import policy
+from pallas_kernels import policy, tuning
 
 # TinyLlama-1.1B-style shapes, one row per parameter: (name, shape per layer or None, stacked?).
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, D_FF, VOCAB = 2048, 22, 32, 4, 64, 5632, 32000
@@ -74,7 +75,7 @@ OPTIMIZERS = ["adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"]
 FUSED_MODES = {"on": ["pallas"], "off": ["xla"], "both": ["pallas", "xla"], "auto": [None]}
 KERNEL_NAME = "jaxlowbit_adam_update"  # the fused kernel's name in lowered HLO (pallas_kernels.adam)
 # Launch configurations --tune tries: elements per program x warps.
-TUNE_ELEMENTS, TUNE_WARPS = (1024, 2048, 4096, 8192, 16384), (2, 4, 8)
+TUNE_ELEMENTS, TUNE_WARPS = (256, 512, 1024, 2048, 4096, 8192, 16384), (1, 2, 4, 8)
 
 
 def _arrays(shapes, key, scale, dtype=jnp.float32):
@@ -212,6 +213,18 @@ def bench_tune(shapes, repeats: int) -> list[dict]:
   return rows
 
 
+def apply_best(tune: list[dict]) -> dict[str, dict]:
+  """Each format's fastest row of ``tune``, set in ``tuning.ADAM_CONFIGS`` for the rest of the process."""
+  best = {}
+  for t in (t for t in tune if "ms" in t):
+    best[t["formats"]] = min(best.get(t["formats"], t), t, key=lambda x: x["ms"])
+  for label, t in best.items():
+    m_format, v_format = optim.moment_formats(label)
+    tuning.ADAM_CONFIGS[(m_format.kind, m_format.bits, v_format.kind)] = adam_kernels.AdamKernelConfig(
+        t["elements"], t["num_warps"])
+  return best
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True, help="JSON file to write")
@@ -231,6 +244,8 @@ def main(argv=None):
 
   shapes = model_shapes(args.layers, args.vocab)
   n_params = sum(math.prod(s) for s in shapes.values())
+  tune = bench_tune(shapes, args.repeats) if args.tune else []
+  chosen = apply_best(tune)
   results = []
   for name in (n.strip() for n in args.optimizers.split(",")):
     for backend in [None] if name == "adamw" else FUSED_MODES[args.fused]:
@@ -245,7 +260,6 @@ def main(argv=None):
     unfused = [x for x in results if x["optimizer"] == r["optimizer"] and x["backend_env"] == "xla"]
     r["time_vs_xla_update"] = r["step_ms_median"] / unfused[0]["step_ms_median"] if unfused else None
   encode = bench_encode(args.encode, args.repeats) if args.encode else []
-  tune = bench_tune(shapes, args.repeats) if args.tune else []
 
   report = {
       "benchmark": "optim",
@@ -263,6 +277,7 @@ def main(argv=None):
       "results": results,
       "encode": encode,
       "tune": tune,
+      "tuned_configs": chosen,
   }
   with open(args.out, "w") as f:
     json.dump(report, f, indent=2)
@@ -284,13 +299,9 @@ def main(argv=None):
     vs_xla = "-" if r["time_vs_xla_update"] is None else f"{r['time_vs_xla_update']:.2f}x"
     print("{:<14} {:<6} {:<6} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7} {:>7}".format(*row, vs_xla,
                                                                                              str(r["finite"])))
-  if tune:
-    best = {}
-    for t in (t for t in tune if "ms" in t):
-      best[t["formats"]] = min(best.get(t["formats"], t), t, key=lambda x: x["ms"])
-    for label, t in best.items():
-      print(f"best {label}: elements {t['elements']}, num_warps {t['num_warps']}: {t['ms']:.3f} ms, "
-            f"{t['gb_per_s']:.0f} GB/s")
+  for label, t in chosen.items():
+    print(f"best {label} (the steps above ran it): elements {t['elements']}, num_warps {t['num_warps']}: "
+          f"{t['ms']:.3f} ms, {t['gb_per_s']:.0f} GB/s")
   for r in results:
     for k in r["top_kernels"][:4]:
       print(f"  {r['optimizer']:<14} {k['ms_per_step']:8.2f} ms  {k['kernel'][:90]}")
