@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import fresh_key, needs_devices
+from jax.sharding import NamedSharding, PartitionSpec as P
 from train import hf
 from train.model import Transformer
 
@@ -234,10 +235,109 @@ def test_clear_errors(tmp_path):
   wrong = {**tensors, "model.layers.0.mlp.down_proj.weight": np.zeros((3, 3), np.float32)}
   with pytest.raises(hf.UnsupportedCheckpointError, match="down_proj.weight' has shape"):
     hf.load_pretrained(write_checkpoint(tmp_path / "wrong", cfg, wrong))
+  with pytest.raises(ValueError, match="shardings has no embed/embedding"):
+    hf.load_pretrained(write_checkpoint(tmp_path / "ok", cfg, tensors), shardings={"final_norm": {}})
   sharded = write_checkpoint(tmp_path / "sharded", cfg, tensors, shards=2)
   (sharded / "model-00002-of-00002.safetensors").unlink()
   with pytest.raises(hf.UnsupportedCheckpointError, match="shard.*missing"):
     hf.load_pretrained(sharded)
+
+
+# -------------------------------------------------------------------------------------------
+# Loading onto shardings: each device's block read on its own.
+
+
+def spread(shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> NamedSharding:
+  """FSDP-like: the mesh's first axis splits the leaf's first axis it divides; a second mesh axis
+  (tensor-parallel-like) the last remaining one it divides; the rest is replicated."""
+  spec, free = [None] * len(shape), list(range(len(shape)))
+  for name, order in zip(mesh.axis_names, (1, -1)):
+    axis = next((a for a in free[::order] if shape[a] % mesh.shape[name] == 0), None)
+    if axis is not None:
+      spec[axis] = name
+      free.remove(axis)
+  return NamedSharding(mesh, P(*spec))
+
+
+def record_reads(monkeypatch) -> list[list]:
+  """From now on, every block the import builds and what it read for it: ``[leaf shape, block
+  shape, [(HF name, shape read)...]]`` per call of ``train.hf._read_block`` (one device's block,
+  or a whole leaf), in order."""
+  calls, read_block, read_slice = [], hf._read_block, hf._read_slice
+
+  def block(tensors, pieces, shape, dtype, index):
+    calls.append([shape, None, []])
+    value = read_block(tensors, pieces, shape, dtype, index)
+    calls[-1][1] = value.shape
+    return value
+
+  def sliced(file, name, index):
+    value = read_slice(file, name, index)
+    calls[-1][2].append((name, value.shape))
+    return value
+
+  monkeypatch.setattr(hf, "_read_block", block)
+  monkeypatch.setattr(hf, "_read_slice", sliced)
+  return calls
+
+
+MESHES = {"fsdp8": ((8,), ("fsdp",)), "fsdp2_tensor4": ((2, 4), ("fsdp", "tensor"))}
+SHARDED_LOADS = {  # checkpoint case, how it is written, the layout it is read into
+    "llama3_3files_scan_fused": ("llama3", None, dict(scan_layers=True, fused_projections=True)),
+    "qwen2_unrolled": ("qwen2", None, dict(scan_layers=False, fused_projections=False)),
+    "qwen2_w8a16_scan_fused": ("qwen2", "w8a16", dict(scan_layers=True, fused_projections=True)),
+}
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("load", list(SHARDED_LOADS))
+def test_loading_onto_shardings_gives_the_host_load_bit_for_bit(load, mesh_name, tmp_path):
+  """Every leaf comes back on exactly its sharding (rows split, columns split across the fused
+  q/k/v and gate/up parts, the layer stack split), equal to the whole-host load bit for bit;
+  shardings may name more leaves than the checkpoint has (the trainer's BitNet norms)."""
+  name, scheme, layout = SHARDED_LOADS[load]
+  cfg = CASES[name]
+  tensors = random_tensors(cfg, np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  folder = write_checkpoint(tmp_path / "in", cfg, tensors, shards=3 if name == "llama3" else 1)
+  if scheme:
+    config, params = hf.load_pretrained(folder)
+    folder = hf.save_pretrained(tmp_path / "q", config, params, architecture=cfg["architectures"][0], scheme=scheme)
+  _, host = hf.load_pretrained(folder, **layout)
+  mesh = jax.make_mesh(*MESHES[mesh_name], devices=jax.devices()[:8])
+  shardings = jax.tree.map(lambda x: spread(x.shape, mesh), host)
+  extra = {"extra_norm": {"scale": shardings["final_norm"]["scale"]}}  # a leaf the checkpoint lacks
+  _, loaded = hf.load_pretrained(folder, shardings={**shardings, **extra}, **layout)
+  split = 0
+  for (path, a), (_, b), (_, want) in zip(*(jax.tree_util.tree_leaves_with_path(t) for t in (loaded, host, shardings)),
+                                          strict=True):
+    assert isinstance(a, jax.Array) and a.sharding == want and a.dtype == b.dtype, path
+    np.testing.assert_array_equal(np.asarray(a), b)
+    split += not want.is_fully_replicated
+  assert split >= 5, "the test must split most leaves"
+  target = {**jax.tree.map(jnp.zeros_like, host), "extra_norm": {"scale": jnp.ones(cfg["hidden_size"])}}
+  assert hf.merge_into(target, loaded) == ["extra_norm"]
+
+
+@needs_devices(8)
+def test_a_sharded_load_reads_only_each_devices_block(tmp_path, monkeypatch):
+  """Each device's block is built from exactly its own elements of the HF tensors (as many as the
+  block holds, nothing of the other devices' rows or columns), and no read is a whole split leaf."""
+  cfg = CASES["llama3"]
+  tensors = random_tensors(cfg, np.random.default_rng(0))
+  folder = write_checkpoint(tmp_path / "in", cfg, tensors)
+  layout = dict(scan_layers=True, fused_projections=True)
+  _, host = hf.load_pretrained(folder, **layout)
+  mesh = jax.make_mesh(*MESHES["fsdp2_tensor4"], devices=jax.devices()[:8])
+  calls = record_reads(monkeypatch)
+  _, loaded = hf.load_pretrained(folder, shardings=jax.tree.map(lambda x: spread(x.shape, mesh), host), **layout)
+  blocks = [{str(shard.index) for shard in x.addressable_shards} for x in jax.tree.leaves(loaded)]
+  assert len(calls) == sum(map(len, blocks)) < 8 * len(blocks)  # each distinct block read once, not per device
+  for leaf, block, reads in calls:
+    assert np.prod(block) < np.prod(leaf), f"every leaf of this model is split: {leaf} read whole"
+    assert sum(np.prod(shape) for _, shape in reads) == np.prod(block), (leaf, block, reads)
+  read = {name for _, _, reads in calls for name, _ in reads}
+  assert read == set(tensors), "every tensor is read, in parts"
 
 
 # -------------------------------------------------------------------------------------------
@@ -317,7 +417,8 @@ def test_finetune_from_a_hf_folder_then_generate_and_export(fsdp, tmp_path, caps
 @needs_devices(8)
 def test_init_from_places_each_pretrained_leaf_on_the_inits_fsdp_sharding(tmp_path, monkeypatch):
   """Under FSDP (8 devices) every loaded leaf lands on exactly the init's sharding, each device
-  receiving only its shard; nothing is placed whole on one device first."""
+  receiving only its shard, read from the files on its own: every projection weight is read as
+  eight blocks of an eighth (its input features), never whole, on the host or on one device."""
   from test_train_loop import micro_config
 
   from train import steps
@@ -330,9 +431,7 @@ def test_init_from_places_each_pretrained_leaf_on_the_inits_fsdp_sharding(tmp_pa
   train_config.adjust(config)  # the checkpoint's shape, as the trainer does
   functions = steps.step_functions(config)
   state = functions.init()
-  placed = []  # every device_put of the load: (shape, sharding)
-  device_put = jax.device_put
-  monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: placed.append((np.shape(x), s)) or device_put(x, s, **kw))
+  calls = record_reads(monkeypatch)
   loaded = functions.with_pretrained(state, config)
   monkeypatch.undo()
 
@@ -346,4 +445,10 @@ def test_init_from_places_each_pretrained_leaf_on_the_inits_fsdp_sharding(tmp_pa
       sharded.add(jax.tree_util.keystr(path[1:-1], simple=True, separator="/"))
       assert {s.data.size * 8 for s in a.addressable_shards} == {a.size}, path  # an eighth on each device
   assert sharded == {"attn/qkv", "attn/out", "mlp/gate_up", "mlp/down"}, sharded
-  assert len(placed) == len(new) and all(isinstance(s, jax.sharding.NamedSharding) for _, s in placed)
+  reads = [read for _, _, block_reads in calls for read in block_reads]
+  for name, tensor in tensors.items():
+    shapes = [shape for read, shape in reads if read == name]
+    if name.endswith("_proj.weight"):
+      assert shapes == [(tensor.shape[0], tensor.shape[1] // 8)] * 8, (name, shapes)
+    else:
+      assert shapes == [tensor.shape], (name, shapes)  # replicated: read once, whole

@@ -18,9 +18,12 @@ kernel ``[d, 2 d_ff]`` (gate first), unless ``fused_projections=False``. Layers 
 a leading axis under ``layers`` (``scan_layers=True``) or stored as ``layers_0`` ...  Both
 sides use the rotate-half RoPE layout, so q and k need no permutation.
 
-Memory: tensors are read one at a time (``safetensors.safe_open``) and copied into the
-preallocated parameter arrays, so loading needs the parameters' size plus one tensor of host
-memory, never a second copy of the checkpoint.
+Memory: every parameter is described once as the HF tensor blocks it is made of, and any block
+of it is read on its own (``safetensors``' ``get_slice``). Without a mesh the parameters come
+back whole in host memory (their size, plus one HF tensor at a time). With ``shardings``
+(``load_pretrained(..., shardings=...)``, the trainer's ``--config.init_from``) each process
+reads only its devices' blocks, one at a time, straight onto the devices: host memory holds one
+device's block of one parameter, never the model.
 
 BitNet models, whose extra norms a Llama checkpoint cannot hold, go out as GGUF instead
 (:func:`save_gguf`: llama.cpp's ternary TQ1_0 / TQ2_0 tensors, ``train/gguf_ternary.py``).
@@ -28,6 +31,9 @@ BitNet models, whose extra norms a Llama checkpoint cannot hold, go out as GGUF 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -189,18 +195,38 @@ def _columns(config: ModelConfig, part: str) -> slice:
           "gate": slice(0, ff), "up": slice(ff, 2 * ff)}[part]
 
 
-def _leaf(params: dict, path: str, layer: int | None, scan: bool) -> tuple[dict, str, tuple]:
-  """``(parent dict, leaf name, index)`` of our leaf ``path`` in ``layer`` (index into the stack)."""
-  *parents, leaf = path.split("/")
-  if layer is None:
-    node, index = params, ()
-  elif scan:
-    node, index = params["layers"], (layer,)
-  else:
-    node, index = params[f"layers_{layer}"], ()
-  for name in parents:
-    node = node[name]
-  return node, leaf, index
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Where one HF tensor lands in one of our leaves.
+
+  Attributes:
+    name: the HF tensor (a linear's ``weight [out, in]``, a bias ``[out]``, a norm ``[d]``...).
+    layer: its row on our leaf's stacked axis 0 (``scan_layers=True``), or None.
+    columns: the block of our leaf's last axis it fills (a fused kernel's or bias's part), or None: all of it.
+    transposed: HF ``[out, in]`` is our ``[in, out]``.
+  """
+
+  name: str
+  layer: int | None
+  columns: slice | None
+  transposed: bool
+
+
+def _sources(config: ModelConfig) -> dict[str, list[_Piece]]:
+  """Each of our leaves (its path, ``"layers/attn/qkv/kernel"``) -> the HF tensors it is made of.
+
+  The one description of both directions: :func:`_read_block` builds any block of a leaf from it,
+  the whole leaf (host arrays) or one device's shard (``load_pretrained(..., shardings=...)``);
+  :func:`hf_tensors` cuts the leaves back into HF tensors.
+  """
+  sources = {}
+  for name, (path, layer, part) in _hf_names(config).items():
+    if layer is not None:
+      path = f"layers/{path}" if config.scan_layers else f"layers_{layer}/{path}"
+    columns = _columns(config, part.split(":")[1]) if ":" in part else None
+    row = layer if config.scan_layers else None
+    sources.setdefault(path, []).append(_Piece(name, row, columns, part.startswith("T")))
+  return sources
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,39 +256,147 @@ def weight_files(path: str | pathlib.Path) -> list[pathlib.Path]:
   raise UnsupportedCheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors are read)")
 
 
-def _tensors(files: list[pathlib.Path]) -> Iterator[tuple[str, np.ndarray]]:
-  """``(name, array)`` of every tensor, one at a time (bf16 arrives as ml_dtypes' bfloat16)."""
+# An open tensor: (its safe_open file, shape, safetensors dtype such as "BF16" or "I8").
+_Tensor = tuple[Any, tuple[int, ...], str]
+
+
+@contextlib.contextmanager
+def _opened(files: list[pathlib.Path]) -> Iterator[dict[str, _Tensor]]:
+  """Every tensor of ``files`` by name, the files held open; only their headers are read."""
   from safetensors import safe_open
 
-  for file in files:
-    with safe_open(str(file), framework="flax") as f:
+  with contextlib.ExitStack() as stack:
+    tensors = {}
+    for file in files:
+      f = stack.enter_context(safe_open(str(file), framework="numpy"))
       for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-        yield name, np.asarray(f.get_tensor(name))
+        block = f.get_slice(name)
+        tensors[name] = (f, tuple(block.get_shape()), block.get_dtype())
+    yield tensors
 
 
-def _dequantized(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-  """Pass tensors through; an int8 ``weight`` and its ``weight_scale`` (a quantized export, see
-  :func:`save_pretrained`) come out as one float32 ``weight = int8 * scale[:, None]``."""
-  codes, scales = {}, {}
-  for name, tensor in tensors:
-    if name.endswith(QUANT_SCALE_SUFFIX):
-      scales[name[: -len(QUANT_SCALE_SUFFIX)] + ".weight"] = tensor
-    elif tensor.dtype == np.int8:
-      codes[name] = tensor
-    else:
-      yield name, tensor
-    for ready in set(codes) & set(scales):
-      yield ready, codes.pop(ready).astype(np.float32) * scales.pop(ready).astype(np.float32)[:, None]
-  if codes or scales:
-    raise UnsupportedCheckpointError(f"int8 weights without scales or scales without weights: {sorted({*codes, *scales})[:3]}")
+def _read_slice(file, name: str, index: tuple[slice, ...]) -> np.ndarray:
+  """Block ``index`` of tensor ``name`` of an open file; safetensors copies only that block
+  (bf16 arrives as ml_dtypes' bfloat16). Every byte of the import is read here."""
+  return file.get_slice(name)[index]
 
 
-def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, **overrides) -> tuple[ModelConfig, dict]:
+def _scale_name(weight: str) -> str:
+  """The scale tensor of a quantized export's int8 ``<linear>.weight``."""
+  return weight.removesuffix(".weight") + QUANT_SCALE_SUFFIX
+
+
+def _read(tensors: dict[str, _Tensor], name: str, index: tuple[slice, ...]) -> np.ndarray:
+  """Block ``index`` of HF tensor ``name``; a quantized export's int8 weight block (see
+  :func:`save_pretrained`) comes out float32 ``codes * scale[rows, None]``."""
+  file, _, dtype = tensors[name]
+  value = _read_slice(file, name, index)
+  if dtype != "I8":
+    return value
+  scale = _read_slice(tensors[_scale_name(name)][0], _scale_name(name), index[:1])
+  return value.astype(np.float32) * scale.astype(np.float32)[:, None]
+
+
+def _read_block(tensors: dict[str, _Tensor], pieces: list[_Piece], shape: tuple[int, ...], dtype,
+                index: tuple[slice, ...]) -> np.ndarray:
+  """Block ``index`` of our leaf of ``shape`` made of ``pieces``, reading only what it covers.
+
+  Args:
+    tensors: the open checkpoint (:func:`_opened`).
+    pieces: the leaf's sources (:func:`_sources`).
+    shape, dtype: the leaf's.
+    index: a tuple of unit-step slices, one per axis or fewer (``jax.make_array_from_callback``
+      passes one device's; all ``slice(None)`` is the whole leaf).
+
+  Returns:
+    ``dtype`` array of the block's shape: host memory for one block, plus one HF part at a time.
+  """
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+  block = np.empty([stop - start for start, stop in bounds], dtype)
+  first, last = bounds[-1]
+  for piece in pieces:
+    rows, target = bounds, [slice(None)] * len(shape)
+    if piece.layer is not None:  # scan_layers: the piece is one row of axis 0
+      (start, stop), rows = bounds[0], bounds[1:]
+      if not start <= piece.layer < stop:
+        continue
+      target[0] = piece.layer - start
+    begin, end = (piece.columns.start, piece.columns.stop) if piece.columns else (0, shape[-1])
+    lo, hi = max(first, begin), min(last, end)
+    if lo >= hi:
+      continue
+    source = [slice(*r) for r in rows[:-1]] + [slice(lo - begin, hi - begin)]
+    target[-1] = slice(lo - first, hi - first)
+    value = _read(tensors, piece.name, tuple(source[::-1] if piece.transposed else source))
+    block[tuple(target)] = value.T if piece.transposed else value  # casts to dtype
+  return block
+
+
+def _on_devices(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read) -> jax.Array:
+  """The ``jax.Array`` of ``shape`` on ``sharding`` whose blocks are ``read(index)`` (``index`` a
+  tuple of slices), as ``jax.make_array_from_callback`` builds it, with one block in host memory
+  at a time: each distinct block of this process's devices is read once and on its devices before
+  the next is read (``make_array_from_callback`` keeps every device's block until the end, and
+  reads a block again for every device that holds a copy)."""
+  where = sharding.addressable_devices_indices_map(shape)
+  groups = {}  # block bounds -> (index, its devices)
+  for device, index in where.items():
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+    groups.setdefault(bounds, (index, []))[1].append(device)
+  arrays = {}
+  for index, devices in groups.values():
+    block = read(index)
+    arrays |= {device: jax.device_put(block, device) for device in devices}
+    jax.block_until_ready([arrays[device] for device in devices])  # the transfer done, the block can go
+  return jax.make_array_from_single_device_arrays(shape, sharding, [arrays[device] for device in where])
+
+
+def _check_tensors(path, config: ModelConfig, tensors: dict[str, _Tensor], sources: dict[str, list[_Piece]],
+                   leaves: dict[str, jax.ShapeDtypeStruct]) -> None:
+  """UnsupportedCheckpointError unless ``tensors`` are exactly the ones ``config`` implies, in its
+  shapes (from the headers, before any data is read)."""
+  weights = {name for name, (_, _, dtype) in tensors.items() if dtype == "I8"}
+  scales = {name for name in tensors if name.endswith(QUANT_SCALE_SUFFIX)}
+  unpaired = {_scale_name(w) for w in weights} ^ scales
+  if unpaired:
+    raise UnsupportedCheckpointError(f"int8 weights without scales or scales without weights: {sorted(unpaired)[:3]}")
+  expected = {}  # HF name -> its shape in our layout, and whether that is transposed
+  for leaf, pieces in sources.items():
+    for piece in pieces:
+      inner = leaves[leaf].shape[1:] if piece.layer is not None else leaves[leaf].shape
+      width = piece.columns.stop - piece.columns.start if piece.columns else inner[-1]
+      expected[piece.name] = ((*inner[:-1], width), piece.transposed)
+  for name, (_, shape, _) in tensors.items():
+    if _IGNORED.match(name) or name in scales:
+      continue
+    if name not in expected:
+      raise UnsupportedCheckpointError(f"{path}: unexpected tensor {name!r} {shape} for {config}")
+    ours, transposed = expected[name]
+    if shape != (ours[::-1] if transposed else ours):
+      raise UnsupportedCheckpointError(f"{path}: tensor {name!r} has shape {shape}; config.json implies {ours}"
+                                       + (" (transposed)" if transposed else ""))
+    if name in weights and tensors[_scale_name(name)][1] != shape[:1]:
+      raise UnsupportedCheckpointError(f"{path}: tensor {_scale_name(name)!r} has shape "
+                                       f"{tensors[_scale_name(name)][1]}; its weight implies {shape[:1]}")
+  missing = sorted(set(expected) - set(tensors))
+  if missing:
+    raise UnsupportedCheckpointError(f"{path}: {len(missing)} tensor(s) missing, e.g. {missing[0]!r}")
+
+
+def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, shardings: Mapping | None = None,
+                    **overrides) -> tuple[ModelConfig, dict]:
   """``(ModelConfig, params)`` of a Hugging Face checkpoint folder.
 
   Args:
     path: a folder with ``config.json`` and safetensors weights (see the module doc).
-    param_dtype: dtype of the returned parameters (numpy arrays, host memory).
+    param_dtype: dtype of the returned parameters.
+    shardings: None: the parameters are numpy arrays in host memory. Else a tree of
+      ``jax.sharding.Sharding`` with (at least) the parameters' paths, e.g. an initialized
+      model's ``jax.tree.map(lambda x: x.sharding, params)``: each parameter is a ``jax.Array``
+      on its sharding, and each block this process's devices hold is read from the files on its
+      own and put on them before the next, so host memory holds one device's block of one
+      parameter at a time, never a whole model.
     **overrides: :class:`~train.model.ModelConfig` fields HF does not set (``dtype``, ``recipe``,
       ``scan_layers``, ``fused_projections`` ...).
 
@@ -272,33 +406,26 @@ def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, **overrid
     merge with :func:`merge_into`). A quantized export's int8 weights come back dequantized.
 
   Raises:
-    UnsupportedCheckpointError: an unsupported architecture or option, a missing file or tensor.
+    UnsupportedCheckpointError: an unsupported architecture or option, a missing file or tensor,
+      a shape config.json does not imply (checked before any weight is read).
+    ValueError: ``shardings`` lacks a parameter's path.
   """
   config = model_config_from_hf(read_config(path), param_dtype=param_dtype, **overrides)
-  names = _hf_names(config)
-  params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_params(config))
-  seen = set()
-  for name, tensor in _dequantized(_tensors(weight_files(path))):
-    if _IGNORED.match(name):
-      continue
-    if name not in names:
-      raise UnsupportedCheckpointError(f"{path}: unexpected tensor {name!r} {tensor.shape} for {config}")
-    leaf_path, layer, part = names[name]
-    node, leaf, index = _leaf(params, leaf_path, layer, config.scan_layers)
-    value = tensor.T if part.startswith("T") else tensor
-    target = node[leaf][index]
-    columns = _columns(config, part.split(":")[1]) if ":" in part else slice(None)
-    if target[..., columns].shape != value.shape:
-      raise UnsupportedCheckpointError(
-          f"{path}: tensor {name!r} has shape {tensor.shape}; config.json implies {target[..., columns].shape}"
-          + (" (transposed)" if part.startswith("T") else "")
-      )
-    target[..., columns] = value.astype(target.dtype)
-    seen.add(name)
-  missing = sorted(set(names) - seen)
-  if missing:
-    raise UnsupportedCheckpointError(f"{path}: {len(missing)} tensor(s) missing, e.g. {missing[0]!r}")
-  return config, params
+  leaves = traverse_util.flatten_dict(abstract_params(config), sep="/")
+  sources = _sources(config)
+  placed = traverse_util.flatten_dict(shardings, sep="/") if shardings is not None else None
+  if placed is not None and set(leaves) - set(placed):
+    raise ValueError(f"load_pretrained: shardings has no {', '.join(sorted(set(leaves) - set(placed)))}")
+  params = {}
+  with _opened(weight_files(path)) as tensors:
+    _check_tensors(path, config, tensors, sources, leaves)
+    for leaf, abstract in leaves.items():
+      read = functools.partial(_read_block, tensors, sources[leaf], abstract.shape, abstract.dtype)
+      if placed is None:
+        params[leaf] = read(())
+      else:
+        params[leaf] = _on_devices(abstract.shape, placed[leaf], read)
+  return config, traverse_util.unflatten_dict(params, sep="/")
 
 
 def abstract_params(config: ModelConfig) -> dict:
@@ -308,28 +435,25 @@ def abstract_params(config: ModelConfig) -> dict:
   return jax.eval_shape(Transformer(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
 
 
-def merge_into(params: dict, pretrained: dict, where: str = "", place=None) -> list[str]:
-  """Replace every leaf of ``params`` that ``pretrained`` has, in place (same paths and shapes);
-  returns the paths of ``params`` left as they were (e.g. BitNet's extra norms).
-
-  ``place(new, old)`` makes the new leaf (default: ``jnp.asarray(new, old.dtype)``; the trainer
-  puts each host array straight onto the old leaf's sharding, so no device holds a whole model).
+def merge_into(params: dict, pretrained: dict, where: str = "") -> list[str]:
+  """Replace every leaf of ``params`` that ``pretrained`` has, in place (same paths and shapes),
+  by ``jnp.asarray(new, old.dtype)`` (a ``jax.Array`` of that dtype stays as it is, sharding
+  included); returns the paths of ``params`` left as they were (e.g. BitNet's extra norms).
 
   Raises:
     ValueError: a path of ``pretrained`` that ``params`` lacks, or a shape mismatch.
   """
-  place = place or (lambda new, old: jnp.asarray(new, old.dtype))
   kept = []
   for key, value in params.items():
     path = f"{where}/{key}" if where else key
     if key not in pretrained:
       kept.append(path)
     elif isinstance(value, dict):
-      kept += merge_into(value, pretrained[key], path, place)
+      kept += merge_into(value, pretrained[key], path)
     elif tuple(value.shape) != tuple(pretrained[key].shape):
       raise ValueError(f"merge_into: {path} has shape {tuple(value.shape)}, the pretrained {tuple(pretrained[key].shape)}")
     else:
-      params[key] = place(pretrained[key], value)
+      params[key] = jnp.asarray(pretrained[key], value.dtype)
   extra = set(pretrained) - set(params)
   if extra:
     raise ValueError(f"merge_into: the model has no {', '.join(sorted(f'{where}/{k}' for k in extra))}")
@@ -341,14 +465,14 @@ def merge_into(params: dict, pretrained: dict, where: str = "", place=None) -> l
 
 
 def hf_tensors(config: ModelConfig, params: Mapping) -> Iterator[tuple[str, np.ndarray]]:
-  """``(HF name, array)`` of every tensor of ``params`` (inverse of the import's mapping)."""
-  params = jax.tree.map(np.asarray, dict(params))
-  for name, (leaf_path, layer, part) in _hf_names(config).items():
-    node, leaf, index = _leaf(params, leaf_path, layer, config.scan_layers)
-    value = node[leaf][index]
-    if ":" in part:
-      value = value[..., _columns(config, part.split(":")[1])]
-    yield name, np.ascontiguousarray(value.T if part.startswith("T") else value)
+  """``(HF name, array)`` of every tensor of ``params`` (the import's :func:`_sources` backwards), in HF's order."""
+  leaves = traverse_util.flatten_dict(jax.tree.map(np.asarray, dict(params)), sep="/")
+  where = {piece.name: (leaf, piece) for leaf, pieces in _sources(config).items() for piece in pieces}
+  for name in _hf_names(config):
+    leaf, piece = where[name]
+    value = leaves[leaf] if piece.layer is None else leaves[leaf][piece.layer]
+    value = value[..., piece.columns] if piece.columns else value
+    yield name, np.ascontiguousarray(value.T if piece.transposed else value)
 
 
 def _stored_tensors(config: ModelConfig, params: Mapping, dtype, scheme: str | None) -> Iterator[tuple[str, np.ndarray]]:

@@ -74,16 +74,17 @@ def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config)
 
 def pretrained_params(config: ml_collections.ConfigDict, params: dict) -> dict:
   """``params`` (device arrays) with every leaf a Hugging Face checkpoint (``config.init_from``)
-  has replaced by its weights (``train.hf``), each put straight onto the old leaf's sharding (one
-  host copy of the checkpoint, never a whole model on one device); the others (a BitNet recipe's
-  extra norms) keep their init."""
+  has replaced by its weights (``train.hf``), each loaded onto the old leaf's sharding: every
+  process reads from the files only its devices' blocks, one at a time (never a whole model in
+  host memory nor on one device); the others (a BitNet recipe's extra norms) keep their init."""
   from train import hf  # noqa: PLC0415  (safetensors is only needed here)
 
   model = train_config.model_config(config)
-  _, pretrained = hf.load_pretrained(config.init_from, param_dtype=model.param_dtype, scan_layers=model.scan_layers,
-                                     fused_projections=model.fused_projections)
+  _, pretrained = hf.load_pretrained(config.init_from, param_dtype=model.param_dtype,
+                                     shardings=jax.tree.map(lambda x: x.sharding, params),
+                                     scan_layers=model.scan_layers, fused_projections=model.fused_projections)
   params = jax.tree.map(lambda x: x, params)  # a copy of the tree: merge_into fills it in place
-  kept = hf.merge_into(params, pretrained, place=lambda new, old: jax.device_put(np.asarray(new, old.dtype), old.sharding))
+  kept = hf.merge_into(params, pretrained)
   say(f"init_from {config.init_from}: {hf.describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
   return params
 
