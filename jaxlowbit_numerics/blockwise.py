@@ -28,8 +28,13 @@ Formats (:class:`BlockFormat`):
 - ``linear``: ``(j + 1) / 2^bits`` for ``j = 0 .. 2^bits - 1``, zero excluded (the 4-bit
   second moment of Li et al. 2023, "Memory efficient optimizers with 4-bit states": a second
   moment quantized to zero would make ``m / sqrt(v)`` explode).
-- ``e4m3`` / ``fp16``: float8_e4m3fn or float16 values, block scale ``amax / fmax``,
-  saturating cast (the FP8 optimizer of torchao and MS-AMP's O2 second moment).
+- ``e4m3`` / ``e5m2`` / ``fp16``: float8_e4m3fn, float8_e5m2 or float16 values, block scale
+  ``amax / fmax``, saturating cast (the FP8 optimizer of torchao and MS-AMP's O2 second moment).
+
+Any format may store a tensor's signed square root (``BlockFormat(..., sqrt=True)``): the codes
+hold ``y = sign(x) sqrt(|x|)``, the scale is that of ``y`` (``sqrt(amax) / fmax``), and decoding
+gives ``y |y|``. For Adam's second moment, whose update reads ``sqrt(v)``, this halves the
+exponent range the codes must span and puts the format's relative error on ``sqrt(v)`` itself.
 
 4-bit codes are packed two per uint8, code ``2i`` in the high nibble of byte ``i`` (blocks are
 even, so a byte never holds codes of two blocks).
@@ -54,13 +59,13 @@ import numpy as np
 
 from jaxlowbit_numerics import fp8, stats
 
-Kind = Literal["dynamic", "linear", "e4m3", "fp16"]
+Kind = Literal["dynamic", "linear", "e4m3", "e5m2", "fp16"]
 
 # Floor for a block's amax before dividing by it: far below any meaningful Adam moment
 # (g^2 for |g| ~ 1e-15), and keeps fmax / amax finite for fmax <= 65504 (float16's max).
 AMAX_FLOOR = 1e-30
 FP16_MAX = 65504.0  # largest finite float16
-_FLOAT_DTYPES = {"e4m3": fp8.E4M3, "fp16": jnp.float16}
+_FLOAT_DTYPES = {"e4m3": fp8.E4M3, "e5m2": fp8.E5M2, "fp16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +73,16 @@ class BlockFormat:
   """How a tensor is stored block-wise (hashable: usable as a static argument).
 
   Attributes:
-    kind: ``"dynamic"`` (tree map), ``"linear"`` (unsigned, zero excluded), ``"e4m3"`` or
-      ``"fp16"`` (float codes with a block scale ``amax / fmax``).
+    kind: ``"dynamic"`` (tree map), ``"linear"`` (unsigned, zero excluded), ``"e4m3"``, ``"e5m2"``
+      or ``"fp16"`` (float codes with a block scale ``amax / fmax``).
     bits: code width of ``dynamic``/``linear`` maps, 8 or 4 (ignored for float kinds).
     signed: whether the map covers negative values (``dynamic`` only; ``linear`` is unsigned,
       float kinds are always signed).
     block: elements per block (one float32 scale each); even, so 4-bit pairs never straddle.
     nonzero: positive values never round to zero; they take at least the smallest positive code
       (for second moments: a ``v`` rounded to zero turns Adam's ``m / sqrt(v)`` into ``m / eps``).
+    sqrt: the codes hold ``sign(x) sqrt(|x|)`` and decode to its square times the sign (see the
+      module doc); block scales are those of the square roots.
   """
 
   kind: Kind
@@ -83,10 +90,11 @@ class BlockFormat:
   signed: bool = True
   block: int = 256
   nonzero: bool = False
+  sqrt: bool = False
 
   def __post_init__(self):
-    if self.kind not in ("dynamic", "linear", "e4m3", "fp16"):
-      raise ValueError(f"BlockFormat: unknown kind {self.kind!r}; use 'dynamic', 'linear', 'e4m3' or 'fp16'")
+    if self.kind not in ("dynamic", "linear", "e4m3", "e5m2", "fp16"):
+      raise ValueError(f"BlockFormat: unknown kind {self.kind!r}; use 'dynamic', 'linear', 'e4m3', 'e5m2' or 'fp16'")
     if self.kind in ("dynamic", "linear") and self.bits not in (4, 8):
       raise ValueError(f"BlockFormat: {self.kind} maps have 4 or 8 bits, got bits={self.bits}")
     if self.kind == "linear" and self.signed:
@@ -97,7 +105,7 @@ class BlockFormat:
   @property
   def storage_bits(self) -> int:
     """Bits stored per element (the scale excluded)."""
-    return {"e4m3": 8, "fp16": 16}.get(self.kind, self.bits)
+    return {"e4m3": 8, "e5m2": 8, "fp16": 16}.get(self.kind, self.bits)
 
   @property
   def code_dtype(self):
@@ -107,14 +115,14 @@ class BlockFormat:
   @property
   def fmax(self) -> float:
     """Largest code magnitude: 1 for maps (normalized by the block amax), else the dtype's max."""
-    return {"e4m3": fp8.fp8_max(fp8.E4M3), "fp16": FP16_MAX}.get(self.kind, 1.0)
+    return {"e4m3": fp8.fp8_max(fp8.E4M3), "e5m2": fp8.fp8_max(fp8.E5M2), "fp16": FP16_MAX}.get(self.kind, 1.0)
 
 
 class BlockQuantized(NamedTuple):
   """A block-wise quantized tensor of logical shape ``[*lead, N]`` (see the module doc).
 
   Attributes:
-    codes: ``[*lead, N]`` uint8 (8-bit maps), float8_e4m3fn or float16, or ``[*lead, N / 2]``
+    codes: ``[*lead, N]`` uint8 (8-bit maps), float8_e4m3fn, float8_e5m2 or float16, or ``[*lead, N / 2]``
       uint8 (4-bit maps, two codes per byte).
     scale: ``[*lead, ceil(N / block)]`` float32 dequantization multiplier per block.
   """
@@ -369,9 +377,12 @@ def block_scales(amax: jax.Array, fmt: BlockFormat) -> tuple[jax.Array, jax.Arra
 
   ``inv`` (float32) multiplies a block's values into the code range, ``fmax / amax``; ``scale``
   (float32) is what is stored, the dequantization multiplier: ``amax`` for maps, ``amax / fmax``
-  for float kinds. A non-finite ``amax`` (NaN or inf in the block: :func:`stats.absmax` counts NaN
-  as inf) gives a NaN scale, so the block dequantizes to NaN, and a unit ``inv``.
+  for float kinds. With ``fmt.sqrt`` both are those of the square roots (``amax`` -> ``sqrt(amax)``).
+  A non-finite ``amax`` (NaN or inf in the block: :func:`stats.absmax` counts NaN as inf) gives a
+  NaN scale, so the block dequantizes to NaN, and a unit ``inv``.
   """
+  if fmt.sqrt:
+    amax = jnp.sqrt(amax)
   finite = jnp.isfinite(amax)
   safe = jnp.where(finite, jnp.maximum(amax, AMAX_FLOOR), 1.0)
   inv = fmt.fmax / safe
@@ -385,8 +396,9 @@ def encode_values(x: jax.Array, inv: jax.Array, fmt: BlockFormat, method: str = 
   Elementwise, so it runs inside a kernel on any slice of a block: uint8 codes for maps (one per
   byte, 4-bit ones not yet packed), else ``fmt.code_dtype`` values. Float kinds saturate at
   ``+-fmax``; with ``fmt.nonzero`` a positive value keeps at least the smallest positive code.
+  With ``fmt.sqrt`` the codes are those of ``sign(x) sqrt(|x|)`` (``inv`` from :func:`block_scales`).
   """
-  y = x * inv
+  y = (jnp.sign(x) * jnp.sqrt(jnp.abs(x)) if fmt.sqrt else x) * inv
   if fmt.kind in _FLOAT_DTYPES:
     y = jnp.clip(y, -fmt.fmax, fmt.fmax)
     if fmt.nonzero:
@@ -400,9 +412,11 @@ def encode_values(x: jax.Array, inv: jax.Array, fmt: BlockFormat, method: str = 
 
 
 def decode_values(codes: jax.Array, scale: jax.Array, fmt: BlockFormat) -> jax.Array:
-  """float32 values of unpacked ``codes`` times their block's ``scale`` (broadcast against them)."""
+  """float32 values of unpacked ``codes`` times their block's ``scale`` (broadcast against them);
+  with ``fmt.sqrt``, that product ``y`` is a square root and the value is ``y |y|``."""
   values = codes.astype(jnp.float32) if fmt.kind in _FLOAT_DTYPES else decode(codes, fmt)
-  return values * scale
+  y = values * scale
+  return y * jnp.abs(y) if fmt.sqrt else y
 
 
 def quantize_blockwise(x: jax.Array, fmt: BlockFormat, method: str = "arithmetic") -> BlockQuantized:

@@ -59,6 +59,9 @@ from pallas_kernels.vma import out_struct
 # Block sizes the kernel takes: Triton tiles are powers of two, and a 4-bit block's half
 # (its even or odd elements) must still fill a 16-element vector.
 MIN_BLOCK, MAX_BLOCK = 32, 8192
+# Moment kinds the kernel was checked with on a GPU (tests/test_optim_gpu.py). e5m2 and square-root
+# storage (BlockFormat.sqrt) were measured on CPU only and no optimizer ships them: XLA's update.
+KERNEL_KINDS = frozenset({"dynamic", "linear", "e4m3", "fp16"})
 GRADIENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -132,11 +135,14 @@ def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, u_ref, mc_out, ms
 def supported(g: jax.Array, m: BlockQuantized, v: BlockQuantized, m_format: BlockFormat, v_format: BlockFormat) -> bool:
   """Whether the kernel takes this tensor (else :func:`adam_update_reference` runs it).
 
-  It needs a shared power-of-two block in ``[MIN_BLOCK, MAX_BLOCK]``, a last axis that is a
-  multiple of it (no short last block), a float32/bf16/fp16 gradient, and codes and scales of
+  It needs moments of :data:`KERNEL_KINDS` without square-root storage, a shared power-of-two block
+  in ``[MIN_BLOCK, MAX_BLOCK]``, a last axis that is a multiple of it (no short last block), a
+  float32/bf16/fp16 gradient, and codes and scales of
   the shapes :func:`jaxlowbit_numerics.blockwise.stored_shapes` gives (under ``shard_map`` a
   device's scales may keep a dimension its codes split).
   """
+  if any(fmt.kind not in KERNEL_KINDS or fmt.sqrt for fmt in (m_format, v_format)):
+    return False
   block = m_format.block
   if v_format.block != block or block & (block - 1) or not MIN_BLOCK <= block <= MAX_BLOCK:
     return False
@@ -291,4 +297,4 @@ def adam_update_reference(
   return u, quantize_blockwise(m, m_format), quantize_blockwise(v, v_format)
 
 
-__all__ = ["AdamKernelConfig", "adam_update_kernel", "adam_update_reference", "supported"]
+__all__ = ["KERNEL_KINDS", "AdamKernelConfig", "adam_update_kernel", "adam_update_reference", "supported"]

@@ -53,6 +53,9 @@ def test_supported_shapes_and_a_clear_error():
   assert not ak.supported(*case((4, 192), *odd)), "blocks are powers of two"
   g, m, v, fm, fv = case((4, 512))
   assert not ak.supported(g, m, BlockQuantized(v.codes, v.scale[:, :1]), fm, fv), "scales of another shape"
+  e4m3 = BlockFormat("e4m3")
+  for v_fmt in (BlockFormat("e5m2", nonzero=True), BlockFormat("e4m3", nonzero=True, sqrt=True)):
+    assert not ak.supported(*case((4, 512), e4m3, v_fmt)), f"{v_fmt}: not checked on a GPU, XLA's update"
   with pytest.raises(ValueError, match="power-of-two block.*dispatch.adam_update"):
     ak.adam_update_kernel(*case((4, 384))[:3], adam_coefficients(0.9, 0.999, 1e-8, 0.0, 1, 2), m_format, v_format)
 

@@ -115,11 +115,17 @@ FORMATS = [
     (BlockFormat("dynamic", 4, True, 128), 0.45 / 4 * 1.01),
     (BlockFormat("linear", 4, False, 128), 1 / 16),  # [0, 1/16) rounds up to 1/16
     (BlockFormat("e4m3", block=256), 2.0**-4),  # 3 mantissa bits: half an ulp is 2^-4 relative
+    (BlockFormat("e5m2", block=256), 2.0**-3),
+    (BlockFormat("e5m2", block=256, sqrt=True), (1 + 2.0**-3) ** 2 - 1),  # the square of sqrt(x) (1 +- 2^-3)
     (BlockFormat("fp16", block=256), 2.0**-11),
 ]
 
 
-@pytest.mark.parametrize("fmt,tol", FORMATS, ids=lambda f: getattr(f, "kind", None) and f"{f.kind}{f.bits}")
+def _format_id(fmt):
+  return getattr(fmt, "kind", None) and f"{fmt.kind}{fmt.bits}{'_sqrt' if fmt.sqrt else ''}"
+
+
+@pytest.mark.parametrize("fmt,tol", FORMATS, ids=_format_id)
 def test_quantize_blockwise_round_trip(fmt, tol):
   shape = (16, 8, 512)
   x = jax.random.normal(fresh_key(), shape) * jnp.logspace(-3, 3, 16)[:, None, None]  # blocks of any scale
@@ -134,7 +140,7 @@ def test_quantize_blockwise_round_trip(fmt, tol):
   assert back.shape == shape and back.dtype == jnp.float32
   amax = np.max(np.abs(np.asarray(x).reshape(16, -1, fmt.block)), -1, keepdims=True)
   err = np.abs(np.asarray(back - x)).reshape(16, -1, fmt.block) / amax
-  if fmt.kind in ("e4m3", "fp16"):  # relative to the element for normal values
+  if fmt.code_dtype != jnp.uint8:  # float kinds: relative to the element for normal values
     magnitude = np.maximum(np.abs(np.asarray(x)).reshape(err.shape), amax * 2**-6)  # subnormals: absolute
     err = np.abs(np.asarray(back - x)).reshape(err.shape) / magnitude
   assert err.max() <= tol, err.max()
@@ -142,7 +148,7 @@ def test_quantize_blockwise_round_trip(fmt, tol):
   assert np.mean(np.asarray(searched.codes) != np.asarray(q.codes)) < 1e-3
 
 
-@pytest.mark.parametrize("fmt", [f for f, _ in FORMATS], ids=lambda f: f"{f.kind}{f.bits}")
+@pytest.mark.parametrize("fmt", [f for f, _ in FORMATS], ids=_format_id)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_zero_and_nonfinite_blocks(fmt, bad):
   """A block holding NaN or inf dequantizes to NaN, whatever the position (vectorized CPU max
@@ -163,15 +169,17 @@ def test_zero_and_nonfinite_blocks(fmt, bad):
   assert np.isfinite(back[1]).all() and back[1, 300 % n] == pytest.approx(1.0, rel=0.07)
 
 
-@pytest.mark.parametrize("kind,bits", [("dynamic", 8), ("linear", 4), ("e4m3", 8), ("fp16", 16)])
-def test_nonzero_keeps_positive_values_positive(kind, bits):
-  fmt = BlockFormat(kind, min(bits, 8), False, 256, nonzero=True)
+@pytest.mark.parametrize(
+    "kind,bits,sqrt", [("dynamic", 8, False), ("linear", 4, False), ("e4m3", 8, False), ("e5m2", 8, False),
+                       ("e5m2", 8, True), ("fp16", 16, False)])
+def test_nonzero_keeps_positive_values_positive(kind, bits, sqrt):
+  fmt = BlockFormat(kind, min(bits, 8), False, 256, nonzero=True, sqrt=sqrt)
   x = jnp.zeros((256,)).at[0].set(1.0).at[1].set(1e-30).at[2].set(1e-12)  # far below any code
   back = np.asarray(dequantize(quantize(x, fmt), fmt, x.shape))
   assert back[1] > 0 and back[2] > 0
   if kind != "linear":
     assert back[3] == 0, "exact zeros stay zero"
-    plain = BlockFormat(kind, min(bits, 8), False, 256)
+    plain = BlockFormat(kind, min(bits, 8), False, 256, sqrt=sqrt)
     assert np.asarray(dequantize(quantize(x, plain), plain, x.shape))[1] == 0
 
 
