@@ -45,11 +45,12 @@ FUSED_PROLOGUES = frozenset({"RmsNorm"})
 # The Triton lowering converts to float8_e4m3fn only on sm89+; compute_capability() reads the
 # major version, so FP8 optimizer states take the kernel from Hopper (sm90) on.
 FP8_STATE_KINDS = frozenset({"e4m3"})
-# optim_fused_h200.json (1.1B parameter shapes, step = update + apply, ms; XLA update / kernel):
-# FP8 9.71 / 7.63, FP8-O2 10.10 / 8.36, 8-bit dynamic map 12.45 / 16.10, 4-bit 12.33 / 12.16. The
-# kernel's nearest-code search over the 256-entry dynamic map costs more than XLA's, so under
-# ``auto`` states with a dynamic-map moment stay on XLA (``pallas`` still forces the kernel).
-ADAM_AUTO_XLA_KINDS = frozenset({"dynamic"})
+# optim_tuned_h200.json (1.1B parameter shapes, step = update + apply, ms, XLA update / kernel with
+# the tuned launch of tuning.ADAM_CONFIGS; optax.adamw 8.00): 8-bit dynamic maps 12.88 / 13.49, 4-bit
+# (dynamic m, linear v) 12.49 / 8.92; FP8 9.71 / 7.63 and FP8-O2 10.10 / 8.36 (optim_fused_h200.json).
+# The 8-bit kernel is bound by the two 7-decade dynamic-map codes it decodes and encodes per element
+# (1.25 TB/s at every launch tried), so under ``auto`` 8-bit states stay on XLA (``pallas`` forces).
+ADAM_AUTO_XLA_KINDS = frozenset({("dynamic", "dynamic")})  # (m kind, v kind)
 
 
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
@@ -156,15 +157,16 @@ def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
   """Whether the low-bit Adam update runs on the fused kernel for moments stored as ``kinds``;
   the kernel also checks each tensor's shape.
 
-  ``auto``: where it runs (:func:`adam_kernel_runs`) and was measured faster than XLA (not for
-  dynamic-map states, :data:`ADAM_AUTO_XLA_KINDS`); ``pallas``: wherever it runs; ``xla``: never.
+  ``kinds`` is ``(m kind, v kind)``. ``auto``: where it runs (:func:`adam_kernel_runs`) and was
+  measured faster than XLA (not for 8-bit dynamic-map states, :data:`ADAM_AUTO_XLA_KINDS`);
+  ``pallas``: wherever it runs; ``xla``: never.
   Like the quantizers, a forced ``pallas`` on a device without the kernel falls back to XLA
   rather than failing: the two are one spec.
   """
   backend = requested_backend()
   if backend == "xla" or not adam_kernel_runs(kinds):
     return False
-  return backend == "pallas" or not ADAM_AUTO_XLA_KINDS.intersection(kinds)
+  return backend == "pallas" or tuple(kinds) not in ADAM_AUTO_XLA_KINDS
 
 
 def w8a16_kernel_wanted(m: int) -> bool:

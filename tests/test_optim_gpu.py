@@ -58,7 +58,7 @@ def test_optimizer_step_runs_the_kernel(name, monkeypatch):
   def traced_step():  # a new function per backend: the policy is read while tracing
     return jax.jit(lambda params, state, grads: tx.update(grads, state, params))
 
-  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")  # auto keeps dynamic-map states on XLA
+  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")  # auto keeps 8-bit states on XLA
   fused = traced_step()
   assert "jaxlowbit_adam_update" in fused.lower(params, state, grads).as_text(), "the kernel did not run here"
   u, new = fused(params, state, grads)
@@ -93,10 +93,10 @@ def test_gspmd_each_gpu_updates_its_blocks():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("name, backend, fused", [("fp8", "auto", True), ("8bit", "auto", False),
-                                                  ("8bit", "pallas", True)])
+@pytest.mark.parametrize("name, backend, fused", [("fp8", "auto", True), ("4bit", "auto", True),
+                                                  ("8bit", "auto", False), ("8bit", "pallas", True)])
 def test_dispatch_picks_the_kernel_here(name, backend, fused, monkeypatch):
-  """auto: the kernel for e4m3 states, XLA for dynamic-map ones (measured faster); pallas forces it."""
+  """auto: the kernel for e4m3 and 4-bit states, XLA for 8-bit ones (measured faster); pallas forces it."""
   m_format, v_format = _takes_kernel(name)
   monkeypatch.setenv(policy.BACKEND_ENV, backend)
   g, m, v, c = random_case(fresh_key(), (16, 1024), m_format, v_format)

@@ -64,7 +64,8 @@ def test_supported_shapes_and_a_clear_error():
     "major, kinds, env, expected",
     [
         (None, ("dynamic", "dynamic"), None, False),  # CPU
-        (8, ("dynamic", "linear"), None, False),  # auto: dynamic-map states measured faster on XLA
+        (8, ("dynamic", "linear"), None, True),  # auto: 4-bit measured faster on the kernel
+        (9, ("dynamic", "dynamic"), None, False),  # auto: 8-bit measured faster on XLA
         (8, ("dynamic", "linear"), "pallas", True),  # Ampere: Triton
         (8, ("e4m3", "fp16"), None, False),  # e4m3 casts need sm89+
         (9, ("e4m3", "e4m3"), None, True),
