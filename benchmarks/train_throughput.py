@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated config files")
   parser.add_argument("--extra_recipes", default="", help="also run the first config with these recipes, e.g. "
                       "fp8_rowwise,bitnet_int8_bwd")
+  parser.add_argument("--extra_optimizers", default="", help="also run the first config with these optimizers "
+                      "(jaxlowbit.optim.make names), e.g. adamw_8bit,adamw_4bit")
   parser.add_argument("--steps", type=int, default=20, help="timed steps per config")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -183,16 +185,17 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
 
   overrides = {"data.source": "synthetic", "mesh.fsdp": 1, **parse_overrides(args.set)}
-  runs = [(path, None) for path in args.configs.split(",") if path]
-  runs += [(runs[0][0], recipe) for recipe in args.extra_recipes.split(",") if recipe]
+  runs = [(path, None, None) for path in args.configs.split(",") if path]  # (config, field, value)
+  runs += [(runs[0][0], "recipe", recipe) for recipe in args.extra_recipes.split(",") if recipe]
+  runs += [(runs[0][0], "optimizer", name) for name in args.extra_optimizers.split(",") if name]
   peak = args.peak_tflops or metrics.peak_tflops()
   device = jax.devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, bf16 peak {peak} TFLOP/s")
 
   rows = []
-  for path, recipe in runs:
-    name = pathlib.Path(path).stem + (f"+{recipe}" if recipe else "")
-    run_overrides = {**overrides, **({"recipe": recipe} if recipe else {})}
+  for path, field, value in runs:
+    name = pathlib.Path(path).stem + (f"+{value}" if value else "")
+    run_overrides = {**overrides, **({field: value} if field else {})}
     try:
       config = train_config.load_file(path, run_overrides)
       train_config.check(config)
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             f"loss {row['last_loss']:.3f}", flush=True)
     except Exception as e:  # one failing recipe (e.g. out of memory) must not lose the others
       traceback.print_exc()
-      row = {"name": name, "recipe": recipe or "?", "error": f"{type(e).__name__}: {e}"}
+      row = {"name": name, "recipe": value if field == "recipe" else "?", "error": f"{type(e).__name__}: {e}"}
     rows.append(row)
     write_result(args, device, peak, overrides, rows)  # after every config: a later crash keeps these
     gc.collect()
