@@ -221,9 +221,8 @@ def apply_best(tune: list[dict]) -> dict[str, dict]:
   for t in (t for t in tune if "ms" in t):
     best[t["formats"]] = min(best.get(t["formats"], t), t, key=lambda x: x["ms"])
   for label, t in best.items():
-    m_format, v_format = optim.moment_formats(label)
-    tuning.ADAM_CONFIGS[(m_format.kind, m_format.bits, v_format.kind)] = adam_kernels.AdamKernelConfig(
-        t["elements"], t["num_warps"])
+    key = tuning.adam_config_key(*optim.moment_formats(label))
+    tuning.ADAM_CONFIGS[key] = adam_kernels.AdamKernelConfig(t["elements"], t["num_warps"])
   return best
 
 

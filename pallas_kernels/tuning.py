@@ -100,6 +100,11 @@ def prologue_tile_config(prologue=None) -> tuple[int, int, int]:
   return PROLOGUE_TILE.get(type(prologue).__name__, (32, 128, 4))
 
 
+def adam_config_key(m_format, v_format) -> tuple[str, int, str]:
+  """The key of :data:`ADAM_CONFIGS` for these moment formats: ``(m kind, m bits, v kind)``."""
+  return m_format.kind, m_format.bits, v_format.kind
+
+
 def adam_config(m_format, v_format):
   """The launch configuration of the fused Adam update for these moment formats."""
-  return ADAM_CONFIGS.get((m_format.kind, m_format.bits, v_format.kind), AdamKernelConfig())
+  return ADAM_CONFIGS.get(adam_config_key(m_format, v_format), AdamKernelConfig())

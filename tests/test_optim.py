@@ -107,9 +107,8 @@ E5M2_V = {
 def test_e5m2_second_moment_tracks_optax_adamw_as_measured(which):
   v_format, bound = E5M2_V[which]
   key, params, ref = _tracking_reference()
-  tx = optax.chain(optim.scale_by_adam_quantized(qstate.BlockFormat("e4m3"), v_format),
-                   optax.add_decayed_weights(TRACK_KW["weight_decay"]),
-                   optax.scale_by_learning_rate(TRACK_KW["learning_rate"]))
+  tx = optim._adamw(optim.scale_by_adam_quantized(qstate.BlockFormat("e4m3"), v_format), TRACK_KW["weight_decay"],
+                    None, TRACK_KW["learning_rate"])
   _, state, ours = _trajectory(tx, params, key, 10)
   assert state[0].nu["kernel"].dtype == jnp.float8_e5m2
   errors = [rel_err(u[leaf], r[leaf]) for u, r in zip(ours, ref) for leaf in ("kernel", "heads", "odd")]
