@@ -3,8 +3,10 @@
 The parameter shapes are a Llama-style 1B model's (TinyLlama 1.1B: d_model 2048, 22 layers,
 GQA 32 query / 4 key-value heads of 64, SwiGLU hidden 5632, vocabulary 32000, untied head),
 with the layers stacked on a leading axis as ``nn.scan`` stores them. One timed step is the
-whole optimizer step, ``tx.update`` then ``optax.apply_updates``, jitted with the parameters
-and state donated; the figure is the median of ``--repeats`` runs after ``--warmup``.
+whole optimizer step as the trainer takes it, ``optim.apply_step`` (the low-bit optimizers'
+fused step: on a GPU one kernel per tensor that also writes the parameter); ``--apply update``
+times ``tx.update`` then ``optax.apply_updates`` instead, ``both`` both. Jitted with the
+parameters and state donated; the figure is the median of ``--repeats`` runs after ``--warmup``.
 
     PYTHONPATH=. python benchmarks/optim.py --out results/optim.json            # GPU, full 1B
     PYTHONPATH=. python benchmarks/optim.py --layers 1 --vocab 4096 --out /tmp/o.json   # CPU smoke
@@ -73,7 +75,9 @@ def model_shapes(layers: int = N_LAYERS, vocab: int = VOCAB) -> dict[str, tuple[
 OPTIMIZERS = ["adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"]
 # --fused: the JAXLOWBIT_BACKEND each run of a low-bit optimizer traces under (None: as set).
 FUSED_MODES = {"on": ["pallas"], "off": ["xla"], "both": ["pallas", "xla"], "auto": [None]}
-KERNEL_NAME = "jaxlowbit_adam_update"  # the fused kernel's name in lowered HLO (pallas_kernels.adam)
+# The fused kernels' names in lowered HLO (pallas_kernels.adam): the update alone, and the step
+# that also writes the parameter.
+KERNEL_NAMES = {"fused": "jaxlowbit_adam_update", "step": "jaxlowbit_adam_step"}
 # Launch configurations --tune tries: elements per program x warps.
 TUNE_ELEMENTS, TUNE_WARPS = (256, 512, 1024, 2048, 4096, 8192, 16384), (1, 2, 4, 8)
 MAX_PER_THREAD = 64  # elements per thread beyond which Triton's unrolled program took minutes to compile (H200)
@@ -124,8 +128,10 @@ def top_kernels(step, args, steps: int = 3, top: int = 8) -> list[dict]:
 
 
 def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool = False, backend: str | None = None,
-                    param_dtype=jnp.float32) -> dict:
-  """Time one optimizer's step; ``backend`` is the ``$JAXLOWBIT_BACKEND`` its step is traced under."""
+                    param_dtype=jnp.float32, apply: str = "step") -> dict:
+  """Time one optimizer's step; ``backend`` is the ``$JAXLOWBIT_BACKEND`` its step is traced under;
+  ``apply``: ``"step"`` (``optim.apply_step``: the fused step, parameter written by the kernel) or
+  ``"update"`` (``tx.update`` then ``optax.apply_updates``)."""
   rounding = 0 if jnp.dtype(param_dtype) == jnp.bfloat16 else None
   tx = optim.make(name, 1e-4, weight_decay=0.1, stochastic_rounding_seed=rounding)
   abstract = {n: jax.ShapeDtypeStruct(s, param_dtype) for n, s in shapes.items()}
@@ -135,12 +141,15 @@ def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool 
   state = jax.jit(tx.init)(params)
 
   def step(params, state, grads):
+    if apply == "step":
+      return optim.apply_step(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(step, donate_argnums=(0, 1))
   with _backend(backend):  # the policy is read while tracing: the first call fixes the update
-    fused = KERNEL_NAME in step.lower(params, state, grads).as_text()
+    text = step.lower(params, state, grads).as_text()
+    fused = next((label for label, kernel in KERNEL_NAMES.items() if kernel in text), None)
     t0 = time.perf_counter()
     params, state = jax.block_until_ready(step(params, state, grads))
     compile_s = time.perf_counter() - t0
@@ -157,7 +166,8 @@ def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool 
   return {
       "top_kernels": kernels,
       "optimizer": name,
-      "update": "fused" if fused else "xla",
+      "update": fused or "xla",
+      "apply": apply,
       "backend_env": backend,
       "param_dtype": jnp.dtype(param_dtype).name,
       "state_bytes": state_bytes,
@@ -240,6 +250,8 @@ def main(argv=None):
                       help="low-bit updates in the fused kernel (on), in XLA (off), both, or the policy's pick (auto)")
   parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                       help="parameter dtype; bfloat16 adds stochastic rounding to the step")
+  parser.add_argument("--apply", choices=["step", "update", "both"], default="step",
+                      help="optim.apply_step (the fused step), tx.update + optax.apply_updates, or both")
   parser.add_argument("--tune", action="store_true", help="also time the fused kernel alone per launch configuration")
   args = parser.parse_args(argv)
 
@@ -249,16 +261,19 @@ def main(argv=None):
   chosen = apply_best(tune)
   results = []
   for name in (n.strip() for n in args.optimizers.split(",")):
+    applies = ["update"] if name == "adamw" else (["step", "update"] if args.apply == "both" else [args.apply])
     for backend in [None] if name == "adamw" else FUSED_MODES[args.fused]:
-      results.append(bench_optimizer(name, shapes, args.repeats, args.warmup, args.profile, backend,
-                                     jnp.dtype(args.param_dtype)))
-      print(f"done {name} ({results[-1]['update']}): {results[-1]['step_ms_median']:.2f} ms", flush=True)
+      for apply in applies:
+        results.append(bench_optimizer(name, shapes, args.repeats, args.warmup, args.profile, backend,
+                                       jnp.dtype(args.param_dtype), apply))
+        print(f"done {name} ({results[-1]['update']}): {results[-1]['step_ms_median']:.2f} ms", flush=True)
   base = next((r for r in results if r["optimizer"] == "adamw"), results[0])
   for r in results:
     r["state_vs_adamw"] = r["state_bytes"] / base["state_bytes"]
     r["time_vs_adamw"] = r["step_ms_median"] / base["step_ms_median"]
     r["state_bytes_per_param"] = r["state_bytes"] / n_params
-    unfused = [x for x in results if x["optimizer"] == r["optimizer"] and x["backend_env"] == "xla"]
+    unfused = [x for x in results
+               if x["optimizer"] == r["optimizer"] and x["backend_env"] == "xla" and x["apply"] == r["apply"]]
     r["time_vs_xla_update"] = r["step_ms_median"] / unfused[0]["step_ms_median"] if unfused else None
   encode = bench_encode(args.encode, args.repeats) if args.encode else []
 
@@ -284,21 +299,23 @@ def main(argv=None):
     json.dump(report, f, indent=2)
 
   print(f"\n{report['device']} ({report['platform']}), jax {report['jax']}, {n_params / 1e9:.3f}B parameters, "
-        f"median of {args.repeats} steps (update + apply_updates), {args.param_dtype} parameters")  # fmt: skip
+        f"median of {args.repeats} steps, {args.param_dtype} parameters")  # fmt: skip
   if encode:
     print(f"\n{'map':<10} {'nearest code':<14} {'ms / ' + format(args.encode, ',') + ' values':>22}")
     for e in encode:
       print(f"{e['map']:<10} {e['method']:<14} {e['ms_median']:>22.2f}")
-  # "asked": the JAXLOWBIT_BACKEND of the run; "update": what ran (fused kernel or XLA), "vs xla": the
-  # step time against the same optimizer's XLA-update run.
-  header = ("optimizer", "asked", "update", "state GB", "B/param", "vs adamw", "step ms", "vs adamw", "vs xla",
+  # "asked": the JAXLOWBIT_BACKEND of the run; "update": what ran (step: the kernel writing the
+  # parameter; fused: the update kernel; xla), "vs xla": the step time against the same optimizer's
+  # XLA run of the same kind (apply_step or update + apply_updates).
+  header = ("optimizer", "asked", "apply", "update", "state GB", "B/param", "vs adamw", "step ms", "vs adamw", "vs xla",
             "finite")
-  print("\n{:<14} {:<6} {:<6} {:>9} {:>8} {:>9} {:>9} {:>9} {:>7} {:>7}".format(*header))
+  print("\n{:<14} {:<6} {:<6} {:<6} {:>9} {:>8} {:>9} {:>9} {:>9} {:>7} {:>7}".format(*header))
   for r in results:
-    row = (r["optimizer"], r["backend_env"] or "-", r["update"], r["state_bytes"] / 1e9, r["state_bytes_per_param"])
+    row = (r["optimizer"], r["backend_env"] or "-", r["apply"], r["update"], r["state_bytes"] / 1e9,
+           r["state_bytes_per_param"])
     row += (r["state_vs_adamw"], r["step_ms_median"], r["time_vs_adamw"])
     vs_xla = "-" if r["time_vs_xla_update"] is None else f"{r['time_vs_xla_update']:.2f}x"
-    print("{:<14} {:<6} {:<6} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7} {:>7}".format(*row, vs_xla,
+    print("{:<14} {:<6} {:<6} {:<6} {:>9.3f} {:>8.2f} {:>8.3f}x {:>9.2f} {:>8.2f}x {:>7} {:>7}".format(*row, vs_xla,
                                                                                              str(r["finite"])))
   for label, t in chosen.items():
     print(f"best {label} (the steps above ran it): elements {t['elements']}, num_warps {t['num_warps']}: "

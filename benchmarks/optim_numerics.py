@@ -57,7 +57,7 @@ def build(label: str, learning_rate, weight_decay) -> optax.GradientTransformati
   """The optimizer of ``label``: ``optax.adamw`` or the chain ``optim.make`` builds, with its formats."""
   if CANDIDATES[label] is None:
     return optax.adamw(learning_rate, weight_decay=weight_decay)
-  return optim._adamw(optim.scale_by_adam_quantized(*CANDIDATES[label]), weight_decay, None, learning_rate)
+  return optim.adamw_quantized(*CANDIDATES[label], learning_rate, weight_decay=weight_decay)
 
 
 def update_error(label: str, seed: int) -> float:

@@ -60,7 +60,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxlowbit.qstate import BlockFormat, BlockQuantized, blockable, zeros_blockwise
 from jaxlowbit.rounding import stochastic_round
 from jaxlowbit_numerics import fp8
-from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
+from jaxlowbit_numerics.adam import adam_coefficients, adam_moments, apply_update
+from jaxlowbit_numerics.random import hash_bits
 from pallas_kernels import dispatch
 
 # Tensors smaller than this keep float32 moments: their state is negligible and they are
@@ -127,6 +128,14 @@ def scale_by_adam_quantized(
     An ``optax.GradientTransformation`` whose state is a :class:`ScaleByAdamQuantizedState`.
     Updates of quantized tensors are float32; the others follow ``optax.scale_by_adam`` exactly.
   """
+  return _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size)[0]
+
+
+def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size):
+  """:func:`scale_by_adam_quantized` and its step written into the parameters: ``(tx, step)`` with
+  ``step(grads, state, params, neg_lr, weight_decay, seeds) -> (params, state)``, where
+  ``neg_lr`` and ``weight_decay`` are trees of scalars and ``seeds`` of uint32 scalars (or Nones:
+  round bf16 parameters to nearest), one per parameter."""
   who = "scale_by_adam_quantized"
   _check_format(m_format, "m", who)
   _check_format(v_format, "v", who)
@@ -155,29 +164,47 @@ def scale_by_adam_quantized(
         nu_scale=jax.tree.map(scale, params),
     )
 
-  def update_fn(updates, state, params=None):
-    del params
+  def run(updates, state, params=None, step=None):
+    """``update`` (``step`` None: returns the updates), or the fused step (``step = (neg_lr,
+    weight_decay, seeds)``, trees like the parameters: returns the new parameters)."""
     count_inc = optax.safe_increment(state.count)
     coefficients = adam_coefficients(b1, b2, eps, eps_root, count_inc, optax.safe_increment(count_inc))
 
-    def leaf(g, m, v, m_scale, v_scale):
+    def leaf(g, m, v, m_scale, v_scale, *p_step):
       if g is None:
         return None, m, v, m_scale, v_scale
       if quantized(g.shape):  # the fused kernel on a GPU, XLA's update elsewhere
-        u, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_update(
-            g, BlockQuantized(m, m_scale), BlockQuantized(v, v_scale), coefficients, m_format, v_format, nesterov)
-        return u, m_codes, v_codes, m_scale, v_scale
-      u, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)  # optax.scale_by_adam's arithmetic
+        mq, vq = BlockQuantized(m, m_scale), BlockQuantized(v, v_scale)
+        if p_step:
+          out, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_step(
+              *p_step[:1], g, mq, vq, coefficients, *p_step[1:], m_format, v_format, nesterov)
+        else:
+          out, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_update(
+              g, mq, vq, coefficients, m_format, v_format, nesterov)
+        return out, m_codes, v_codes, m_scale, v_scale
+      out, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)  # optax.scale_by_adam's arithmetic
+      if p_step:
+        p, neg_lr, weight_decay, seed = p_step
+        bits = None if seed is None else hash_bits(jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape), seed)
+        out = apply_update(p, out, neg_lr, weight_decay, bits)
       if mu_dtype is not None:
         m_new = m_new.astype(mu_dtype)
-      return u, m_new, v_new.astype(v.dtype), m_scale, v_scale
+      return out, m_new, v_new.astype(v.dtype), m_scale, v_scale
 
-    out = jax.tree.map(leaf, updates, state.mu, state.nu, state.mu_scale, state.nu_scale,
-                       is_leaf=lambda x: x is None)
+    trees = (updates, state.mu, state.nu, state.mu_scale, state.nu_scale)
+    if step is not None:
+      trees += (params, *step)
+    out = jax.tree.map(leaf, *trees, is_leaf=lambda x: x is None)
     pick = lambda i: jax.tree.map(lambda _, o: o[i], updates, out, is_leaf=lambda x: x is None)  # noqa: E731
     return pick(0), ScaleByAdamQuantizedState(count_inc, pick(1), pick(2), pick(3), pick(4))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def update_fn(updates, state, params=None):
+    del params
+    return run(updates, state)
+
+  step = lambda grads, state, params, neg_lr, weight_decay, seeds: run(  # noqa: E731
+      grads, state, params, (neg_lr, weight_decay, seeds))
+  return optax.GradientTransformation(init_fn, update_fn), step
 
 
 def state_shardings(optimizer: optax.GradientTransformation, state, param_shardings, replicated=None, mesh=None):
@@ -242,14 +269,139 @@ def moment_formats(name: str, block_size: int | None = None) -> tuple[BlockForma
   }[name]
 
 
-def _adamw(
-    moments: optax.GradientTransformation, weight_decay: optax.ScalarOrSchedule, mask, learning_rate
-) -> optax.GradientTransformationExtraArgs:
-  return optax.chain(
-      moments,
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
-  )
+class FusedStep(optax.GradientTransformationExtraArgs):
+  """An optax transformation (``init``, ``update``) that can also write its step into the parameters.
+
+  Attributes (set by this module's constructors; :func:`apply_step` reads them):
+    fused_step: ``fused_step(grads, state, params, rounding_key=None) -> (params, state)``, equal
+      to ``optax.apply_updates(params, update(grads, state, params)[0])`` up to float32 rounding
+      (bf16 parameters: rounded stochastically when ``rounding_key`` is given); None if it has none.
+    rounding: for :func:`stochastic_rounding` only, ``rounding(state) -> (key, state)``: the key
+      of this step and the advanced state.
+  """
+
+  fused_step = None
+  rounding = None
+
+
+def _fused(tx, **attributes) -> FusedStep:
+  out = FusedStep(tx.init, tx.update)
+  for name, value in attributes.items():
+    setattr(out, name, value)
+  return out
+
+
+def _scalar(x: jax.Array) -> jax.Array:
+  """The value of a tree leaf that optax filled with one scalar (see :func:`_adamw`)."""
+  return x.reshape(-1)[0] if x.size else jnp.zeros((), x.dtype)
+
+
+def _adamw(moments, weight_decay: optax.ScalarOrSchedule, mask, learning_rate) -> FusedStep:
+  """``optax.chain(adam, add_decayed_weights, scale_by_learning_rate)`` as ``optax.adamw`` builds it,
+  with its fused step: the chain's state and schedules advance as in ``update``, and each
+  parameter's ``-learning_rate`` and weight decay (0 where ``mask`` says no) are read from optax's
+  own transformations, applied to probes of ones (under jit XLA folds them to scalars)."""
+  adam, adam_step = moments
+  decay = optax.add_decayed_weights(weight_decay, mask)
+  scale = optax.scale_by_learning_rate(learning_rate)
+  tx = optax.chain(adam, decay, scale)
+
+  def fused_step(grads, state, params, rounding_key=None):
+    adam_state, decay_state, scale_state = state
+    ones = jax.tree.map(lambda p: jnp.broadcast_to(jnp.float32(1), p.shape), params)
+    zeros = jax.tree.map(jnp.zeros_like, ones)
+    decays, decay_state = decay.update(zeros, decay_state, ones)
+    neg_lrs, scale_state = scale.update(ones, scale_state, ones)
+    leaves, treedef = jax.tree.flatten(params)
+    if rounding_key is None:
+      seeds = [None] * len(leaves)
+    else:
+      seeds = list(jax.random.bits(rounding_key, (len(leaves),), jnp.uint32))
+    params, adam_state = adam_step(grads, adam_state, params, jax.tree.map(_scalar, neg_lrs),
+                                   jax.tree.map(_scalar, decays), jax.tree.unflatten(treedef, seeds))
+    return params, (adam_state, decay_state, scale_state)
+
+  return _fused(tx, fused_step=fused_step)
+
+
+def chain(*transforms: optax.GradientTransformation) -> FusedStep:
+  """``optax.chain`` (the same state) that keeps a fused step: when the last transformation has
+  one (this module's optimizers), or is :func:`stochastic_rounding` after one, :func:`apply_step`
+  runs the others' ``update`` on the gradients and then that fused step.
+
+  E.g. ``chain(optax.clip_by_global_norm(1.0), adamw_8bit(3e-4))``.
+  """
+  tx = optax.chain(*transforms)
+  *head, last = transforms
+  rounding = getattr(last, "rounding", None)
+  if rounding is not None and head:
+    *head, last = head
+  step = getattr(last, "fused_step", None)
+  if step is None:
+    return _fused(tx)
+  n = len(head)
+
+  def fused_step(grads, state, params, rounding_key=None):
+    new_state = []
+    for t, s in zip(head, state[:n]):
+      grads, s = optax.with_extra_args_support(t).update(grads, s, params)
+      new_state.append(s)
+    rest = state[n + 1:]
+    if rounding is not None:
+      rounding_key, rounding_state = rounding(rest[0])
+      rest = (rounding_state,)
+    params, s = step(grads, state[n], params, rounding_key)
+    return params, (*new_state, s, *rest)
+
+  return _fused(tx, fused_step=fused_step)
+
+
+def apply_step(optimizer: optax.GradientTransformation, grads, state, params) -> tuple[optax.Params, optax.OptState]:
+  """One optimizer step into the parameters: ``(new params, new state)``.
+
+  ``optax.apply_updates(params, optimizer.update(grads, state, params)[0])`` for any optax
+  transformation. This module's optimizers (and :func:`chain` s ending in one) take their fused
+  step instead: on a GPU each block-wise quantized tensor is one kernel that reads the gradient,
+  the moments and the parameter and writes the new moments and parameter (no update tensor in
+  between); elsewhere the same arithmetic in XLA. The results agree with the unfused step to
+  float32 rounding; bf16 parameters after :func:`stochastic_rounding` are rounded stochastically
+  in both, from different random bits.
+  """
+  if getattr(optimizer, "fused_step", None) is not None:
+    return optimizer.fused_step(grads, state, params)
+  updates, state = optimizer.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def adamw_quantized(
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    nesterov: bool = False,
+    min_size: int = MIN_QUANTIZED_SIZE,
+) -> FusedStep:
+  """AdamW with moments stored in any block formats: what :func:`adamw_8bit`, :func:`adamw_4bit` and
+  :func:`adamw_fp8` build with theirs (:func:`moment_formats`).
+
+  Args:
+    m_format, v_format: the moments' :class:`~jaxlowbit.qstate.BlockFormat` s (one block size).
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in ``optax.adamw``.
+    min_size: tensors with fewer elements keep float32 moments.
+
+  Returns:
+    A :class:`FusedStep`: ``optax.chain(scale_by_adam_quantized, add_decayed_weights,
+    scale_by_learning_rate)``, like ``optax.adamw``, with its fused step (:func:`apply_step`).
+  """
+  moments = _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size)
+  return _adamw(moments, weight_decay, mask, learning_rate)
 
 
 def _static(value, default: int, name: str, who: str) -> int:
@@ -286,7 +438,7 @@ def adamw_8bit(
     nesterov: bool = False,
     block_size: int | None = None,
     min_size: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> FusedStep:
   """``optax.adamw`` with 8-bit block-wise moments (dynamic tree map; bitsandbytes' 8-bit Adam).
 
   Args:
@@ -296,13 +448,12 @@ def adamw_8bit(
     min_size: tensors with fewer elements keep float32 moments (None: 4096).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` (a chain, like ``optax.adamw``'s).
+    A :class:`FusedStep` (an optax chain, like ``optax.adamw``'s, with a fused step: :func:`apply_step`).
   """
   block_size = _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_8bit")
-  moments = scale_by_adam_quantized(
-      *moment_formats("adamw_8bit", block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
-  return _adamw(moments, weight_decay, mask, learning_rate)
+  return adamw_quantized(*moment_formats("adamw_8bit", block_size), learning_rate, b1, b2, eps, eps_root, mu_dtype,
+                         weight_decay, mask, nesterov=nesterov, min_size=min_size)
 
 
 def adamw_4bit(
@@ -318,7 +469,7 @@ def adamw_4bit(
     nesterov: bool = False,
     block_size: int | None = None,
     min_size: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> FusedStep:
   """``optax.adamw`` with 4-bit block-wise moments, two codes per byte (torchao's 4-bit AdamW).
 
   ``m`` uses the signed 4-bit dynamic map, ``v`` the linear map without zero (Li et al. 2023:
@@ -331,13 +482,12 @@ def adamw_4bit(
     min_size: tensors with fewer elements keep float32 moments (None: 4096).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    A :class:`FusedStep`.
   """
   block_size = _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_4bit")
-  moments = scale_by_adam_quantized(
-      *moment_formats("adamw_4bit", block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
-  return _adamw(moments, weight_decay, mask, learning_rate)
+  return adamw_quantized(*moment_formats("adamw_4bit", block_size), learning_rate, b1, b2, eps, eps_root, mu_dtype,
+                         weight_decay, mask, nesterov=nesterov, min_size=min_size)
 
 
 def adamw_fp8(
@@ -354,7 +504,7 @@ def adamw_fp8(
     v_dtype: Any = None,
     block_size: int | None = None,
     min_size: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> FusedStep:
   """``optax.adamw`` with FP8 moments: e4m3 with a block scale ``amax / 448`` (torchao's FP8 AdamW).
 
   ``v_dtype=jnp.float16`` gives MS-AMP's O2 optimizer: ``m`` e4m3, ``v`` float16 (block scale
@@ -370,7 +520,7 @@ def adamw_fp8(
     min_size: tensors with fewer elements keep float32 moments (None: 4096).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    A :class:`FusedStep`.
   """
   block_size = _check_block(block_size, "adamw_fp8", BLOCK_FP8)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_fp8")
@@ -381,9 +531,8 @@ def adamw_fp8(
     raise TypeError(
         f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
     ) from None
-  moments = scale_by_adam_quantized(
-      *moment_formats(name, block_size), b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, min_size=min_size)
-  return _adamw(moments, weight_decay, mask, learning_rate)
+  return adamw_quantized(*moment_formats(name, block_size), learning_rate, b1, b2, eps, eps_root, mu_dtype,
+                         weight_decay, mask, nesterov=nesterov, min_size=min_size)
 
 
 def adamw_fp8_o2(
@@ -487,7 +636,7 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("stochastic_rounding: update needs params (tx.update(grads, state, params))")
-    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
+    step_key, new_state = rounding(state)
     new = apply_updates_stochastic(params, updates, step_key)
 
     def delta(p, u, n):
@@ -496,9 +645,13 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
       return n.astype(jnp.float32) - p.astype(jnp.float32)
 
     out = jax.tree.map(delta, params, updates, new, is_leaf=lambda x: x is None)
-    return out, StochasticRoundingState(key=jax.random.key_data(key))
+    return out, new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def rounding(state):
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
+    return step_key, StochasticRoundingState(key=jax.random.key_data(key))
+
+  return _fused(optax.GradientTransformation(init_fn, update_fn), rounding=rounding)
 
 
 # ----------------------------------------------------------------------------- factory
@@ -533,7 +686,7 @@ def make(
     raise ValueError(f"jaxlowbit.optim.make: unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}") from None
   tx = factory(learning_rate, **kwargs)
   if stochastic_rounding_seed is not None:
-    tx = optax.chain(tx, stochastic_rounding(stochastic_rounding_seed))
+    tx = chain(tx, stochastic_rounding(stochastic_rounding_seed))
   return tx
 
 
@@ -541,6 +694,7 @@ __all__ = [
     "BLOCK_4BIT",
     "BLOCK_8BIT",
     "BLOCK_FP8",
+    "FusedStep",
     "MIN_QUANTIZED_SIZE",
     "OPTIMIZERS",
     "ScaleByAdamQuantizedState",
@@ -549,7 +703,10 @@ __all__ = [
     "adamw_8bit",
     "adamw_fp8",
     "adamw_fp8_o2",
+    "adamw_quantized",
+    "apply_step",
     "apply_updates_stochastic",
+    "chain",
     "make",
     "moment_formats",
     "scale_by_adam_quantized",

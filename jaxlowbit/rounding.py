@@ -10,21 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit_numerics.int8 import INT8_MAX
+from jaxlowbit_numerics.random import round_bf16_with_bits
 from jaxlowbit_numerics.stats import check_floating
 
-# float32 -> bfloat16 drops the low 16 mantissa bits of the float32 pattern.
-_BF16_DROPPED_BITS = 16
-
-
 def _to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) >> (32 - _BF16_DROPPED_BITS)
-  # Adding uniform noise below the kept bits and truncating rounds the magnitude up with
-  # probability equal to the dropped fraction; sign-magnitude makes that unbiased.
-  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-  out = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
-  # inf/NaN patterns must not be perturbed (a carry could flip them into other values).
-  return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
+  return round_bf16_with_bits(x, jax.random.bits(key, x.shape, jnp.uint32))
 
 
 def _to_int8(x: jax.Array, key: jax.Array) -> jax.Array:

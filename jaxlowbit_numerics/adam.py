@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxlowbit_numerics.random import round_bf16_with_bits
+
 # The coefficients in the order the fused kernel reads them from its float32 operand.
 COEFFICIENT_NAMES = ("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "bc1_next", "eps", "eps_root")
 
@@ -66,10 +68,32 @@ def adam_moments(g: jax.Array, m: jax.Array, v: jax.Array, c: AdamCoefficients, 
   return m_hat / (jnp.sqrt(v_hat + c.eps_root) + c.eps), m_new, v_new
 
 
+def apply_update(p: jax.Array, u: jax.Array, neg_lr, weight_decay, bits: jax.Array | None = None) -> jax.Array:
+  """The parameter after one AdamW step: ``p + neg_lr * (u + weight_decay * p)``, in ``p``'s dtype.
+
+  The arithmetic of ``optax.chain(add_decayed_weights, scale_by_learning_rate)`` then
+  ``optax.apply_updates`` on a float32 ``p``, operation for operation, written once for the
+  fused step's kernel and its XLA reference.
+
+  Args:
+    p: parameter (float32 or bfloat16, any shape); u: its float32 Adam update (same shape).
+    neg_lr: ``-learning_rate`` of this step; weight_decay: this parameter's decay (0 when masked).
+    bits: uint32 random bits shaped like ``p``: a bfloat16 ``p`` is then rounded stochastically
+      (:func:`jaxlowbit_numerics.random.round_bf16_with_bits`); None: to nearest.
+  """
+  p32 = p.astype(jnp.float32)
+  new = p32 + neg_lr * (u + weight_decay * p32)
+  if bits is not None and jnp.dtype(p.dtype) == jnp.bfloat16:
+    return round_bf16_with_bits(new, bits)
+  return new.astype(p.dtype)
+
+
 def coefficient_vector(c: AdamCoefficients) -> jax.Array:
   """``c`` as one float32 ``[len(COEFFICIENT_NAMES)]`` array (a kernel operand). Each value is
   rounded to float32 once, as XLA rounds a Python float constant that meets a float32 array."""
   return jnp.stack([jnp.asarray(getattr(c, name), jnp.float32) for name in COEFFICIENT_NAMES])
 
 
-__all__ = ["COEFFICIENT_NAMES", "AdamCoefficients", "adam_coefficients", "adam_moments", "coefficient_vector"]
+__all__ = [
+    "COEFFICIENT_NAMES", "AdamCoefficients", "adam_coefficients", "adam_moments", "apply_update", "coefficient_vector",
+]

@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plt
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlowbit_numerics import stats
-from jaxlowbit_numerics.adam import COEFFICIENT_NAMES, AdamCoefficients, adam_moments, coefficient_vector
+from jaxlowbit_numerics.adam import COEFFICIENT_NAMES, AdamCoefficients, adam_moments, apply_update, coefficient_vector
 from jaxlowbit_numerics.blockwise import (
     BlockFormat,
     BlockQuantized,
@@ -54,6 +54,7 @@ from jaxlowbit_numerics.blockwise import (
     stored_shapes,
     unpack_nibbles,
 )
+from jaxlowbit_numerics.random import hash_bits
 from pallas_kernels.vma import out_struct
 
 # Block sizes the kernel takes: Triton tiles are powers of two, and a 4-bit block's half
@@ -63,6 +64,8 @@ MIN_BLOCK, MAX_BLOCK = 32, 8192
 # storage (BlockFormat.sqrt) were measured on CPU only and no optimizer ships them: XLA's update.
 KERNEL_KINDS = frozenset({"dynamic", "linear", "e4m3", "fp16"})
 GRADIENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Parameters the fused step writes (adam_step_kernel): float32 masters, or bf16 weights.
+PARAM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +119,24 @@ def _store_moment(codes_ref, scale_ref, rows, values: list[jax.Array], fmt: Bloc
   scale_ref[rows] = scale[:, 0]
 
 
-def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, u_ref, mc_out, ms_out, vc_out, vs_out, *,
-                 m_format: BlockFormat, v_format: BlockFormat, nesterov: bool, rows: int):
-  blocks = pl.ds(pl.program_id(0) * rows, rows)
+def _element_index(first_block, rows: int, block: int, start: int, stride: int, size: int) -> jax.Array:
+  """uint32 ``[rows, size]`` flat indices (in the kernel's operand) of a part's elements."""
+  row = jax.lax.broadcasted_iota(jnp.uint32, (rows, size), 0) + first_block.astype(jnp.uint32)
+  col = jax.lax.broadcasted_iota(jnp.uint32, (rows, size), 1) * jnp.uint32(stride) + jnp.uint32(start)
+  return row * jnp.uint32(block) + col
+
+
+def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, *refs, m_format: BlockFormat, v_format: BlockFormat,
+                 nesterov: bool, rows: int, param: bool, stochastic: bool):
+  """One program: ``rows`` blocks. Without ``param``: ``refs = (u_out, codes and scales out)``; with
+  it, ``refs = (p, step coefficients, p_out, codes and scales out)`` and the program also writes
+  the parameter (:func:`jaxlowbit_numerics.adam.apply_update`)."""
+  if param:
+    p_ref, s_ref, out_ref, mc_out, ms_out, vc_out, vs_out = refs
+  else:
+    out_ref, mc_out, ms_out, vc_out, vs_out = refs
+  first = pl.program_id(0) * rows
+  blocks = pl.ds(first, rows)
   parts = _parts(m_format, v_format)
   size = m_format.block // len(parts)
   coefficients = AdamCoefficients(*(c_ref[k] for k in range(len(COEFFICIENT_NAMES))))
@@ -127,7 +145,14 @@ def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, u_ref, mc_out, ms
   v = _load_moment(vc_ref, vs_ref, blocks, v_format, parts)
   steps = [adam_moments(*gmv, coefficients, nesterov) for gmv in zip(g, m, v)]
   for (start, stride), (u, _, _) in zip(parts, steps):
-    u_ref[blocks, pl.ds(start, size, stride=stride)] = u
+    elements = (blocks, pl.ds(start, size, stride=stride))
+    if param:
+      bits = None
+      if stochastic:
+        seed = jax.lax.bitcast_convert_type(s_ref[2], jnp.uint32)
+        bits = hash_bits(_element_index(first, rows, m_format.block, start, stride, size), seed)
+      u = apply_update(p_ref[elements], u, s_ref[0], s_ref[1], bits)
+    out_ref[elements] = u
   _store_moment(mc_out, ms_out, blocks, [s[1] for s in steps], m_format, parts)
   _store_moment(vc_out, vs_out, blocks, [s[2] for s in steps], v_format, parts)
 
@@ -163,26 +188,42 @@ def _rows_per_program(n_blocks: int, block: int, config: AdamKernelConfig) -> in
   return rows
 
 
-def _call(g, mc, ms, vc, vs, cvec, m_format: BlockFormat, v_format: BlockFormat, nesterov: bool,
-          config: AdamKernelConfig, interpret: bool):
+def step_vector(neg_lr, weight_decay, seed) -> jax.Array:
+  """The fused step's scalars as one float32 ``[3]`` kernel operand: ``-learning_rate``, the
+  parameter's weight decay, and the uint32 rounding ``seed`` (its bits, carried as a float32)."""
+  seed = jax.lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32), jnp.float32)
+  return jnp.stack([jnp.asarray(neg_lr, jnp.float32), jnp.asarray(weight_decay, jnp.float32), seed])
+
+
+def _call(g, mc, ms, vc, vs, cvec, *param, m_format: BlockFormat, v_format: BlockFormat, nesterov: bool,
+          config: AdamKernelConfig, interpret: bool, stochastic: bool):
   """The ``pallas_call`` on one device's blocks: ``g [*b, B]``, codes ``[*b, B']``, scales ``[*b]``
-  (``*b``: any leading shape, flattened here), ``cvec`` the coefficient vector."""
+  (``*b``: any leading shape, flattened here), ``cvec`` the coefficient vector; ``param``: empty,
+  or ``(p [*b, B], step vector)`` to write the parameter instead of returning the update."""
   block = m_format.block
   n_blocks = ms.size
   rows = _rows_per_program(n_blocks, block, config)
   operands = (g.reshape(n_blocks, -1), mc.reshape(n_blocks, -1), ms.reshape(n_blocks), vc.reshape(n_blocks, -1),
               vs.reshape(n_blocks), cvec)
-  out_shape = [out_struct((n_blocks, block), jnp.float32, *operands)]
+  aliases = {1: 1, 2: 2, 3: 3, 4: 4}  # codes and scales in place
+  if param:
+    p, svec = param
+    operands += (p.reshape(n_blocks, -1), svec)
+    aliases[6] = 0  # and the parameter
+    out_shape = [out_struct(operands[6].shape, p.dtype, *operands)]
+  else:
+    out_shape = [out_struct((n_blocks, block), jnp.float32, *operands)]
   out_shape += [out_struct(x.shape, x.dtype, *operands) for x in operands[1:5]]
-  kernel = functools.partial(_adam_kernel, m_format=m_format, v_format=v_format, nesterov=nesterov, rows=rows)
+  kernel = functools.partial(_adam_kernel, m_format=m_format, v_format=v_format, nesterov=nesterov, rows=rows,
+                             param=bool(param), stochastic=stochastic)
   outs = pl.pallas_call(
       kernel,
       out_shape=tuple(out_shape),
       grid=(n_blocks // rows,),
-      input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4},  # codes and scales in place
+      input_output_aliases=aliases,
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
-      name="jaxlowbit_adam_update",
+      name="jaxlowbit_adam_step" if param else "jaxlowbit_adam_update",
   )(*operands)
   return tuple(out.reshape(x.shape) for out, x in zip(outs, (g, mc, ms, vc, vs)))
 
@@ -191,7 +232,8 @@ def _call(g, mc, ms, vc, vs, cvec, m_format: BlockFormat, v_format: BlockFormat,
 # gather every operand onto each device. The update is independent per block, so the call is
 # partitioned like an elementwise op over the blocks: operands in block view ``[*lead, nb, B]``,
 # each device runs the kernel on its own blocks; a block's elements stay on one device.
-_BLOCK_RULE = "... b k, ... b c, ... b, ... b e, ... b, h -> ... b k, ... b c, ... b, ... b e, ... b"
+_OPERANDS_RULE = "... b k, ... b c, ... b, ... b e, ... b, h"
+_RESULTS_RULE = "... b k, ... b c, ... b, ... b e, ... b"
 _WITHIN_BLOCK = ("k", "c", "e", "h")
 
 
@@ -201,35 +243,55 @@ def _per_block_sharding(sharding, ndim: int):
   return NamedSharding(sharding.mesh, PartitionSpec(*spec[: ndim - 1], None))
 
 
-def _partition(m_format, v_format, nesterov, config, interpret, mesh, arg_shapes, result_shape):
-  del result_shape
-  lead = arg_shapes[0].sharding  # the gradient's sharding of [*lead, nb] decides
-  rank = len(arg_shapes[0].shape)
-  blocks = _per_block_sharding(lead, rank)
-  scales = NamedSharding(blocks.mesh, PartitionSpec(*blocks.spec[: rank - 1]))
-  args = (blocks, blocks, scales, blocks, scales, NamedSharding(blocks.mesh, PartitionSpec()))
-  results = (blocks, blocks, scales, blocks, scales)
-  lower = functools.partial(_call, m_format=m_format, v_format=v_format, nesterov=nesterov, config=config,
-                            interpret=interpret)
-  return mesh, lower, results, args
+def _partitioned(param: bool):
+  """``_call`` under ``custom_partitioning``, with (``param``) or without the parameter operands."""
+  n_static = 6  # m_format, v_format, nesterov, config, interpret, stochastic
+  n_arrays = 8 if param else 6
+
+  def call(*args):
+    arrays, (m_format, v_format, nesterov, config, interpret, stochastic) = args[:n_arrays], args[n_arrays:]
+    return _call(*arrays, m_format=m_format, v_format=v_format, nesterov=nesterov, config=config,
+                 interpret=interpret, stochastic=stochastic)
+
+  def partition(*args):
+    static, (mesh, arg_shapes, result_shape) = args[:n_static], args[n_static:]
+    del mesh, result_shape
+    lead = arg_shapes[0].sharding  # the gradient's sharding of [*lead, nb] decides
+    rank = len(arg_shapes[0].shape)
+    blocks = _per_block_sharding(lead, rank)
+    scales = NamedSharding(blocks.mesh, PartitionSpec(*blocks.spec[: rank - 1]))
+    vector = NamedSharding(blocks.mesh, PartitionSpec())
+    shardings = (blocks, blocks, scales, blocks, scales, vector) + ((blocks, vector) if param else ())
+    results = (blocks, blocks, scales, blocks, scales)
+    return blocks.mesh, lambda *arrays: call(*arrays, *static), results, shardings
+
+  def infer(*args):
+    return partition(*args)[2]
+
+  fn = custom_partitioning(call, static_argnums=tuple(range(n_arrays, n_arrays + n_static)))
+  rule = f"{_OPERANDS_RULE}, ... b k, s -> {_RESULTS_RULE}" if param else f"{_OPERANDS_RULE} -> {_RESULTS_RULE}"
+  fn.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                   need_replication_factors=_WITHIN_BLOCK + (("s",) if param else ()))
+  return fn
 
 
-def _infer(m_format, v_format, nesterov, config, interpret, mesh, arg_shapes, result_shape):
-  del m_format, v_format, nesterov, config, interpret, mesh, result_shape
-  return _partition(None, None, None, None, None, None, arg_shapes, None)[2]
+_update_call = _partitioned(param=False)
+_step_call = _partitioned(param=True)
 
 
-@functools.partial(custom_partitioning, static_argnums=(6, 7, 8, 9, 10))
-def _partitioned_call(g, mc, ms, vc, vs, cvec, m_format, v_format, nesterov, config, interpret):
-  return _call(g, mc, ms, vc, vs, cvec, m_format, v_format, nesterov, config, interpret)
+def _check_supported(g, m, v, m_format, v_format, who: str) -> None:
+  if not supported(g, m, v, m_format, v_format):
+    raise ValueError(
+        f"{who}: gradient {g.shape} {g.dtype} with states {m.codes.shape}/{v.codes.shape} in {m_format} / "
+        f"{v_format}: the kernel needs one power-of-two block in [{MIN_BLOCK}, {MAX_BLOCK}] dividing the last axis "
+        "and a float32/bf16/fp16 gradient; use pallas_kernels.dispatch.adam_update, which runs XLA's update instead"
+    )
 
 
-_partitioned_call.def_partition(
-    partition=_partition,
-    infer_sharding_from_operands=_infer,
-    sharding_rule=_BLOCK_RULE,
-    need_replication_factors=_WITHIN_BLOCK,
-)
+def _block_view(x: jax.Array, fmt: BlockFormat | None, block: int) -> jax.Array:
+  """``[*lead, N']`` -> ``[*lead, N' / n, n]`` with ``n`` a block's stored elements (free: whole blocks)."""
+  n = block // 2 if fmt is not None and fmt.storage_bits == 4 else block
+  return x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
 
 
 @functools.partial(jax.jit, static_argnames=("m_format", "v_format", "nesterov", "config", "interpret"))
@@ -263,19 +325,60 @@ def adam_update_kernel(
     the inputs' when XLA may reuse those buffers: a donated state). Sharded operands (GSPMD)
     are updated where they are: each device runs the kernel on its blocks.
   """
-  if not supported(g, m, v, m_format, v_format):
-    raise ValueError(
-        f"adam_update_kernel: gradient {g.shape} {g.dtype} with states {m.codes.shape}/{v.codes.shape} in {m_format} / "
-        f"{v_format}: the kernel needs one power-of-two block in [{MIN_BLOCK}, {MAX_BLOCK}] dividing the last axis "
-        "and a float32/bf16/fp16 gradient; use pallas_kernels.dispatch.adam_update, which runs XLA's update instead"
-    )
+  _check_supported(g, m, v, m_format, v_format, "adam_update_kernel")
   block = m_format.block
-  blocks = lambda x, n: x.reshape(*x.shape[:-1], x.shape[-1] // n, n)  # noqa: E731  (free: whole blocks)
-  per_block = lambda fmt: block // 2 if fmt.storage_bits == 4 else block  # noqa: E731
-  u, mc, ms, vc, vs = _partitioned_call(
-      blocks(g, block), blocks(m.codes, per_block(m_format)), m.scale, blocks(v.codes, per_block(v_format)), v.scale,
-      coefficient_vector(coefficients), m_format, v_format, nesterov, config, interpret)
+  u, mc, ms, vc, vs = _update_call(
+      _block_view(g, None, block), _block_view(m.codes, m_format, block), m.scale,
+      _block_view(v.codes, v_format, block), v.scale, coefficient_vector(coefficients),
+      m_format, v_format, nesterov, config, interpret, False)
   return (u.reshape(g.shape), BlockQuantized(mc.reshape(m.codes.shape), ms),
+          BlockQuantized(vc.reshape(v.codes.shape), vs))
+
+
+@functools.partial(jax.jit, static_argnames=("m_format", "v_format", "nesterov", "config", "interpret"))
+def adam_step_kernel(
+    p: jax.Array,
+    g: jax.Array,
+    m: BlockQuantized,
+    v: BlockQuantized,
+    coefficients: AdamCoefficients,
+    neg_lr: jax.Array,
+    weight_decay: jax.Array,
+    seed: jax.Array | None,
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    nesterov: bool = False,
+    config: AdamKernelConfig = AdamKernelConfig(),
+    interpret: bool = False,
+) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
+  """One AdamW step written into the parameter: :func:`adam_update_kernel` that also reads ``p``
+  and writes ``apply_update(p, u, neg_lr, weight_decay)`` in its place, so ``u`` never reaches memory.
+
+  Args:
+    p: parameter ``[*lead, N]``, float32 or bfloat16 (the gradient's shape).
+    g, m, v, coefficients, m_format, v_format, nesterov, config, interpret: as in
+      :func:`adam_update_kernel`.
+    neg_lr: float32 scalar ``-learning_rate``; weight_decay: float32 scalar (0: no decay).
+    seed: uint32 scalar: a bfloat16 ``p`` is rounded stochastically with
+      ``hash_bits(flat index, seed)`` (the flat index within each device's block of ``p``); None:
+      rounded to nearest.
+
+  Returns:
+    ``(p_new, m_new, v_new)``, as :func:`adam_step_reference` (``p_new`` in ``p``'s dtype, in
+    place of ``p`` when it is donated).
+  """
+  _check_supported(g, m, v, m_format, v_format, "adam_step_kernel")
+  if p.shape != g.shape or jnp.dtype(p.dtype) not in PARAM_DTYPES:
+    raise ValueError(f"adam_step_kernel: parameter {p.shape} {p.dtype} for gradient {g.shape}: the kernel needs the "
+                     "gradient's shape and a float32 or bfloat16 parameter")
+  block = m_format.block
+  stochastic = seed is not None
+  svec = step_vector(neg_lr, weight_decay, seed if stochastic else 0)
+  p_new, mc, ms, vc, vs = _step_call(
+      _block_view(g, None, block), _block_view(m.codes, m_format, block), m.scale,
+      _block_view(v.codes, v_format, block), v.scale, coefficient_vector(coefficients), _block_view(p, None, block),
+      svec, m_format, v_format, nesterov, config, interpret, stochastic)
+  return (p_new.reshape(p.shape), BlockQuantized(mc.reshape(m.codes.shape), ms),
           BlockQuantized(vc.reshape(v.codes.shape), vs))
 
 
@@ -297,4 +400,36 @@ def adam_update_reference(
   return u, quantize_blockwise(m, m_format), quantize_blockwise(v, v_format)
 
 
-__all__ = ["KERNEL_KINDS", "AdamKernelConfig", "adam_update_kernel", "adam_update_reference", "supported"]
+def adam_step_reference(
+    p: jax.Array,
+    g: jax.Array,
+    m: BlockQuantized,
+    v: BlockQuantized,
+    coefficients: AdamCoefficients,
+    neg_lr: jax.Array,
+    weight_decay: jax.Array,
+    seed: jax.Array | None,
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    nesterov: bool = False,
+) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
+  """:func:`adam_step_kernel` in XLA: :func:`adam_update_reference`, then ``apply_update`` with
+  the same random bits (the flat index of each element of ``p``)."""
+  u, m, v = adam_update_reference(g, m, v, coefficients, m_format, v_format, nesterov)
+  bits = None
+  if seed is not None:
+    bits = hash_bits(jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape), seed)
+  return apply_update(p, u, neg_lr, weight_decay, bits), m, v
+
+
+__all__ = [
+    "KERNEL_KINDS",
+    "PARAM_DTYPES",
+    "AdamKernelConfig",
+    "adam_step_kernel",
+    "adam_step_reference",
+    "adam_update_kernel",
+    "adam_update_reference",
+    "step_vector",
+    "supported",
+]

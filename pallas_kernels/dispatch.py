@@ -12,6 +12,7 @@ implementation runs is decided here and nowhere else:
 and ``jaxlowbit.optim`` sends the Adam step of every block-wise quantized tensor through
 
 - :func:`adam_update`     gradient + low-bit ``m``, ``v`` -> update + new ``m``, ``v``
+- :func:`adam_step`       the same, written into the parameter -> new parameter, ``m``, ``v``
 
 Backends:
 - ``"xla"``: :mod:`pallas_kernels.reference` (XLA fusions).
@@ -50,7 +51,7 @@ from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["adam_update", "current_split", "fused_quantize", "prologue_values", "quantize_cols_t", "quantize_rows",
+__all__ = ["adam_step", "adam_update", "current_split", "fused_quantize", "prologue_values", "quantize_cols_t", "quantize_rows",
            "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "split_operands"]
 
 _SPLIT = contextvars.ContextVar("jaxlowbit_split_operands", default=NO_SPLIT)
@@ -228,9 +229,49 @@ def adam_update(
     reference; the same codes up to ties of the nearest-code search.
   """
   with jax.named_scope(ADAM_SCOPE):
-    explicit = any(axis is not None for axis in jax.typeof(g).sharding.spec)  # sharding in types: XLA's update
-    if (not explicit and policy.adam_on_kernel((m_format.kind, v_format.kind))
-        and adam_kernels.supported(g, m, v, m_format, v_format)):
+    if _adam_on_kernel(g, m, v, m_format, v_format):
       config = tuning.adam_config(m_format, v_format)
       return adam_kernels.adam_update_kernel(g, m, v, coefficients, m_format, v_format, nesterov, config)
     return adam_kernels.adam_update_reference(g, m, v, coefficients, m_format, v_format, nesterov)
+
+
+def _adam_on_kernel(g, m, v, m_format, v_format) -> bool:
+  """The one choice of :func:`adam_update` and :func:`adam_step`: the policy, then the tensor."""
+  explicit = any(axis is not None for axis in jax.typeof(g).sharding.spec)  # sharding in types: XLA's update
+  return (not explicit and policy.adam_on_kernel((m_format.kind, v_format.kind))
+          and adam_kernels.supported(g, m, v, m_format, v_format))
+
+
+def adam_step(
+    p: jax.Array,
+    g: jax.Array,
+    m: BlockQuantized,
+    v: BlockQuantized,
+    coefficients: AdamCoefficients,
+    neg_lr: jax.Array,
+    weight_decay: jax.Array,
+    seed: jax.Array | None,
+    m_format: BlockFormat,
+    v_format: BlockFormat,
+    nesterov: bool = False,
+) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
+  """One AdamW step of a block-wise quantized tensor, written into its parameter ``p``.
+
+  Args:
+    p: parameter ``[*lead, N]`` (float32 or bfloat16); g, m, v, coefficients, m_format,
+      v_format, nesterov: as in :func:`adam_update`.
+    neg_lr: ``-learning_rate``; weight_decay: this parameter's decay (float32 scalars).
+    seed: uint32 scalar for bf16 stochastic rounding, or None (round to nearest).
+
+  Returns:
+    ``(p_new, m_new, v_new)``: one kernel that reads ``p`` and writes ``p_new``
+    (:func:`pallas_kernels.adam.adam_step_kernel`) where :func:`adam_update` would take the
+    kernel, else its XLA reference (:func:`pallas_kernels.adam.adam_step_reference`).
+  """
+  with jax.named_scope(ADAM_SCOPE):
+    if jnp.dtype(p.dtype) in adam_kernels.PARAM_DTYPES and _adam_on_kernel(g, m, v, m_format, v_format):
+      config = tuning.adam_config(m_format, v_format)
+      return adam_kernels.adam_step_kernel(p, g, m, v, coefficients, neg_lr, weight_decay, seed, m_format, v_format,
+                                           nesterov, config)
+    return adam_kernels.adam_step_reference(p, g, m, v, coefficients, neg_lr, weight_decay, seed, m_format, v_format,
+                                            nesterov)

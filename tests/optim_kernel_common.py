@@ -82,14 +82,8 @@ def assert_codes_agree_but_ties(got, want, exact, fmt, what="", terms=None):
   assert differ.mean() <= MAX_TIE_FRACTION, f"{what}: {differ.mean():.2e} of the codes differ"
 
 
-def assert_update_agrees(kernel_out, reference_out, g, m, v, coefficients, m_format, v_format, nesterov):
-  """The kernel's ``(u, m, v)`` against XLA's, with the exact float32 moments recomputed from the inputs."""
-  u, m_new, v_new = kernel_out
-  ru, rm, rv = reference_out
-  assert u.dtype == jnp.float32 and u.shape == g.shape
-  for got, want in ((m_new, rm), (v_new, rv)):
-    assert got.codes.shape == want.codes.shape and got.codes.dtype == want.codes.dtype
-    assert got.scale.shape == want.scale.shape and got.scale.dtype == jnp.float32
+def _u_bound(g, m, v, coefficients, m_format, v_format, nesterov):
+  """``(bound on |u - u_xla|, exact m, exact v, |terms| of m)`` from the step's inputs."""
   gf = g.astype(jnp.float32)
   m_in = qstate.dequantize_blockwise(m, m_format, g.shape)
   v_in = qstate.dequantize_blockwise(v, v_format, g.shape)
@@ -104,10 +98,21 @@ def assert_update_agrees(kernel_out, reference_out, g, m, v, coefficients, m_for
   else:
     terms = m_terms / c.bc1
   denominator = np.sqrt(np.asarray(v_exact, np.float64) / c.bc2 + c.eps_root) + c.eps
+  return U_RTOL * terms / denominator, m_exact, v_exact, m_terms
+
+
+def assert_update_agrees(kernel_out, reference_out, g, m, v, coefficients, m_format, v_format, nesterov):
+  """The kernel's ``(u, m, v)`` against XLA's, with the exact float32 moments recomputed from the inputs."""
+  u, m_new, v_new = kernel_out
+  ru, rm, rv = reference_out
+  assert u.dtype == jnp.float32 and u.shape == g.shape
+  for got, want in ((m_new, rm), (v_new, rv)):
+    assert got.codes.shape == want.codes.shape and got.codes.dtype == want.codes.dtype
+    assert got.scale.shape == want.scale.shape and got.scale.dtype == jnp.float32
+  bound, m_exact, v_exact, m_terms = _u_bound(g, m, v, coefficients, m_format, v_format, nesterov)
   finite = np.isfinite(np.asarray(ru))
   np.testing.assert_array_equal(np.isfinite(np.asarray(u)), finite)
   err = np.abs(np.asarray(u, np.float64) - np.asarray(ru, np.float64))
-  bound = U_RTOL * terms / denominator
   assert np.all(err[finite] <= bound[finite]), np.max(err[finite] / bound[finite])
   assert_codes_agree_but_ties(m_new, rm, m_exact, m_format, "m", m_terms)
   assert_codes_agree_but_ties(v_new, rv, v_exact, v_format, "v")  # no cancellation: both terms >= 0
@@ -143,3 +148,37 @@ def assert_nonfinite_gradients_reach_the_state_as_nan(kernel, key, m_format, v_f
     assert np.all(np.isnan(values[bad])) and np.all(np.isfinite(values[~bad])), fmt
   assert np.isnan(u[1, 3]) and np.isnan(u[2, block + 5]) and np.isnan(u[3, 7])
   assert np.isfinite(np.asarray(u)).sum() == u.size - 3
+
+
+def assert_step_matches_reference(kernel, key, shape, m_format, v_format, seeds):
+  """``seeds`` fresh draws: ``kernel(p, g, m, v, c, neg_lr, weight_decay, seed, m_format, v_format)``
+  (the fused step) against XLA's step. The moments as :func:`assert_update_agrees` allows; float32
+  parameters to the update's tolerance times the learning rate (and an ulp of ``p``); bf16
+  parameters, stochastically rounded with the same bits, equal except where float32 rounding of
+  the exact new value moves it across a rounding threshold (rare; then by one bf16 ulp)."""
+  for seed in range(seeds):
+    k1, k2, k3 = jax.random.split(jax.random.fold_in(key, seed), 3)
+    param_dtype = jnp.bfloat16 if seed % 2 else jnp.float32
+    g, m, v, c = random_case(k1, shape, m_format, v_format, param_dtype)
+    p = (jax.random.normal(k2, shape) * 0.02).astype(param_dtype)
+    neg_lr, decay = jnp.float32(-1e-3), jnp.float32(0.1 * (seed % 3 != 2))  # every third draw: no decay
+    rounding = jax.random.bits(k3, (), jnp.uint32) if param_dtype == jnp.bfloat16 else None
+    p_new, m_new, v_new = kernel(p, g, m, v, c, neg_lr, decay, rounding, m_format, v_format)
+    ru, rm, rv = reference(g, m, v, c, m_format, v_format, False)
+    want = step_reference(p, g, m, v, c, neg_lr, decay, rounding, m_format, v_format)
+    assert p_new.dtype == p.dtype and p_new.shape == p.shape
+    # The moments: exactly what the update kernel is held to.
+    assert_update_agrees((ru, m_new, v_new), (ru, rm, rv), g, m, v, c, m_format, v_format, False)
+    got, ref = np.asarray(p_new, np.float64), np.asarray(want[0], np.float64)
+    if param_dtype == jnp.float32:
+      u_bound = _u_bound(g, m, v, c, m_format, v_format, False)[0]
+      bound = 1e-3 * u_bound + 2.0**-22 * np.abs(ref) + 1e-30  # |neg_lr| = 1e-3; an ulp of p and of the sum
+      assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
+    else:
+      differ = got != ref
+      ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
+      assert np.all(np.abs(got - ref)[differ] <= ulp[differ] * 1.01), "bf16 parameters differ by more than an ulp"
+      assert differ.mean() <= 1e-3, f"{differ.mean():.2e} of the bf16 parameters differ"
+
+
+step_reference = jax.jit(ak.adam_step_reference, static_argnums=(8, 9, 10))

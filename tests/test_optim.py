@@ -107,8 +107,8 @@ E5M2_V = {
 def test_e5m2_second_moment_tracks_optax_adamw_as_measured(which):
   v_format, bound = E5M2_V[which]
   key, params, ref = _tracking_reference()
-  tx = optim._adamw(optim.scale_by_adam_quantized(qstate.BlockFormat("e4m3"), v_format), TRACK_KW["weight_decay"],
-                    None, TRACK_KW["learning_rate"])
+  tx = optim.adamw_quantized(qstate.BlockFormat("e4m3"), v_format, TRACK_KW["learning_rate"],
+                             weight_decay=TRACK_KW["weight_decay"])
   _, state, ours = _trajectory(tx, params, key, 10)
   assert state[0].nu["kernel"].dtype == jnp.float8_e5m2
   errors = [rel_err(u[leaf], r[leaf]) for u, r in zip(ours, ref) for leaf in ("kernel", "heads", "odd")]
@@ -153,6 +153,60 @@ def test_composes_with_chain_clip_schedule_and_multisteps():
   for leaf in params:
     delta_ours, delta_ref = p_ours[leaf] - params[leaf], p_ref[leaf] - params[leaf]
     assert rel_err(delta_ours, delta_ref) < UPDATE_RTOL["adamw_8bit"], leaf
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_apply_step_is_the_unfused_step(name):
+  """optim.apply_step (the fused step: clip, schedule, mask and AdamW written into the parameters)
+  against tx.update + optax.apply_updates over 3 steps: the same state structure (checkpoints
+  load either way), the same moments but at rare ties, parameters to float32 rounding."""
+  key = fresh_key()
+  params = _params(key)
+  mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731  (the optax docs' pattern: needs shapes)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)
+  tx = optim.chain(optax.clip_by_global_norm(1.0), optim.make(name, schedule, weight_decay=0.1, mask=mask))
+  assert tx.fused_step is not None
+  fused = jax.jit(lambda g, s, p: optim.apply_step(tx, g, s, p))
+  unfused = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  (p1, s1), (p2, s2) = (params, tx.init(params)), (params, tx.init(params))
+  for step in range(3):
+    grads = jax.tree.map(lambda p, k=jax.random.fold_in(key, step): jax.random.normal(k, p.shape), params)
+    p1, s1 = fused(grads, s1, p1)
+    p2, s2 = unfused(grads, s2, p2)
+  assert jax.tree.structure(s1) == jax.tree.structure(s2)
+  for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+    assert a.dtype == b.dtype and np.mean(np.asarray(a) != np.asarray(b)) <= 1e-3
+  for leaf in params:
+    moved = np.max(np.abs(np.asarray(p2[leaf]) - np.asarray(params[leaf])))
+    assert moved > 0
+    # A moment code that flips at a tie moves its element's update by one code step (~1%).
+    np.testing.assert_allclose(p1[leaf], p2[leaf], rtol=0, atol=0.02 * moved)
+    assert np.mean(np.abs(np.asarray(p1[leaf]) - np.asarray(p2[leaf])) > 1e-6 * moved) <= 1e-3, leaf
+
+
+def test_apply_step_falls_back_and_rounds_bf16_stochastically():
+  """Transformations without a fused step (optax.adamw, inject_hyperparams) take update +
+  apply_updates; a chain ending in stochastic_rounding rounds bf16 weights in the fused step and
+  advances the rounding key as its update does."""
+  key = fresh_key()
+  params = _params(key)
+  grads = jax.tree.map(lambda p: jax.random.normal(key, p.shape), params)
+  for tx in (optax.adamw(1e-3), optax.inject_hyperparams(optim.adamw_8bit)(learning_rate=1e-3)):
+    assert getattr(tx, "fused_step", None) is None
+    state = tx.init(params)
+    new, _ = optim.apply_step(tx, grads, state, params)
+    want = optax.apply_updates(params, tx.update(grads, state, params)[0])
+    for leaf in params:
+      np.testing.assert_array_equal(new[leaf], want[leaf])
+  bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  tx = optim.make("adamw_8bit", 1e-3, stochastic_rounding_seed=0)
+  assert tx.fused_step is not None
+  state = tx.init(bf16)
+  new, fused_state = jax.jit(lambda g, s, p: optim.apply_step(tx, g, s, p))(grads, state, bf16)
+  _, unfused_state = tx.update(grads, state, bf16)
+  np.testing.assert_array_equal(fused_state[1].key, unfused_state[1].key)
+  assert all(new[leaf].dtype == jnp.bfloat16 for leaf in params)
+  assert not np.array_equal(new["kernel"], bf16["kernel"])
 
 
 def test_nesterov_and_mask():

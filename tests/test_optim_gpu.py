@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from helpers import fresh_key
 from jaxlowbit import optim
 from jaxlowbit.qstate import BlockQuantized
-from optim_kernel_common import (FORMATS, assert_kernel_matches_reference,
+from optim_kernel_common import (FORMATS, assert_kernel_matches_reference, assert_step_matches_reference,
                                  assert_nonfinite_gradients_reach_the_state_as_nan,
                                  random_case)
 from pallas_kernels import adam as ak
@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 SEEDS = 4
 kernel = jax.jit(ak.adam_update_kernel, static_argnums=(4, 5, 6))
+step_kernel = jax.jit(ak.adam_step_kernel, static_argnums=(8, 9))
 
 
 def _takes_kernel(name):
@@ -37,6 +38,38 @@ def _takes_kernel(name):
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_kernel_matches_xla_update(name, nesterov, shape):
   assert_kernel_matches_reference(kernel, fresh_key(), shape, *_takes_kernel(name), nesterov, SEEDS)
+
+
+@pytest.mark.parametrize("shape", [(64, 4096), (2, 22, 2048)], ids=str)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_step_kernel_writes_the_parameter_as_xla_does(name, shape):
+  """The fused step on the GPU: float32 and stochastically rounded bf16 parameters."""
+  assert_step_matches_reference(step_kernel, fresh_key(), shape, *_takes_kernel(name), SEEDS)
+
+
+@pytest.mark.parametrize("name", ["8bit", "4bit", "fp8"])
+def test_apply_step_runs_the_step_kernel(name, monkeypatch):
+  """optim.apply_step under jit on a GPU: the step kernel writes the parameter, and the result
+  agrees with the XLA step's (JAXLOWBIT_BACKEND=xla)."""
+  _takes_kernel(name)
+  key = fresh_key()
+  params = {"w": jax.random.normal(key, (256, 1024)) * 0.02, "b": jnp.zeros((1024,))}
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, 1), p.shape) * 1e-3, params)
+  tx = optim.make(f"adamw_{name}", 1e-3, weight_decay=0.1)
+  state = tx.init(params)
+  traced = lambda: jax.jit(lambda p, s, g: optim.apply_step(tx, g, s, p))  # noqa: E731  (policy read when tracing)
+  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
+  fused = traced()
+  assert "jaxlowbit_adam_step" in fused.lower(params, state, grads).as_text(), "the step kernel did not run here"
+  p, new = fused(params, state, grads)
+  monkeypatch.setenv(policy.BACKEND_ENV, "xla")
+  want_p, want = traced()(params, state, grads)
+  np.testing.assert_array_equal(p["b"], want_p["b"])
+  # lr 1e-3: a step moves w by ~1e-3; a moment code flipped at a tie moves its element's step by ~1%.
+  diff = np.abs(np.asarray(p["w"]) - np.asarray(want_p["w"]))
+  assert diff.max() <= 2e-5 and np.mean(diff > 1e-8) <= 1e-3, (diff.max(), np.mean(diff > 1e-8))
+  for got, ref in ((new[0].mu["w"], want[0].mu["w"]), (new[0].nu["w"], want[0].nu["w"])):
+    assert np.mean(np.asarray(got) != np.asarray(ref)) <= 1e-3
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -15,7 +15,7 @@ from jaxlowbit import optim, qstate
 from jaxlowbit.qstate import BlockFormat, BlockQuantized
 from jaxlowbit_numerics.adam import adam_coefficients
 from optim_kernel_common import (FORMATS, assert_kernel_matches_reference,
-                                 assert_nonfinite_gradients_reach_the_state_as_nan,
+                                 assert_nonfinite_gradients_reach_the_state_as_nan, assert_step_matches_reference,
                                  assert_update_agrees, random_case, reference)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
@@ -24,12 +24,20 @@ pytestmark = pytest.mark.timeout(300)  # interpret mode is slow; nothing may han
 
 SEEDS = 3  # fresh inputs per test; each draw is checked on its own
 interpret_kernel = functools.partial(ak.adam_update_kernel, interpret=True)
+interpret_step = functools.partial(ak.adam_step_kernel, interpret=True)
 
 
 @pytest.mark.parametrize("nesterov", [False, True], ids=["adam", "nesterov"])
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_kernel_matches_xla_update_interpret(name, nesterov):
   assert_kernel_matches_reference(interpret_kernel, fresh_key(), (3, 4, 512), *FORMATS[name], nesterov, SEEDS)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_step_kernel_writes_the_parameter_as_xla_does_interpret(name):
+  """The fused step (moments and parameter in one kernel): float32 and stochastically rounded
+  bf16 parameters against XLA's step on fresh inputs."""
+  assert_step_matches_reference(interpret_step, fresh_key(), (2, 4, 512), *FORMATS[name], SEEDS)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -158,6 +166,25 @@ def test_gspmd_runs_the_kernel_on_each_devices_blocks(spec):
     np.testing.assert_array_equal(a, b)
 
 
+def test_gspmd_step_writes_each_devices_parameter_blocks():
+  """The fused step under GSPMD: each device writes its own rows of the parameter (no all-gather),
+  equal to the unsharded step's."""
+  mesh = _mesh()
+  m_format, v_format = FORMATS["4bit"]
+  g, m, v, c = random_case(fresh_key(), (16, 2 * 128), m_format, v_format)
+  p = jax.random.normal(fresh_key(), g.shape) * 0.02
+  step = jax.jit(lambda p, g, m, v: interpret_step(p, g, m, v, c, -1e-3, 0.1, None, m_format, v_format))
+  want = step(p, g, m, v)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", None)))  # noqa: E731
+  args = (put(p), put(g), BlockQuantized(put(m.codes), put(m.scale)), BlockQuantized(put(v.codes), put(v.scale)))
+  got = step(*args)
+  assert "all-gather" not in step.lower(*args).compile().as_text()
+  assert got[0].sharding.is_equivalent_to(args[0].sharding, 2)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-9)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_kernel_lowers_to_triton_for_sm90(name):
@@ -180,6 +207,11 @@ def test_kernel_lowers_to_triton_for_sm90(name):
     text = fn.trace(jax.ShapeDtypeStruct(shape, dtype), abstract(m_format), abstract(v_format)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jaxlowbit_adam_update" in text
+  for param_dtype, seed in ((jnp.float32, None), (jnp.bfloat16, jnp.uint32(7))):  # the fused step
+    fn = jax.jit(lambda p, g, m, v, s=seed: ak.adam_step_kernel(p, g, m, v, c, -1e-3, 0.1, s, m_format, v_format))
+    text = fn.trace(jax.ShapeDtypeStruct(shape, param_dtype), jax.ShapeDtypeStruct(shape, param_dtype),
+                    abstract(m_format), abstract(v_format)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxlowbit_adam_step" in text
   mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
 
   def local(g, mc, ms, vc, vs):

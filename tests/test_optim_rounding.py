@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from jaxlowbit import optim
+from jaxlowbit_numerics.random import hash_bits, round_bf16_with_bits
 from helpers import fresh_key
 from test_optim import _mlp_problem, train
 
@@ -27,6 +28,19 @@ def test_apply_updates_stochastic_is_unbiased():
   np.testing.assert_allclose(mean, exact, rtol=1e-4, atol=0)
   plain = np.asarray(optax.apply_updates(params, updates)["w"], np.float64)
   assert np.max(np.abs(plain - exact) / exact) > 1e-3, "the test must need stochastic rounding"
+
+
+def test_hash_bits_round_bf16_unbiased():
+  """The kernel's generator (jaxlowbit_numerics.random): rounding with hash_bits(index, seed) over
+  2^16 fresh seeds averages to the exact value, as jax.random's bits do above."""
+  k1, k2, k3 = jax.random.split(fresh_key(), 3)
+  x = jax.random.uniform(k1, (64,), minval=0.5, maxval=2.0) * jnp.where(jax.random.bernoulli(k2, 0.5, (64,)), 1, -1)
+  seeds = jax.random.bits(k3, (DRAWS, 1), jnp.uint32)
+  draws = jax.jit(lambda s: round_bf16_with_bits(x, hash_bits(jnp.arange(64, dtype=jnp.uint32), s)))(seeds)
+  assert draws.dtype == jnp.bfloat16
+  exact = np.asarray(x, np.float64)
+  np.testing.assert_allclose(np.mean(np.asarray(draws, np.float64), axis=0), exact, rtol=1e-4, atol=0)
+  assert np.max(np.abs(np.asarray(x.astype(jnp.bfloat16), np.float64) - exact) / np.abs(exact)) > 1e-3
 
 
 def test_apply_updates_stochastic_leaves_other_dtypes_alone():

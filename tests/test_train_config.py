@@ -1,8 +1,6 @@
 """train.config and configs/*.py: override parsing, recipe names, presets, optimizer construction."""
 
 import pathlib
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +142,7 @@ def test_optimizer_names_extend_through_jaxlowbit_optim(monkeypatch):
     calls.append(kwargs)
     return optax.adamw(**kwargs)
 
-  monkeypatch.setitem(sys.modules, "jaxlowbit.optim", types.SimpleNamespace(adamw_8bit=adamw_8bit))
+  monkeypatch.setattr(train_optimizer.optim, "adamw_8bit", adamw_8bit)
   config.optimizer = "adamw_8bit"
   train_optimizer.make_optimizer(config)
   assert calls and set(calls[0]) == {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"}

@@ -8,11 +8,12 @@ name is looked up as a function of ``jaxlowbit.optim`` (``adamw_8bit``, ``adamw_
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import jax
 import optax
+
+from jaxlowbit import optim
 
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": optax.adamw}
 # Parameters that get weight decay: matmul kernels and embedding tables, not norm scales or biases.
@@ -49,10 +50,6 @@ def adamw_factory(name: str) -> Callable[..., optax.GradientTransformation]:
   """The function called ``name``: from :data:`OPTIMIZERS`, else from ``jaxlowbit.optim``."""
   if name in OPTIMIZERS:
     return OPTIMIZERS[name]
-  try:
-    optim = importlib.import_module("jaxlowbit.optim")
-  except ImportError as e:
-    raise ValueError(f"config.optimizer={name!r}: not in {sorted(OPTIMIZERS)} and jaxlowbit.optim is missing") from e
   if not callable(getattr(optim, name, None)):
     raise ValueError(f"config.optimizer={name!r}: neither in {sorted(OPTIMIZERS)} nor a function of jaxlowbit.optim")
   return getattr(optim, name)
@@ -68,6 +65,6 @@ def make_optimizer(config) -> optax.GradientTransformation:
       weight_decay=config.weight_decay,
       mask=weight_decay_mask,
   )
-  if config.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+  if config.grad_clip > 0:  # optim.chain: optax.chain that keeps the low-bit AdamW's fused step
+    return optim.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
   return adamw

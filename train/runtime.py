@@ -39,7 +39,7 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlowbit import fsdp
+from jaxlowbit import fsdp, optim
 from train import config as train_config
 from train import data
 from train.model import Transformer, tensor_parallel_rules
@@ -97,8 +97,8 @@ class Unsharded:
 
   def apply_update(self, optimizer: optax.GradientTransformation, grads, opt_state, params):
     """``(params, opt_state, scales)`` after one optimizer update."""
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, None
+    params, opt_state = optim.apply_step(optimizer, grads, opt_state, params)
+    return params, opt_state, None
 
   def shard_train_batch(self, batch: np.ndarray | data.GlobalBatch, accum: int) -> np.ndarray:
     """The host batch int32 ``[B, T + 1]`` (read whole)."""

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlowbit.fsdp.plan import FsdpPlan
 from jaxlowbit.fsdp.scales import Scales, precompute_scales
-from jaxlowbit.optim import state_shardings
+from jaxlowbit.optim import apply_step, state_shardings
 
 # loss_fn(params, scales, batch, *extras) -> float32 scalar: mean loss over this device's slice.
 LossFn = Callable[..., jax.Array]
@@ -101,8 +101,8 @@ def apply_update(optimizer: optax.GradientTransformation, grads, opt_state, para
   XLA. The new parameters keep the plan's shardings, and every quantized weight's scale for
   the next step comes from one all-reduce (:func:`precompute_scales`). Call it under ``jit``.
   """
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  params = _constrain(optax.apply_updates(params, updates), plan)
+  params, opt_state = apply_step(optimizer, grads, opt_state, params)  # fused where the optimizer has it
+  params = _constrain(params, plan)
   return params, opt_state, precompute_scales(params, plan)
 
 
