@@ -49,8 +49,11 @@ FP8_STATE_KINDS = frozenset({"e4m3"})
 # the tuned launch of tuning.ADAM_CONFIGS; optax.adamw 8.00): 8-bit dynamic maps 12.88 / 13.49, 4-bit
 # (dynamic m, linear v) 12.49 / 8.92; FP8 9.71 / 7.63 and FP8-O2 10.10 / 8.36 (optim_fused_h200.json).
 # The 8-bit kernel is bound by the two 7-decade dynamic-map codes it decodes and encodes per element
-# (1.25 TB/s at every launch tried), so under ``auto`` 8-bit states stay on XLA (``pallas`` forces).
-ADAM_AUTO_XLA_KINDS = frozenset({("dynamic", "dynamic")})  # (m kind, v kind)
+# (1.25 TB/s at every launch tried), so under ``auto`` the 8-bit *update* (the kernel returning u)
+# stays on XLA: 13.30 ms vs 12.72 for the 1.1B step. The fused *step* (the kernel also writes the
+# parameter: no u in memory, no second pass) beats XLA's step for every kind: 8-bit 10.62 vs 12.37
+# ms, 4-bit 7.00 vs 12.28, FP8 6.01 vs 9.38 (optim_step_h200.json), so it always takes the kernel.
+ADAM_AUTO_XLA_KINDS = frozenset({("dynamic", "dynamic")})  # (m kind, v kind); the update only
 
 
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
@@ -153,12 +156,13 @@ def adam_kernel_runs(kinds: tuple[str, ...]) -> bool:
   return major >= HOPPER or not FP8_STATE_KINDS.intersection(kinds)
 
 
-def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
+def adam_on_kernel(kinds: tuple[str, ...], writes_param: bool = False) -> bool:
   """Whether the low-bit Adam update runs on the fused kernel for moments stored as ``kinds``;
   the kernel also checks each tensor's shape.
 
-  ``kinds`` is ``(m kind, v kind)``. ``auto``: where it runs (:func:`adam_kernel_runs`) and was
-  measured faster than XLA (not for 8-bit dynamic-map states, :data:`ADAM_AUTO_XLA_KINDS`);
+  ``kinds`` is ``(m kind, v kind)``; ``writes_param``: the fused step (``adam_step_kernel``) rather
+  than the update. ``auto``: where it runs (:func:`adam_kernel_runs`) and was measured faster than
+  XLA (the step always; the update not for 8-bit dynamic-map states, :data:`ADAM_AUTO_XLA_KINDS`);
   ``pallas``: wherever it runs; ``xla``: never.
   Like the quantizers, a forced ``pallas`` on a device without the kernel falls back to XLA
   rather than failing: the two are one spec.
@@ -166,7 +170,7 @@ def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
   backend = requested_backend()
   if backend == "xla" or not adam_kernel_runs(kinds):
     return False
-  return backend == "pallas" or tuple(kinds) not in ADAM_AUTO_XLA_KINDS
+  return backend == "pallas" or writes_param or tuple(kinds) not in ADAM_AUTO_XLA_KINDS
 
 
 def w8a16_kernel_wanted(m: int) -> bool:
