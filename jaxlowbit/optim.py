@@ -23,8 +23,11 @@ adamw_fp8_o2   e4m3, scale amax/448         float16, scale amax/65504    256    
 MS-AMP's O2 optimizer.) Each step dequantizes ``m`` and ``v`` to float32, runs the Adam update
 in float32 and re-quantizes; the update of that step uses the float32 moments. On an NVIDIA GPU
 this runs as one fused kernel per tensor (``pallas_kernels.adam``, chosen by
-``pallas_kernels.dispatch.adam_update``; the same codes as XLA's update except on exact ties),
-elsewhere in XLA. Tensors with
+``pallas_kernels.dispatch``; the same codes as XLA's update except on exact ties), elsewhere in
+XLA. :func:`apply_step` takes the whole step into the parameters: these optimizers are
+:class:`FusedStep` s, whose kernel also reads and writes the parameter (weight decay, learning
+rate and, after :func:`stochastic_rounding`, bf16 stochastic rounding inside it); :func:`chain`
+keeps that behind ``optax.clip_by_global_norm``. Tensors with
 fewer than :data:`MIN_QUANTIZED_SIZE` elements, or that :func:`jaxlowbit.qstate.blockable`
 refuses, keep float32 moments and follow ``optax.adamw`` bit for bit. A NaN or inf gradient
 element turns its block's moments NaN (never a finite value), as it turns optax's.

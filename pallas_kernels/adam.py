@@ -14,6 +14,12 @@ scales and the float32 update ``u`` (4 bytes): about 12 bytes per parameter at 8
 elementwise pass (read ``u`` and ``p``, write ``p``: 12 bytes for float32 parameters), about 24
 in all against the ~28 of ``optax.adamw``'s step (read g, m, v, p; write m, v, p).
 
+:func:`adam_step_kernel` (``jaxlowbit.optim.apply_step``'s fused step) is the same program that
+also reads ``p`` and writes ``p + neg_lr (u + wd p)`` in its place
+(``jaxlowbit_numerics.adam.apply_update``; bf16 parameters optionally rounded stochastically with
+``jaxlowbit_numerics.random.hash_bits`` of the element's flat index and a seed): 16 bytes per
+float32 parameter at 8 bits, and ``u`` never reaches memory.
+
 Each program owns ``rows`` consecutive blocks (the tensor viewed as ``[N_blocks, B]``, which is
 free for a last axis that is a multiple of ``B``). Every value is computed with the functions
 XLA's update uses: ``blockwise.decode_values`` / ``encode_values`` / ``block_scales`` for the
