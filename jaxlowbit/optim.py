@@ -64,7 +64,7 @@ from jaxlowbit.qstate import BlockFormat, BlockQuantized, blockable, zeros_block
 from jaxlowbit.rounding import stochastic_round
 from jaxlowbit_numerics import fp8
 from jaxlowbit_numerics.adam import adam_coefficients, adam_moments, apply_update
-from jaxlowbit_numerics.random import hash_bits
+from jaxlowbit_numerics.random import flat_index_bits
 from pallas_kernels import dispatch
 
 # Tensors smaller than this keep float32 moments: their state is negligible and they are
@@ -174,13 +174,15 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
     coefficients = adam_coefficients(b1, b2, eps, eps_root, count_inc, optax.safe_increment(count_inc))
 
     def leaf(g, m, v, m_scale, v_scale, *p_step):
+      """``p_step``: empty (update), or ``(p, neg_lr, weight_decay, seed)`` (fused step)."""
       if g is None:
         return None, m, v, m_scale, v_scale
       if quantized(g.shape):  # the fused kernel on a GPU, XLA's update elsewhere
         mq, vq = BlockQuantized(m, m_scale), BlockQuantized(v, v_scale)
         if p_step:
+          p, neg_lr, weight_decay, seed = p_step
           out, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_step(
-              *p_step[:1], g, mq, vq, coefficients, *p_step[1:], m_format, v_format, nesterov)
+              p, g, mq, vq, coefficients, neg_lr, weight_decay, seed, m_format, v_format, nesterov)
         else:
           out, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_update(
               g, mq, vq, coefficients, m_format, v_format, nesterov)
@@ -188,7 +190,7 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
       out, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)  # optax.scale_by_adam's arithmetic
       if p_step:
         p, neg_lr, weight_decay, seed = p_step
-        bits = None if seed is None else hash_bits(jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape), seed)
+        bits = None if seed is None else flat_index_bits(p.shape, seed)
         out = apply_update(p, out, neg_lr, weight_decay, bits)
       if mu_dtype is not None:
         m_new = m_new.astype(mu_dtype)

@@ -13,6 +13,8 @@ feeds it ``jax.random.bits``).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,6 +36,12 @@ def hash_bits(index: jax.Array, seed: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
+def flat_index_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+  """:func:`hash_bits` of every element's row-major flat index in an array of ``shape``: the bits
+  the fused Adam step draws for a tensor (its kernel computes the same indices per block)."""
+  return hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape), seed)
+
+
 def round_bf16_with_bits(x: jax.Array, bits: jax.Array) -> jax.Array:
   """Round float ``x`` to bfloat16 stochastically, with uint32 random ``bits`` (same shape).
 
@@ -50,4 +58,4 @@ def round_bf16_with_bits(x: jax.Array, bits: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
 
 
-__all__ = ["BF16_DROPPED_BITS", "hash_bits", "round_bf16_with_bits"]
+__all__ = ["BF16_DROPPED_BITS", "flat_index_bits", "hash_bits", "round_bf16_with_bits"]

@@ -60,7 +60,7 @@ from jaxlowbit_numerics.blockwise import (
     stored_shapes,
     unpack_nibbles,
 )
-from jaxlowbit_numerics.random import hash_bits
+from jaxlowbit_numerics.random import flat_index_bits, hash_bits
 from pallas_kernels.vma import out_struct
 
 # Block sizes the kernel takes: Triton tiles are powers of two, and a 4-bit block's half
@@ -261,7 +261,7 @@ def _partitioned(param: bool):
 
   def partition(*args):
     static, (mesh, arg_shapes, result_shape) = args[:n_static], args[n_static:]
-    del mesh, result_shape
+    del result_shape
     lead = arg_shapes[0].sharding  # the gradient's sharding of [*lead, nb] decides
     rank = len(arg_shapes[0].shape)
     blocks = _per_block_sharding(lead, rank)
@@ -269,7 +269,7 @@ def _partitioned(param: bool):
     vector = NamedSharding(blocks.mesh, PartitionSpec())
     shardings = (blocks, blocks, scales, blocks, scales, vector) + ((blocks, vector) if param else ())
     results = (blocks, blocks, scales, blocks, scales)
-    return blocks.mesh, lambda *arrays: call(*arrays, *static), results, shardings
+    return mesh, lambda *arrays: call(*arrays, *static), results, shardings
 
   def infer(*args):
     return partition(*args)[2]
@@ -290,7 +290,8 @@ def _check_supported(g, m, v, m_format, v_format, who: str) -> None:
     raise ValueError(
         f"{who}: gradient {g.shape} {g.dtype} with states {m.codes.shape}/{v.codes.shape} in {m_format} / "
         f"{v_format}: the kernel needs one power-of-two block in [{MIN_BLOCK}, {MAX_BLOCK}] dividing the last axis "
-        "and a float32/bf16/fp16 gradient; use pallas_kernels.dispatch.adam_update, which runs XLA's update instead"
+        f"and a float32/bf16/fp16 gradient; use pallas_kernels.dispatch.{who.removesuffix('_kernel')}, which runs "
+        "XLA's instead"
     )
 
 
@@ -298,6 +299,13 @@ def _block_view(x: jax.Array, fmt: BlockFormat | None, block: int) -> jax.Array:
   """``[*lead, N']`` -> ``[*lead, N' / n, n]`` with ``n`` a block's stored elements (free: whole blocks)."""
   n = block // 2 if fmt is not None and fmt.storage_bits == 4 else block
   return x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
+
+
+def _operands(g, m, v, coefficients, m_format, v_format) -> tuple[jax.Array, ...]:
+  """The operands both kernels share, in block view: ``(g, m codes, m scales, v codes, v scales, coefficients)``."""
+  block = m_format.block
+  return (_block_view(g, None, block), _block_view(m.codes, m_format, block), m.scale,
+          _block_view(v.codes, v_format, block), v.scale, coefficient_vector(coefficients))
 
 
 @functools.partial(jax.jit, static_argnames=("m_format", "v_format", "nesterov", "config", "interpret"))
@@ -332,11 +340,8 @@ def adam_update_kernel(
     are updated where they are: each device runs the kernel on its blocks.
   """
   _check_supported(g, m, v, m_format, v_format, "adam_update_kernel")
-  block = m_format.block
-  u, mc, ms, vc, vs = _update_call(
-      _block_view(g, None, block), _block_view(m.codes, m_format, block), m.scale,
-      _block_view(v.codes, v_format, block), v.scale, coefficient_vector(coefficients),
-      m_format, v_format, nesterov, config, interpret, False)
+  u, mc, ms, vc, vs = _update_call(*_operands(g, m, v, coefficients, m_format, v_format),
+                                   m_format, v_format, nesterov, config, interpret, False)
   return (u.reshape(g.shape), BlockQuantized(mc.reshape(m.codes.shape), ms),
           BlockQuantized(vc.reshape(v.codes.shape), vs))
 
@@ -377,13 +382,11 @@ def adam_step_kernel(
   if p.shape != g.shape or jnp.dtype(p.dtype) not in PARAM_DTYPES:
     raise ValueError(f"adam_step_kernel: parameter {p.shape} {p.dtype} for gradient {g.shape}: the kernel needs the "
                      "gradient's shape and a float32 or bfloat16 parameter")
-  block = m_format.block
   stochastic = seed is not None
-  svec = step_vector(neg_lr, weight_decay, seed if stochastic else 0)
   p_new, mc, ms, vc, vs = _step_call(
-      _block_view(g, None, block), _block_view(m.codes, m_format, block), m.scale,
-      _block_view(v.codes, v_format, block), v.scale, coefficient_vector(coefficients), _block_view(p, None, block),
-      svec, m_format, v_format, nesterov, config, interpret, stochastic)
+      *_operands(g, m, v, coefficients, m_format, v_format), _block_view(p, None, m_format.block),
+      step_vector(neg_lr, weight_decay, seed if stochastic else 0), m_format, v_format, nesterov, config, interpret,
+      stochastic)
   return (p_new.reshape(p.shape), BlockQuantized(mc.reshape(m.codes.shape), ms),
           BlockQuantized(vc.reshape(v.codes.shape), vs))
 
@@ -422,9 +425,7 @@ def adam_step_reference(
   """:func:`adam_step_kernel` in XLA: :func:`adam_update_reference`, then ``apply_update`` with
   the same random bits (the flat index of each element of ``p``)."""
   u, m, v = adam_update_reference(g, m, v, coefficients, m_format, v_format, nesterov)
-  bits = None
-  if seed is not None:
-    bits = hash_bits(jnp.arange(p.size, dtype=jnp.uint32).reshape(p.shape), seed)
+  bits = None if seed is None else flat_index_bits(p.shape, seed)
   return apply_update(p, u, neg_lr, weight_decay, bits), m, v
 
 

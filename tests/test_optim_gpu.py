@@ -47,23 +47,32 @@ def test_step_kernel_writes_the_parameter_as_xla_does(name, shape):
   assert_step_matches_reference(step_kernel, fresh_key(), shape, *_takes_kernel(name), SEEDS)
 
 
-@pytest.mark.parametrize("name", ["8bit", "4bit", "fp8"])
-def test_apply_step_runs_the_step_kernel(name, monkeypatch):
-  """optim.apply_step under jit on a GPU: the step kernel writes the parameter, and the result
-  agrees with the XLA step's (JAXLOWBIT_BACKEND=xla)."""
+def _kernel_and_xla(name, step, kernel_name, monkeypatch):
+  """adamw_<name> on ``w [256, 1024]`` (quantized) and ``b [1024]`` (float32 moments): ``step(tx,
+  params, state, grads)`` jitted under JAXLOWBIT_BACKEND=pallas, which must contain ``kernel_name``,
+  and =xla, which must not; returns both outputs."""
   _takes_kernel(name)
   key = fresh_key()
   params = {"w": jax.random.normal(key, (256, 1024)) * 0.02, "b": jnp.zeros((1024,))}
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, 1), p.shape) * 1e-3, params)
   tx = optim.make(f"adamw_{name}", 1e-3, weight_decay=0.1)
   state = tx.init(params)
-  traced = lambda: jax.jit(lambda p, s, g: optim.apply_step(tx, g, s, p))  # noqa: E731  (policy read when tracing)
-  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
-  fused = traced()
-  assert "jaxlowbit_adam_step" in fused.lower(params, state, grads).as_text(), "the step kernel did not run here"
-  p, new = fused(params, state, grads)
-  monkeypatch.setenv(policy.BACKEND_ENV, "xla")
-  want_p, want = traced()(params, state, grads)
+  outs = []
+  for backend in ("pallas", "xla"):  # a new function per backend: the policy is read while tracing
+    monkeypatch.setenv(policy.BACKEND_ENV, backend)  # pallas: auto keeps the 8-bit update on XLA
+    fn = jax.jit(lambda p, s, g: step(tx, p, s, g))
+    ran = kernel_name in fn.lower(params, state, grads).as_text()
+    assert ran == (backend == "pallas"), f"{kernel_name} {'did not run' if not ran else 'ran'} under {backend}"
+    outs.append(fn(params, state, grads))
+  return outs
+
+
+@pytest.mark.parametrize("name", ["8bit", "4bit", "fp8"])
+def test_apply_step_runs_the_step_kernel(name, monkeypatch):
+  """optim.apply_step under jit on a GPU: the step kernel writes the parameter, and the result
+  agrees with the XLA step's (JAXLOWBIT_BACKEND=xla)."""
+  (p, new), (want_p, want) = _kernel_and_xla(
+      name, lambda tx, p, s, g: optim.apply_step(tx, g, s, p), "jaxlowbit_adam_step", monkeypatch)
   np.testing.assert_array_equal(p["b"], want_p["b"])
   # lr 1e-3: a step moves w by ~1e-3; a moment code flipped at a tie moves its element's step by ~1%.
   diff = np.abs(np.asarray(p["w"]) - np.asarray(want_p["w"]))
@@ -81,24 +90,8 @@ def test_nonfinite_gradients_reach_the_state_as_nan(name):
 def test_optimizer_step_runs_the_kernel(name, monkeypatch):
   """adamw_* under jit on a GPU: the step contains the kernel, and it agrees with the XLA update's
   step (JAXLOWBIT_BACKEND=xla) to the kernel's tolerance on the quantized leaf."""
-  _takes_kernel(name)
-  key = fresh_key()
-  params = {"w": jax.random.normal(key, (256, 1024)) * 0.02, "b": jnp.zeros((1024,))}
-  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, 1), p.shape) * 1e-3, params)
-  tx = optim.make(f"adamw_{name}", 1e-3, weight_decay=0.1)
-  state = tx.init(params)
-
-  def traced_step():  # a new function per backend: the policy is read while tracing
-    return jax.jit(lambda params, state, grads: tx.update(grads, state, params))
-
-  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")  # auto keeps 8-bit states on XLA
-  fused = traced_step()
-  assert "jaxlowbit_adam_update" in fused.lower(params, state, grads).as_text(), "the kernel did not run here"
-  u, new = fused(params, state, grads)
-  monkeypatch.setenv(policy.BACKEND_ENV, "xla")
-  unfused = traced_step()
-  assert "jaxlowbit_adam_update" not in unfused.lower(params, state, grads).as_text()
-  want_u, want = unfused(params, state, grads)
+  (u, new), (want_u, want) = _kernel_and_xla(
+      name, lambda tx, p, s, g: tx.update(g, s, p), "jaxlowbit_adam_update", monkeypatch)
   np.testing.assert_array_equal(u["b"], want_u["b"])  # < 4096 elements: float32 moments, XLA in both
   np.testing.assert_allclose(u["w"], want_u["w"], rtol=1e-5, atol=1e-12)
   for got, ref in ((new[0].mu["w"], want[0].mu["w"]), (new[0].nu["w"], want[0].nu["w"])):
