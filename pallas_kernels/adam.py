@@ -23,7 +23,10 @@ float32 parameter at 8 bits, and ``u`` never reaches memory.
 Each program owns ``rows`` consecutive blocks (the tensor viewed as ``[N_blocks, B]``, which is
 free for a last axis that is a multiple of ``B``). Every value is computed with the functions
 XLA's update uses: ``blockwise.decode_values`` / ``encode_values`` / ``block_scales`` for the
-codes, ``adam.adam_moments`` for the arithmetic. Packed 4-bit codes are read as whole bytes;
+codes, ``adam.adam_moments`` for the arithmetic. A dynamic map decodes by gathering its table entry
+(``blockwise.decode``); the kernel holds the tables in its float32 constants operand, after the
+step's coefficients (:func:`constants`), so a code costs one cached load instead of the dozens of
+compares and selects that compute its value. Packed 4-bit codes are read as whole bytes;
 their two nibbles belong to a block's even and odd elements, which the kernel loads and
 stores with stride 2 (``blockwise.pack_nibbles`` puts them back together).
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +56,7 @@ from jaxlowbit_numerics.blockwise import (
     BlockFormat,
     BlockQuantized,
     block_scales,
+    code_table,
     decode_values,
     dequantize_blockwise,
     encode_values,
@@ -100,15 +105,44 @@ def _parts(m_format: BlockFormat, v_format: BlockFormat) -> tuple[tuple[int, int
   return ((0, 1),)
 
 
-def _load_moment(codes_ref, scale_ref, rows, fmt: BlockFormat, parts) -> list[jax.Array]:
-  """float32 values of one moment's blocks ``rows``, one ``[rows, B / len(parts)]`` array per part."""
+class _TableView(NamedTuple):
+  """A map's code table inside the kernel's constants operand: ``view[codes]`` gathers
+  ``constants[offset + codes]`` (Triton takes one indexer per load, so no ``ref.at[...]``)."""
+
+  ref: Any
+  offset: int
+
+  def __getitem__(self, codes: jax.Array) -> jax.Array:
+    return self.ref[codes + self.offset]
+
+
+def _constant_parts(m_format: BlockFormat, v_format: BlockFormat) -> tuple[int, int | None, int | None]:
+  """Layout of the constants operand: ``(size, m table offset, v table offset)``; the step's
+  coefficients come first, then the code table of each moment stored in a dynamic map (None: none)."""
+  size, offsets = len(COEFFICIENT_NAMES), []
+  for fmt in (m_format, v_format):
+    offsets.append(size if fmt.kind == "dynamic" else None)
+    size += 2**fmt.bits if fmt.kind == "dynamic" else 0
+  return size, *offsets
+
+
+def constants(coefficients: AdamCoefficients, m_format: BlockFormat, v_format: BlockFormat) -> jax.Array:
+  """The kernel's float32 constants operand (:func:`_constant_parts`): the step's coefficients,
+  then the code tables the kernel gathers decoded values from."""
+  tables = [jnp.asarray(code_table(fmt)) for fmt in (m_format, v_format) if fmt.kind == "dynamic"]
+  return jnp.concatenate([coefficient_vector(coefficients), *tables])
+
+
+def _load_moment(codes_ref, scale_ref, rows, fmt: BlockFormat, parts, table) -> list[jax.Array]:
+  """float32 values of one moment's blocks ``rows``, one ``[rows, B / len(parts)]`` array per part
+  (``table``: its :class:`_TableView`, or None for formats decoded without one)."""
   scale = scale_ref[rows][:, None]
   size = fmt.block // len(parts)
   if fmt.storage_bits == 4:
     codes = unpack_nibbles(codes_ref[rows, :])  # (even elements, odd elements)
   else:
     codes = [codes_ref[rows, pl.ds(start, size, stride=stride)] for start, stride in parts]
-  return [decode_values(c, scale, fmt) for c in codes]
+  return [decode_values(c, scale, fmt, table) for c in codes]
 
 
 def _store_moment(codes_ref, scale_ref, rows, values: list[jax.Array], fmt: BlockFormat, parts) -> None:
@@ -146,9 +180,10 @@ def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, *refs, m_format: 
   parts = _parts(m_format, v_format)
   size = m_format.block // len(parts)
   coefficients = AdamCoefficients(*(c_ref[k] for k in range(len(COEFFICIENT_NAMES))))
+  m_table, v_table = (None if k is None else _TableView(c_ref, k) for k in _constant_parts(m_format, v_format)[1:])
   g = [g_ref[blocks, pl.ds(start, size, stride=stride)].astype(jnp.float32) for start, stride in parts]
-  m = _load_moment(mc_ref, ms_ref, blocks, m_format, parts)
-  v = _load_moment(vc_ref, vs_ref, blocks, v_format, parts)
+  m = _load_moment(mc_ref, ms_ref, blocks, m_format, parts, m_table)
+  v = _load_moment(vc_ref, vs_ref, blocks, v_format, parts, v_table)
   steps = [adam_moments(*gmv, coefficients, nesterov) for gmv in zip(g, m, v)]
   for (start, stride), (u, _, _) in zip(parts, steps):
     elements = (blocks, pl.ds(start, size, stride=stride))
@@ -201,16 +236,16 @@ def step_vector(neg_lr, weight_decay, seed) -> jax.Array:
   return jnp.stack([jnp.asarray(neg_lr, jnp.float32), jnp.asarray(weight_decay, jnp.float32), seed])
 
 
-def _call(g, mc, ms, vc, vs, cvec, *param, m_format: BlockFormat, v_format: BlockFormat, nesterov: bool,
+def _call(g, mc, ms, vc, vs, consts, *param, m_format: BlockFormat, v_format: BlockFormat, nesterov: bool,
           config: AdamKernelConfig, interpret: bool, stochastic: bool):
   """The ``pallas_call`` on one device's blocks: ``g [*b, B]``, codes ``[*b, B']``, scales ``[*b]``
-  (``*b``: any leading shape, flattened here), ``cvec`` the coefficient vector; ``param``: empty,
+  (``*b``: any leading shape, flattened here), ``consts`` the :func:`constants`; ``param``: empty,
   or ``(p [*b, B], step vector)`` to write the parameter instead of returning the update."""
   block = m_format.block
   n_blocks = ms.size
   rows = _rows_per_program(n_blocks, block, config)
   operands = (g.reshape(n_blocks, -1), mc.reshape(n_blocks, -1), ms.reshape(n_blocks), vc.reshape(n_blocks, -1),
-              vs.reshape(n_blocks), cvec)
+              vs.reshape(n_blocks), consts)
   aliases = {1: 1, 2: 2, 3: 3, 4: 4}  # codes and scales in place
   if param:
     p, svec = param
@@ -302,10 +337,10 @@ def _block_view(x: jax.Array, fmt: BlockFormat | None, block: int) -> jax.Array:
 
 
 def _operands(g, m, v, coefficients, m_format, v_format) -> tuple[jax.Array, ...]:
-  """The operands both kernels share, in block view: ``(g, m codes, m scales, v codes, v scales, coefficients)``."""
+  """The operands both kernels share, in block view: ``(g, m codes, m scales, v codes, v scales, constants)``."""
   block = m_format.block
   return (_block_view(g, None, block), _block_view(m.codes, m_format, block), m.scale,
-          _block_view(v.codes, v_format, block), v.scale, coefficient_vector(coefficients))
+          _block_view(v.codes, v_format, block), v.scale, constants(coefficients, m_format, v_format))
 
 
 @functools.partial(jax.jit, static_argnames=("m_format", "v_format", "nesterov", "config", "interpret"))

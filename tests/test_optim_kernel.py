@@ -14,9 +14,9 @@ from helpers import fresh_key
 from jaxlowbit import optim, qstate
 from jaxlowbit.qstate import BlockFormat, BlockQuantized
 from jaxlowbit_numerics.adam import adam_coefficients
-from optim_kernel_common import (FORMATS, assert_kernel_matches_reference,
+from optim_kernel_common import (FORMATS, assert_codes_agree_but_ties, assert_kernel_matches_reference,
                                  assert_nonfinite_gradients_reach_the_state_as_nan, assert_step_matches_reference,
-                                 assert_update_agrees, random_case, reference)
+                                 assert_update_agrees, random_case, reference, u_bound)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
 
@@ -154,7 +154,8 @@ def _mesh(axis_type=AxisType.Auto):
 @pytest.mark.parametrize("spec", [P("x", None), P(None, "x")], ids=["rows", "blocks"])
 def test_gspmd_runs_the_kernel_on_each_devices_blocks(spec):
   """Sharded (GSPMD) operands: each device updates its own blocks (no all-gather in the compiled
-  step), and the result equals the unsharded kernel's."""
+  step), and the result agrees with the unsharded kernel's (the per-device program is compiled
+  apart, and XLA:CPU may contract ``a * b + c`` into an FMA differently: ulps, codes equal but at ties)."""
   mesh = _mesh()
   m_format, v_format = FORMATS["8bit"]
   g, m, v, c = random_case(fresh_key(), (16, 8 * 256), m_format, v_format)  # 8 blocks per row: one per device
@@ -165,14 +166,12 @@ def test_gspmd_runs_the_kernel_on_each_devices_blocks(spec):
   got = step(*args)
   assert "all-gather" not in step.lower(*args).compile().as_text()
   assert got[1].codes.sharding.spec == spec and got[0].sharding.is_equivalent_to(args[0].sharding, 2)
-  np.testing.assert_allclose(got[0], want[0], rtol=2e-6, atol=0)  # u: the same arithmetic, compiled apart
-  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    np.testing.assert_array_equal(a, b)
+  assert_update_agrees(got, want, g, m, v, c, m_format, v_format, False)
 
 
 def test_gspmd_step_writes_each_devices_parameter_blocks():
   """The fused step under GSPMD: each device writes its own rows of the parameter (no all-gather),
-  equal to the unsharded step's."""
+  as the unsharded step does (to the FMA contractions of a program compiled apart, as above)."""
   mesh = _mesh()
   m_format, v_format = FORMATS["4bit"]
   g, m, v, c = random_case(fresh_key(), (16, 2 * 128), m_format, v_format)
@@ -185,8 +184,9 @@ def test_gspmd_step_writes_each_devices_parameter_blocks():
   assert "all-gather" not in step.lower(*args).compile().as_text()
   assert got[0].sharding.is_equivalent_to(args[0].sharding, 2)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-9)
-  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    np.testing.assert_array_equal(a, b)
+  _, m_exact, v_exact, m_terms = u_bound(g, m, v, c, m_format, v_format, False)
+  assert_codes_agree_but_ties(got[1], want[1], m_exact, m_format, "m", m_terms)
+  assert_codes_agree_but_ties(got[2], want[2], v_exact, v_format, "v")
 
 
 @pytest.mark.timeout(300)
