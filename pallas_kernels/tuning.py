@@ -46,13 +46,15 @@ QUANTIZE_STATS_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGL
 # 0.428; XLA's concatenate fusion of the same expression alone 0.367 (in the 1B step XLA did not fuse it).
 PROLOGUE_TILE = {"SwiGLUGrad": (16, 256, 4)}
 
-# Fused optimizer update (pallas_kernels.adam): (m kind, m bits, v kind) -> config; others take the
-# default (4096 elements, 4 warps). optim_tuned_h200.json, the kernel alone on a [22, 2048, 5632] tensor:
-# 8-bit 2.45 ms at 4096 x 8 warps (1.25 TB/s; 2.45-2.52 from 256 to 2048 elements, 3.13 at the
-# default), 4-bit 1.29 ms at 1024 x 2 (1.99 TB/s; 2.06 at the default). FP8 was not re-tuned.
+# Fused optimizer step (pallas_kernels.adam; the update kernel takes the same): (m kind, m bits, v kind)
+# -> config; others take the default (4096 elements, 4 warps). optim_step_tune_h200.json, the step kernel
+# alone on a [45056, 5632] float32 parameter, elements x warps over {1024, 2048, 4096} x {2, 4, 8}, with
+# the table decode: 8-bit 1.55 ms at 2048 x 4 (1.57-1.58 at 1024 x 2 or 4, 1.82 at the former 4096 x 8),
+# 4-bit 1.39 at 1024 x 4 (1.66 at the former 1024 x 2), FP8 1.06 at 2048 x 8 (1.28 at the default).
 ADAM_CONFIGS: dict[tuple[str, int, str], AdamKernelConfig] = {
-    ("dynamic", 8, "dynamic"): AdamKernelConfig(4096, 8),
-    ("dynamic", 4, "linear"): AdamKernelConfig(1024, 2),
+    ("dynamic", 8, "dynamic"): AdamKernelConfig(2048, 4),
+    ("dynamic", 4, "linear"): AdamKernelConfig(1024, 4),
+    ("e4m3", 8, "e4m3"): AdamKernelConfig(2048, 8),
 }
 
 # (dtype kind, M bucket, N bucket, K bucket) -> config for shapes that tune differently.
