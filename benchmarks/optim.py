@@ -79,7 +79,7 @@ FUSED_MODES = {"on": ["pallas"], "off": ["xla"], "both": ["pallas", "xla"], "aut
 # that also writes the parameter.
 KERNEL_NAMES = {"fused": "jaxlowbit_adam_update", "step": "jaxlowbit_adam_step"}
 # Launch configurations --tune tries: elements per program x warps.
-TUNE_ELEMENTS, TUNE_WARPS = (512, 1024, 2048, 4096, 8192), (2, 4, 8)
+TUNE_ELEMENTS, TUNE_WARPS = (1024, 2048, 4096), (2, 4, 8)
 MAX_PER_THREAD = 64  # elements per thread beyond which Triton's unrolled program took minutes to compile (H200)
 TUNE_OPTIMIZERS = ("adamw_8bit", "adamw_4bit", "adamw_fp8")
 
