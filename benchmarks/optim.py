@@ -211,12 +211,12 @@ def bench_tune(shapes, repeats: int) -> list[dict]:
     for elements in TUNE_ELEMENTS:
       for warps in (w for w in TUNE_WARPS if elements <= MAX_PER_THREAD * 32 * w):
         config = adam_kernels.AdamKernelConfig(elements, warps)
-        step = jax.jit(lambda p, m, v, mf=m_format, vf=v_format, cf=config: adam_kernels.adam_step_kernel(
+        step = jax.jit(lambda p, m, v, g, mf=m_format, vf=v_format, cf=config: adam_kernels.adam_step_kernel(
             p, g, m, v, c, jnp.float32(-1e-3), jnp.float32(0.1), None, mf, vf, False, cf), donate_argnums=(0, 1, 2))
         state = [(g * 10.0, quantize(g, m_format), quantize(g * g, v_format))]
 
         def advance(step=step, state=state):
-          state[0] = step(*state[0])
+          state[0] = step(*state[0], g)  # g an argument: closed over, it would be a 1 GB constant
           return state[0]
 
         try:
