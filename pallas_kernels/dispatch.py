@@ -235,10 +235,10 @@ def adam_update(
     return adam_kernels.adam_update_reference(g, m, v, coefficients, m_format, v_format, nesterov)
 
 
-def _adam_on_kernel(g, m, v, m_format, v_format, writes_param: bool = False) -> bool:
+def _adam_on_kernel(g, m, v, m_format, v_format) -> bool:
   """The one choice of :func:`adam_update` and :func:`adam_step`: the policy, then the tensor."""
   explicit = any(axis is not None for axis in jax.typeof(g).sharding.spec)  # sharding in types: XLA's update
-  return (not explicit and policy.adam_on_kernel((m_format.kind, v_format.kind), writes_param)
+  return (not explicit and policy.adam_on_kernel((m_format.kind, v_format.kind))
           and adam_kernels.supported(g, m, v, m_format, v_format))
 
 
@@ -269,7 +269,7 @@ def adam_step(
     kernel, else its XLA reference (:func:`pallas_kernels.adam.adam_step_reference`).
   """
   with jax.named_scope(ADAM_SCOPE):
-    if jnp.dtype(p.dtype) in adam_kernels.PARAM_DTYPES and _adam_on_kernel(g, m, v, m_format, v_format, True):
+    if jnp.dtype(p.dtype) in adam_kernels.PARAM_DTYPES and _adam_on_kernel(g, m, v, m_format, v_format):
       config = tuning.adam_config(m_format, v_format)
       return adam_kernels.adam_step_kernel(p, g, m, v, coefficients, neg_lr, weight_decay, seed, m_format, v_format,
                                            nesterov, config)

@@ -45,15 +45,11 @@ FUSED_PROLOGUES = frozenset({"RmsNorm"})
 # The Triton lowering converts to float8_e4m3fn only on sm89+; compute_capability() reads the
 # major version, so FP8 optimizer states take the kernel from Hopper (sm90) on.
 FP8_STATE_KINDS = frozenset({"e4m3"})
-# optim_tuned_h200.json (1.1B parameter shapes, step = update + apply, ms, XLA update / kernel with
-# the tuned launch of tuning.ADAM_CONFIGS; optax.adamw 8.00): 8-bit dynamic maps 12.88 / 13.49, 4-bit
-# (dynamic m, linear v) 12.49 / 8.92; FP8 9.71 / 7.63 and FP8-O2 10.10 / 8.36 (optim_fused_h200.json).
-# The 8-bit kernel is bound by the two 7-decade dynamic-map codes it decodes and encodes per element
-# (1.25 TB/s at every launch tried), so under ``auto`` the 8-bit *update* (the kernel returning u)
-# stays on XLA: 13.30 ms vs 12.72 for the 1.1B step. The fused *step* (the kernel also writes the
-# parameter: no u in memory, no second pass) beats XLA's step for every kind: 8-bit 10.62 vs 12.37
-# ms, 4-bit 7.00 vs 12.28, FP8 6.01 vs 9.38 (optim_step_h200.json), so it always takes the kernel.
-ADAM_AUTO_XLA_KINDS = frozenset({("dynamic", "dynamic")})  # (m kind, v kind); the update only
+# Under ``auto`` the fused kernel takes every state kind it runs for, the step (the kernel writes the
+# parameter) and the update (it returns u) alike. 1.1B parameter shapes, optax.adamw 8.35 ms,
+# optim_step_h200.json: the step 8-bit 7.67 ms vs XLA's @XLA8S, 4-bit 6.87 vs @XLA4S, FP8 5.47 vs
+# @XLAFS; the update + apply 8-bit 10.63 vs @XLA8U, 4-bit 8.44 vs @XLA4U, FP8 7.65 vs @XLAFU. (Until the
+# kernel gathered dynamic-map values from a table, the 8-bit update was slower on the kernel.)
 
 
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------
@@ -156,21 +152,15 @@ def adam_kernel_runs(kinds: tuple[str, ...]) -> bool:
   return major >= HOPPER or not FP8_STATE_KINDS.intersection(kinds)
 
 
-def adam_on_kernel(kinds: tuple[str, ...], writes_param: bool = False) -> bool:
-  """Whether the low-bit Adam update runs on the fused kernel for moments stored as ``kinds``;
-  the kernel also checks each tensor's shape.
+def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
+  """Whether the low-bit Adam update or fused step runs on the kernel for moments stored as
+  ``kinds`` (``(m kind, v kind)``); the kernel also checks each tensor's shape.
 
-  ``kinds`` is ``(m kind, v kind)``; ``writes_param``: the fused step (``adam_step_kernel``) rather
-  than the update. ``auto``: where it runs (:func:`adam_kernel_runs`) and was measured faster than
-  XLA (the step always; the update not for 8-bit dynamic-map states, :data:`ADAM_AUTO_XLA_KINDS`);
-  ``pallas``: wherever it runs; ``xla``: never.
-  Like the quantizers, a forced ``pallas`` on a device without the kernel falls back to XLA
-  rather than failing: the two are one spec.
+  ``auto`` and ``pallas``: wherever it runs (:func:`adam_kernel_runs`; measured faster than XLA for
+  every kind); ``xla``: never. Like the quantizers, a forced ``pallas`` on a device without the
+  kernel falls back to XLA rather than failing: the two are one spec.
   """
-  backend = requested_backend()
-  if backend == "xla" or not adam_kernel_runs(kinds):
-    return False
-  return backend == "pallas" or writes_param or tuple(kinds) not in ADAM_AUTO_XLA_KINDS
+  return requested_backend() != "xla" and adam_kernel_runs(kinds)
 
 
 def w8a16_kernel_wanted(m: int) -> bool:

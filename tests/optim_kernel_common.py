@@ -55,7 +55,7 @@ def _normalized(codes, fmt):
     codes = qstate.unpack_4bit(codes)
   if fmt.kind in ("e4m3", "fp16"):
     return np.asarray(codes.astype(jnp.float32), np.float64)
-  return np.asarray(qstate.decode(codes, fmt), np.float64)
+  return np.asarray(qstate.decode(codes, fmt, qstate.code_table(fmt)), np.float64)
 
 
 def assert_codes_agree_but_ties(got, want, exact, fmt, what="", terms=None):

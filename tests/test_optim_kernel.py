@@ -73,7 +73,7 @@ def test_supported_shapes_and_a_clear_error():
     [
         (None, ("dynamic", "dynamic"), None, False),  # CPU
         (8, ("dynamic", "linear"), None, True),  # auto: 4-bit measured faster on the kernel
-        (9, ("dynamic", "dynamic"), None, False),  # auto: 8-bit measured faster on XLA
+        (9, ("dynamic", "dynamic"), None, True),  # auto: every kind measured faster on the kernel
         (8, ("dynamic", "linear"), "pallas", True),  # Ampere: Triton
         (8, ("e4m3", "fp16"), None, False),  # e4m3 casts need sm89+
         (9, ("e4m3", "e4m3"), None, True),
@@ -89,10 +89,6 @@ def test_policy(major, kinds, env, expected, monkeypatch):
   else:
     monkeypatch.setenv(policy.BACKEND_ENV, env)
   assert policy.adam_on_kernel(kinds) is expected
-  # The fused step was measured faster than XLA's for every kind: wherever the kernel runs and XLA
-  # is not forced, it takes the kernel (8-bit included).
-  runs = major is not None and policy.adam_kernel_runs(kinds) and env != "xla"
-  assert policy.adam_on_kernel(kinds, writes_param=True) is runs
 
 
 def _params(key):
@@ -124,9 +120,9 @@ def test_optimizer_takes_the_kernel_where_it_fits(name, monkeypatch):
   for step in range(2):
     grads = jax.tree.map(lambda p, k=jax.random.fold_in(key, step): (jax.random.normal(k, p.shape) * 1e-3).astype(
         p.dtype), params)
-    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds, writes_param=False: False)
+    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds: False)
     want_u, want = tx.update(grads, state)
-    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds, writes_param=False: True)
+    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds: True)
     monkeypatch.setattr(ak, "adam_update_kernel", recording)
     calls.clear()
     u, new = tx.update(grads, state)
@@ -245,7 +241,7 @@ def test_dispatch_runs_xla_on_cpu_and_for_explicit_shardings(monkeypatch):
   got = jax.jit(lambda g, m, v: dispatch.adam_update(g, m, v, c, m_format, v_format))(g, m, v)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
-  monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds, writes_param=False: True)
+  monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds: True)
   mesh = _mesh(AxisType.Explicit)
   with jax.set_mesh(mesh):
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))  # noqa: E731
