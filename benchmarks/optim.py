@@ -179,20 +179,28 @@ def bench_optimizer(name: str, shapes, repeats: int, warmup: int, profile: bool 
 
 
 def bench_encode(n: int, repeats: int) -> list[dict]:
-  """Quantize ``n`` float32 values block-wise with both nearest-code methods (ms, median)."""
+  """XLA, on ``n`` float32 values: quantize block-wise with both nearest-code methods, and
+  dequantize with both decodes of a dynamic map (computed, or gathered from the table as the fused
+  kernel does). ms, median."""
   x = jax.random.normal(jax.random.key(2), (n // 2048, 2048))
   rows = []
   for fmt in (qstate.BlockFormat("dynamic", 8, True, 256), qstate.BlockFormat("dynamic", 4, True, 128)):
-    for method in ("arithmetic", "searchsorted"):
-      f = jax.jit(lambda a, fmt=fmt, method=method: qstate.quantize_blockwise(a, fmt, method))
-      jax.block_until_ready(f(x))
+    runs = {f"encode {method}": jax.jit(lambda a, fmt=fmt, method=method: qstate.quantize_blockwise(a, fmt, method))
+            for method in ("arithmetic", "searchsorted")}
+    q = runs["encode arithmetic"](x)
+    codes = (qstate.unpack_4bit(q.codes) if fmt.storage_bits == 4 else q.codes).reshape(-1, fmt.block)
+    table = jnp.asarray(qstate.code_table(fmt))
+    for method, t in (("arithmetic", None), ("table", table)):
+      runs[f"decode {method}"] = jax.jit(lambda c, s, fmt=fmt, t=t: qstate.decode_values(c, s[..., None], fmt, t))
+    for label, f in runs.items():
+      args = (x,) if label.startswith("encode") else (codes, q.scale.reshape(-1))
+      jax.block_until_ready(f(*args))
       times = []
       for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
+        jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
-      ms = 1e3 * statistics.median(times)
-      rows.append({"map": f"dynamic{fmt.bits}", "method": method, "elements": n, "ms_median": ms})
+      rows.append({"map": f"dynamic{fmt.bits}", "method": label, "elements": n, "ms_median": 1e3 * statistics.median(times)})
   return rows
 
 
@@ -250,7 +258,8 @@ def main(argv=None):
   parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary rows of the embedding and LM head")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--encode", type=int, default=0, help="also time the nearest-code methods on this many elements")
+  parser.add_argument("--encode", type=int, default=0,
+                      help="also time XLA's encode (nearest-code methods) and decode (computed, table) on this many elements")
   parser.add_argument("--profile", action="store_true", help="trace 3 steps per optimizer; JSON gets its top kernels")
   parser.add_argument("--fused", choices=sorted(FUSED_MODES), default="both",
                       help="low-bit updates in the fused kernel (on), in XLA (off), both, or the policy's pick (auto)")
@@ -308,9 +317,9 @@ def main(argv=None):
   print(f"\n{report['device']} ({report['platform']}), jax {report['jax']}, {n_params / 1e9:.3f}B parameters, "
         f"median of {args.repeats} steps, {args.param_dtype} parameters")  # fmt: skip
   if encode:
-    print(f"\n{'map':<10} {'nearest code':<14} {'ms / ' + format(args.encode, ',') + ' values':>22}")
+    print(f"\n{'map':<10} {'method':<20} {'ms / ' + format(args.encode, ',') + ' values':>22}")
     for e in encode:
-      print(f"{e['map']:<10} {e['method']:<14} {e['ms_median']:>22.2f}")
+      print(f"{e['map']:<10} {e['method']:<20} {e['ms_median']:>22.2f}")
   # "asked": the JAXLOWBIT_BACKEND of the run; "update": what ran (step: the kernel writing the
   # parameter; fused: the update kernel; xla), "vs xla": the step time against the same optimizer's
   # XLA run of the same kind (apply_step or update + apply_updates).
