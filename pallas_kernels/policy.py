@@ -46,10 +46,10 @@ FUSED_PROLOGUES = frozenset({"RmsNorm"})
 # major version, so FP8 optimizer states take the kernel from Hopper (sm90) on.
 FP8_STATE_KINDS = frozenset({"e4m3"})
 # Under ``auto`` the fused kernel takes every state kind it runs for, the step (the kernel writes the
-# parameter) and the update (it returns u) alike. 1.1B parameter shapes, optax.adamw 8.35 ms,
-# optim_step_h200.json: the step 8-bit 7.67 ms vs XLA's @XLA8S, 4-bit 6.87 vs @XLA4S, FP8 5.47 vs
-# @XLAFS; the update + apply 8-bit 10.63 vs @XLA8U, 4-bit 8.44 vs @XLA4U, FP8 7.65 vs @XLAFU. (Until the
-# kernel gathered dynamic-map values from a table, the 8-bit update was slower on the kernel.)
+# parameter) and the update (it returns u) alike. 1.1B parameter shapes, optax.adamw 8.00 ms
+# (optim_step_h200.json): the step 8-bit 7.43 ms vs XLA's 12.63, 4-bit 6.60 vs 12.39, FP8 5.33 vs
+# 9.59; update + apply 8-bit 10.45 vs 12.64, 4-bit 8.37 vs 12.47, FP8 7.30 vs 9.27. (Until the kernel
+# gathered dynamic-map values from a table, its 8-bit update was slower than XLA's.)
 
 
 # --- Inference GEMMs (pallas_kernels.inference_dispatch), inference_h200.json ------------------

@@ -49,11 +49,11 @@ PROLOGUE_TILE = {"SwiGLUGrad": (16, 256, 4)}
 # Fused optimizer step (pallas_kernels.adam; the update kernel takes the same): (m kind, m bits, v kind)
 # -> config; others take the default (4096 elements, 4 warps). benchmarks/optim.py --tune, the step
 # kernel alone on the [22, 2048, 5632] float32 MLP weight, {1024, 2048, 4096} elements x {2, 4, 8}
-# warps (optim_step_h200.json): 8-bit 1.56 ms at 1024 x 2 (1.55-1.60 at 1024 x 4 and 2048 x 4, 1.82 at
-# the former 4096 x 8), 4-bit 1.39 at 1024 x 4 (1.67 at the former 1024 x 2), FP8 1.05 at 2048 x 8
-# (1.28 at the default).
+# warps (optim_step_h200.json): 8-bit 1.56 ms at 2048 x 4 (tied with 1024 x 2; 1.81 at the former
+# 4096 x 8), 4-bit 1.38 at 1024 x 4 (1.67 at the former 1024 x 2), FP8 1.04 at 2048 x 8 (1.27 at the
+# default).
 ADAM_CONFIGS: dict[tuple[str, int, str], AdamKernelConfig] = {
-    ("dynamic", 8, "dynamic"): AdamKernelConfig(1024, 2),
+    ("dynamic", 8, "dynamic"): AdamKernelConfig(2048, 4),
     ("dynamic", 4, "linear"): AdamKernelConfig(1024, 4),
     ("e4m3", 8, "e4m3"): AdamKernelConfig(2048, 8),
 }
