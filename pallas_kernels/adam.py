@@ -23,16 +23,17 @@ float32 parameter at 8 bits, and ``u`` never reaches memory.
 Each program owns ``rows`` consecutive blocks (the tensor viewed as ``[N_blocks, B]``, which is
 free for a last axis that is a multiple of ``B``). Every value is computed with the functions
 XLA's update uses: ``blockwise.decode_values`` / ``encode_values`` / ``block_scales`` for the
-codes, ``adam.adam_moments`` for the arithmetic. A dynamic map decodes by gathering its table entry
-(``blockwise.decode``); the kernel holds the tables in its float32 constants operand, after the
+codes, ``adam.adam_moments`` for the arithmetic. Here a dynamic map decodes by gathering its table
+entry (``blockwise.decode`` given the table; XLA computes the value); the kernel holds the tables in its float32 constants operand, after the
 step's coefficients (:func:`constants`), so a code costs one cached load instead of the dozens of
 compares and selects that compute its value. Packed 4-bit codes are read as whole bytes;
 their two nibbles belong to a block's even and odd elements, which the kernel loads and
 stores with stride 2 (``blockwise.pack_nibbles`` puts them back together).
 
 Numerics: the same codes as the reference except at exact ties of the nearest-code search (a
-value within float rounding of the midpoint of two codes: on a GPU, Triton and XLA may contract
-``a * b + c`` into an FMA differently, which moves a moment by an ulp), the same scales up to
+value within float rounding of the midpoint of two codes: Triton and XLA may contract
+``a * b + c`` into an FMA differently, and XLA computes a dynamic map's values to 3e-7 of the table
+the kernel gathers from, either of which moves a moment by an ulp or two), the same scales up to
 that rounding, and ``u`` to a few float32 ulps (division and square root). A NaN or inf
 gradient element turns its block's scales NaN, as in the reference.
 """
