@@ -23,12 +23,13 @@ float32 parameter at 8 bits, and ``u`` never reaches memory.
 Each program owns ``rows`` consecutive blocks (the tensor viewed as ``[N_blocks, B]``, which is
 free for a last axis that is a multiple of ``B``). Every value is computed with the functions
 XLA's update uses: ``blockwise.decode_values`` / ``encode_values`` / ``block_scales`` for the
-codes, ``adam.adam_moments`` for the arithmetic. Here a dynamic map decodes by gathering its table
-entry (``blockwise.decode`` given the table; XLA computes the value); the kernel holds the tables in its float32 constants operand, after the
-step's coefficients (:func:`constants`), so a code costs one cached load instead of the dozens of
-compares and selects that compute its value. Packed 4-bit codes are read as whole bytes;
-their two nibbles belong to a block's even and odd elements, which the kernel loads and
-stores with stride 2 (``blockwise.pack_nibbles`` puts them back together).
+codes, ``adam.adam_moments`` for the arithmetic. Here a dynamic map decodes by gathering its
+table entry (``blockwise.decode`` given the table; XLA computes the value): the tables sit in the
+kernel's float32 constants operand after the step's coefficients (:func:`constants`), so a code
+costs one cached load instead of the dozens of compares and selects that compute its value.
+Packed 4-bit codes are read as whole bytes; their two nibbles belong to a block's even and odd
+elements, which the kernel loads and stores with stride 2 (``blockwise.pack_nibbles`` puts them
+back together).
 
 Numerics: the same codes as the reference except at exact ties of the nearest-code search (a
 value within float rounding of the midpoint of two codes: Triton and XLA may contract
@@ -117,19 +118,19 @@ class _TableView(NamedTuple):
     return self.ref[codes + self.offset]
 
 
-def _constant_parts(m_format: BlockFormat, v_format: BlockFormat) -> tuple[int, int | None, int | None]:
-  """Layout of the constants operand: ``(size, m table offset, v table offset)``; the step's
-  coefficients come first, then the code table of each moment stored in a dynamic map (None: none)."""
-  size, offsets = len(COEFFICIENT_NAMES), []
+def _table_offsets(m_format: BlockFormat, v_format: BlockFormat) -> tuple[int | None, int | None]:
+  """Where the constants operand holds each moment's code table (None: not a dynamic map): after
+  the step's coefficients, m's table then v's."""
+  offset, offsets = len(COEFFICIENT_NAMES), []
   for fmt in (m_format, v_format):
-    offsets.append(size if fmt.kind == "dynamic" else None)
-    size += 2**fmt.bits if fmt.kind == "dynamic" else 0
-  return size, *offsets
+    offsets.append(offset if fmt.kind == "dynamic" else None)
+    offset += 2**fmt.bits if fmt.kind == "dynamic" else 0
+  return offsets[0], offsets[1]
 
 
 def constants(coefficients: AdamCoefficients, m_format: BlockFormat, v_format: BlockFormat) -> jax.Array:
-  """The kernel's float32 constants operand (:func:`_constant_parts`): the step's coefficients,
-  then the code tables the kernel gathers decoded values from."""
+  """The kernel's float32 constants operand: the step's coefficients, then the code tables the
+  kernel gathers decoded values from (:func:`_table_offsets`)."""
   tables = [jnp.asarray(code_table(fmt)) for fmt in (m_format, v_format) if fmt.kind == "dynamic"]
   return jnp.concatenate([coefficient_vector(coefficients), *tables])
 
@@ -181,7 +182,7 @@ def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, *refs, m_format: 
   parts = _parts(m_format, v_format)
   size = m_format.block // len(parts)
   coefficients = AdamCoefficients(*(c_ref[k] for k in range(len(COEFFICIENT_NAMES))))
-  m_table, v_table = (None if k is None else _TableView(c_ref, k) for k in _constant_parts(m_format, v_format)[1:])
+  m_table, v_table = (None if k is None else _TableView(c_ref, k) for k in _table_offsets(m_format, v_format))
   g = [g_ref[blocks, pl.ds(start, size, stride=stride)].astype(jnp.float32) for start, stride in parts]
   m = _load_moment(mc_ref, ms_ref, blocks, m_format, parts, m_table)
   v = _load_moment(vc_ref, vs_ref, blocks, v_format, parts, v_table)
