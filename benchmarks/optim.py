@@ -200,7 +200,8 @@ def bench_encode(n: int, repeats: int) -> list[dict]:
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
-      rows.append({"map": f"dynamic{fmt.bits}", "method": label, "elements": n, "ms_median": 1e3 * statistics.median(times)})
+      ms = 1e3 * statistics.median(times)
+      rows.append({"map": f"dynamic{fmt.bits}", "method": label, "elements": n, "ms_median": ms})
   return rows
 
 
@@ -215,7 +216,8 @@ def bench_tune(shapes, repeats: int) -> list[dict]:
   for label in TUNE_OPTIMIZERS:
     m_format, v_format = optim.moment_formats(label)
     quantize = jax.jit(qstate.quantize_blockwise, static_argnums=1)
-    moved = g.size * 4 + 2 * (qstate.nbytes((quantize(g, m_format), quantize(g, v_format))) + g.size * 4)
+    states = [jax.eval_shape(quantize, g, fmt) for fmt in (m_format, v_format)]
+    moved = g.size * 4 + 2 * (qstate.nbytes(states) + g.size * 4)
     for elements in TUNE_ELEMENTS:
       for warps in (w for w in TUNE_WARPS if elements <= MAX_PER_THREAD * 32 * w):
         config = adam_kernels.AdamKernelConfig(elements, warps)
@@ -259,7 +261,8 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--encode", type=int, default=0,
-                      help="also time XLA's encode (nearest-code methods) and decode (computed, table) on this many elements")
+                      help="also time XLA's encode (nearest-code methods) and decode (computed, table) on this "
+                      "many elements")
   parser.add_argument("--profile", action="store_true", help="trace 3 steps per optimizer; JSON gets its top kernels")
   parser.add_argument("--fused", choices=sorted(FUSED_MODES), default="both",
                       help="low-bit updates in the fused kernel (on), in XLA (off), both, or the policy's pick (auto)")
@@ -268,7 +271,8 @@ def main(argv=None):
   parser.add_argument("--apply", choices=["step", "update", "both"], default="step",
                       help="optim.apply_step (the fused step), tx.update + optax.apply_updates, or both")
   parser.add_argument("--tune", action="store_true",
-                      help="first time the fused step kernel alone per launch configuration; the run then uses the best")
+                      help="first time the fused step kernel alone per launch configuration; the run then uses "
+                      "the best")
   args = parser.parse_args(argv)
 
   shapes = model_shapes(args.layers, args.vocab)

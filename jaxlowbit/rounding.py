@@ -13,6 +13,7 @@ from jaxlowbit_numerics.int8 import INT8_MAX
 from jaxlowbit_numerics.random import round_bf16_with_bits
 from jaxlowbit_numerics.stats import check_floating
 
+
 def _to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
   return round_bf16_with_bits(x, jax.random.bits(key, x.shape, jnp.uint32))
 

@@ -51,8 +51,8 @@ from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["adam_step", "adam_update", "current_split", "fused_quantize", "prologue_values", "quantize_cols_t", "quantize_rows",
-           "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "split_operands"]
+__all__ = ["adam_step", "adam_update", "current_split", "fused_quantize", "prologue_values", "quantize_cols_t",
+           "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "split_operands"]
 
 _SPLIT = contextvars.ContextVar("jaxlowbit_split_operands", default=NO_SPLIT)
 
