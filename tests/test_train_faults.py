@@ -5,6 +5,7 @@ the user sees (one clear line, a documented exit code) and what is kept (the new
 checkpoint, a run that continues exactly). docs/training.md has the table.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -54,22 +55,111 @@ def truncate(path: pathlib.Path) -> None:
   path.write_bytes(data[: len(data) // 2])
 
 
-FAULTS = {"bit_flip": flip_bit, "truncation": truncate, "missing_file": os.remove}
+def write_manifest_text(text: str):
+  return lambda step_dir: (step_dir / checkpoint.MANIFEST).write_text(text)
+
+
+def edit_data_position(step_dir: pathlib.Path) -> None:
+  """Change the data stream's saved position in the ``data`` item's JSON (a valid JSON edit)."""
+  path = next(p for p in (step_dir / "data").rglob("*") if p.is_file() and '"position"' in p.read_text())
+  state = json.loads(path.read_text())
+  state["position"] = 1
+  path.write_text(json.dumps(state))
+
+
+# Every fault the issue-31 battery injected into the newest checkpoint; each must fail verification.
+FILE_FAULTS = {
+    "bit_flip": lambda d: flip_bit(largest_file(d)),
+    "truncation": lambda d: truncate(largest_file(d)),
+    "missing_file": lambda d: os.remove(largest_file(d)),
+}
+FAULTS = {
+    **FILE_FAULTS,
+    "garbage_manifest": write_manifest_text("{not json"),
+    "empty_manifest": write_manifest_text(""),
+    "list_manifest": write_manifest_text("[]"),
+    "manifest_without_files": lambda d: (d / checkpoint.MANIFEST).write_text(json.dumps({"step": int(d.name),
+                                                                                        "files": {}})),
+    "manifest_of_another_step": lambda d: (d / checkpoint.MANIFEST).write_text(
+        (d.parent / "4" / checkpoint.MANIFEST).read_text()),
+    "no_manifest": lambda d: os.remove(d / checkpoint.MANIFEST),
+    "missing_metadata": lambda d: os.remove(d / "_CHECKPOINT_METADATA"),
+    "missing_state": lambda d: shutil.rmtree(d / "state"),
+    "edited_data_json": edit_data_position,
+}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(fault, stopped_run, tmp_path, corpus, capsys):  # noqa: F811
+def test_every_injected_fault_fails_verification(fault, stopped_run, tmp_path):
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  step_dir = run_dir / "checkpoints" / "10"
+  assert checkpoint.verify(step_dir) is None
+  FAULTS[fault](step_dir)
+  reason = checkpoint.verify(step_dir)
+  assert reason is not None and reason.startswith("unverified" if fault == "no_manifest" else "corrupt"), reason
+  assert "\n" not in reason
+  assert checkpoint.latest_verified(run_dir) == 8
+  with pytest.raises(checkpoint.CorruptCheckpointError, match="checkpoints/10 is "):
+    checkpoint.verified_step(run_dir, 10)
+  notes = []
+  assert checkpoint.verified_step(run_dir, notify=notes.append) == 8  # what generate and export read
+  assert len(notes) == 1 and "checkpoints/10 is" in notes[0] and "skipped" in notes[0], notes
+
+
+@pytest.mark.parametrize("fault", [*FILE_FAULTS, "no_manifest", "list_manifest", "edited_data_json"])
+def test_a_damaged_checkpoint_is_moved_aside_and_the_redone_steps_save(fault, stopped_run, tmp_path, corpus, capsys):  # noqa: F811
+  """Checkpoints 8 and 10 damaged: the run falls back to 4, moves both aside (saying where), redoes steps 5-12
+  bit for bit, saves 8 and 12 again, and a second --resume starts from the new 12 (no StepAlreadyExistsError)."""
   stopped, expected = stopped_run
   run_dir = copy_run(stopped, tmp_path)
-  FAULTS[fault](largest_file(run_dir / "checkpoints" / "10"))
+  for step in (8, 10):
+    FAULTS[fault](run_dir / "checkpoints" / str(step))
 
-  config = micro_config(corpus, resume=True)
-  result = loop.train(config, run_dir)
+  result = loop.train(micro_config(corpus, resume=True), run_dir)
   out = capsys.readouterr().out
-  assert "checkpoint 10" in out and "skipped it" in out, out
-  assert f"resumed from {run_dir / 'checkpoints' / '8'}" in out, out
+  prefix = "unverified" if fault == "no_manifest" else "corrupt"
+  for step in (8, 10):
+    aside = run_dir / "checkpoints" / f"{prefix}-{step}"
+    assert f"checkpoint {run_dir / 'checkpoints' / str(step)} is {prefix}" in out, out
+    assert f"moved it to {aside}" in out and aside.is_dir(), out
+  assert f"resumed from {run_dir / 'checkpoints' / '4'}" in out, out
   assert result.status == "completed" and result.step == 12
-  assert train_losses(run_dir) == expected  # steps 9-12 redone from step 8: bit for bit
+  assert train_losses(run_dir) == expected  # steps 5-12 redone from step 4: bit for bit
+  assert checkpoint.verify(run_dir / "checkpoints" / "8") is None and checkpoint.latest_verified(run_dir) == 12
+
+  again = loop.train(micro_config(corpus, resume=True, steps=14), run_dir)
+  out = capsys.readouterr().out
+  assert again.status == "completed" and again.step == 14 and "skipped" not in out, out
+  assert f"resumed from {run_dir / 'checkpoints' / '12'}" in out, out
+
+
+def test_the_manifest_is_written_before_the_commit(tmp_path, corpus, monkeypatch):  # noqa: F811
+  """A checkpoint is never final without its manifest: it is written into orbax's temporary directory,
+  while the final directory does not exist yet (a SIGKILL then leaves a leftover, not an unverified checkpoint)."""
+  written = []
+  original = checkpoint.write_manifest
+
+  def record(step_dir, step):
+    written.append((step_dir.name, (step_dir.parent / str(step)).exists()))
+    return original(step_dir, step)
+
+  monkeypatch.setattr(checkpoint, "write_manifest", record)
+  loop.train(micro_config(corpus, steps=8), tmp_path / "run")
+  assert [(name.split(".")[0], final) for name, final in written] == [("4", False), ("8", False)], written
+  assert all(".orbax-checkpoint-tmp" in name for name, _ in written), written
+  assert checkpoint.latest_verified(tmp_path / "run") == 8
+
+
+def test_a_verified_checkpoint_of_another_config_is_not_called_corrupt(stopped_run, tmp_path, corpus):  # noqa: F811
+  """config.json deleted and the shape changed: the intact checkpoint is not moved aside; one line says why."""
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  (run_dir / checkpoint.CONFIG_FILE).unlink()
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="is intact but does not restore") as error:
+    loop.train(micro_config(corpus, resume=True, model__d_model=48), run_dir)
+  assert "\n" not in str(error.value)
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["10", "4", "8"]
 
 
 def test_only_verified_checkpoints_are_last_good_and_none_intact_is_an_error(stopped_run, tmp_path, corpus):  # noqa: F811
@@ -86,8 +176,9 @@ def test_only_verified_checkpoints_are_last_good_and_none_intact_is_an_error(sto
 
   for step in (4, 8):
     truncate(largest_file(run_dir / "checkpoints" / str(step)))
-  with pytest.raises(checkpoint.CorruptCheckpointError, match="no checkpoint .* restores intact"):
+  with pytest.raises(checkpoint.CorruptCheckpointError, match="no checkpoint in .* is verified"):
     loop.train(micro_config(corpus, resume=True), run_dir)
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["10", "4", "8"]  # nothing moved
 
 
 def test_disk_full_says_one_line_and_keeps_the_last_good_checkpoint(tmp_path, corpus, monkeypatch):  # noqa: F811

@@ -63,14 +63,9 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any,
   model_config = train_config.model_config(config)
   init = steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
-  checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False)
+  step = checkpoint.verified_step(run_dir, step)  # verified checkpoints only (the rule of every reader)
+  checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False, read_only=True)
   try:
-    steps = checkpointer.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"no checkpoint under {checkpointer.directory}")
-    step = max(steps) if step is None else step
-    if step not in steps:
-      raise FileNotFoundError(f"no checkpoint for step {step} under {checkpointer.directory}; have {sorted(steps)}")
     state, _ = checkpointer.restore(step, abstract)
   finally:
     checkpointer.close()

@@ -59,6 +59,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 # Exceptions and the exit code each ends the run with (the first that matches).
 EXIT_CODES = (
     (loop.NonFiniteLossError, EXIT_NONFINITE),
+    (checkpoint.CheckpointMismatchError, EXIT_USAGE),  # another config's checkpoints
     (checkpoint.CheckpointError, EXIT_CHECKPOINT),
     (train_config.ConfigError, EXIT_USAGE),
     (FileExistsError, EXIT_USAGE),  # a workdir with checkpoints and no --resume
