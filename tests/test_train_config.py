@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import ml_collections
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -134,7 +135,7 @@ def test_optimizer_schedule_mask_and_clipping():
   np.testing.assert_allclose(float(optax.tree.norm(clipped)), 1.0, rtol=1e-5)
 
 
-def test_optimizer_names_extend_through_jaxlowbit_optim(monkeypatch):
+def test_optimizer_names_come_from_the_jaxlowbit_optim_registry(monkeypatch):
   config = train_config.base_config()
   calls = []
 
@@ -142,13 +143,91 @@ def test_optimizer_names_extend_through_jaxlowbit_optim(monkeypatch):
     calls.append(kwargs)
     return optax.adamw(**kwargs)
 
-  monkeypatch.setattr(train_optimizer.optim, "adamw_8bit", adamw_8bit)
+  assert set(train_optimizer.OPTIMIZERS) == set(train_optimizer.optim.OPTIMIZERS)
+  monkeypatch.setitem(train_optimizer.OPTIMIZERS, "adamw_8bit", adamw_8bit)
   config.optimizer = "adamw_8bit"
   train_optimizer.make_optimizer(config)
   assert calls and set(calls[0]) == {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"}
-  config.optimizer = "lion"
-  with pytest.raises(ValueError, match="lion"):
-    train_optimizer.make_optimizer(config)
+  # Functions of jaxlowbit.optim that are not optimizers, and unknown names: refused by the check, naming the list.
+  for name in ("lion", "chain", "stochastic_rounding", "apply_step", "make"):
+    config.optimizer = name
+    with pytest.raises(ValueError, match=name):
+      train_optimizer.make_optimizer(config)
+    with pytest.raises(train_config.ConfigError, match=f"config.optimizer={name!r} is not an optimizer.*adamw_8bit"):
+      train_config.check(config)
+
+
+def _with(field, value):
+  """The base config with ``field`` set to ``value`` of any type (built from a dict, as a config file or a
+  resumed config.json can be: ConfigDict's own type checks only guard assignments)."""
+  values = train_config.base_config().to_dict()
+  *parents, leaf = field.split(".")
+  parent = values
+  for name in parents:
+    parent = parent[name]
+  parent[leaf] = value
+  return ml_collections.ConfigDict(values)
+
+
+def _refused(field, value, match=None):
+  with pytest.raises(train_config.ConfigError, match=match or f"config.{field}"):
+    train_config.check(_with(field, value))
+
+
+def _accepted(field, value):
+  train_config.check(_with(field, value))
+
+
+@pytest.mark.parametrize("field, low, high, low_in, high_in", train_config.RANGES + train_config.OPTIONAL_RANGES,
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_every_range_is_enforced_at_both_bounds_and_only_finite_values_pass(field, low, high, low_in, high_in):
+  (_accepted if low_in else _refused)(field, low)
+  _refused(field, float(np.nextafter(low, -np.inf)))
+  if not low_in:
+    _accepted(field, float(np.nextafter(low, np.inf)))
+  if high is not None:
+    (_accepted if high_in else _refused)(field, high)
+    _refused(field, float(np.nextafter(high, np.inf)))
+    if not high_in:
+      _accepted(field, float(np.nextafter(high, -np.inf)))
+  for value in (float("nan"), float("inf"), float("-inf")):
+    _refused(field, value, match=f"config.{field} must be a finite number")
+
+
+def test_the_issue_31_values_are_refused_naming_the_field():
+  for field, value in [("lr", float("nan")), ("lr", float("inf")), ("weight_decay", float("nan")),
+                       ("grad_clip", float("nan")), ("eps", 1e30), ("model.norm_eps", 1e30),
+                       ("model.init_std", float("nan")), ("peak_tflops", float("nan")), ("b2", 1.0),
+                       ("seed", -1), ("seed", 2**70)]:
+    _refused(field, value)
+  _accepted("peak_tflops", None)
+  _accepted("grad_clip", 0.0)  # clipping off
+
+
+@pytest.mark.parametrize("field, low, high", train_config.INT_RANGES)
+def test_integer_ranges_at_both_bounds(field, low, high):
+  _accepted(field, low)
+  _refused(field, low - 1)
+  if high is not None:
+    _accepted(field, high)
+    _refused(field, high + 1)
+
+
+def test_positive_integers_and_types():
+  for field in train_config.POSITIVE_INTS + tuple(f"model.{f}" for f in train_config.POSITIVE_MODEL_INTS):
+    _refused(field, 0)
+    _refused(field, 1.5, match=f"config.{field} must be an integer")
+  for field, value, kind in [("lr", "abc", "a number"), ("tensorboard", 1, "True or False"), ("recipe", 3, "a string"),
+                             ("model.scan_layers", "yes", "True or False"), ("seed", True, "an integer"),
+                             ("steps", 2.0, "an integer")]:
+    _refused(field, value, match=f"config.{field} must be {kind}")
+
+
+def test_rope_scaling_is_four_positive_numbers():
+  _accepted("model.rope_scaling", "")
+  _accepted("model.rope_scaling", "32.0,1.0,4.0,8192.0")
+  for text in ("abc", "1,2,3", "1,2,3,abc", "32,1,4,0", "32,1,4,nan"):
+    _refused("model.rope_scaling", text, match="config.model.rope_scaling=.*four positive numbers")
 
 
 # Small widths that keep every config's structure (layers unrolled or scanned, heads grouped,

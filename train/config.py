@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import pathlib
 
 import jax
@@ -55,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0  # parameter init, data order and the dropout key all derive from it
   config.recipe = "bf16"  # a key of train.config.RECIPES
-  config.optimizer = "adamw"  # a key of train.optimizer.OPTIMIZERS or a jaxlowbit.optim function name
+  config.optimizer = "adamw"  # a key of train.optimizer.OPTIMIZERS (= jaxlowbit.optim.OPTIMIZERS)
   # A Hugging Face Llama / Qwen2 / Mistral folder (train.hf): the model's shape comes from its
   # config.json and its weights replace the fresh init; its tokenizer.json becomes data.tokenizer.
   config.init_from = ""
@@ -200,24 +201,45 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 # Fields that must be integers >= 1, and the ranges of the numeric ones (the rest of check()).
 POSITIVE_INTS = ("steps", "batch_size", "grad_accum_steps", "seq_len", "log_every", "eval_every", "eval_batches",
-                 "checkpoint_every", "keep_checkpoints")
+                 "checkpoint_every", "keep_checkpoints", "data.hf_max_docs")
 POSITIVE_MODEL_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
-# (field, low, high, low included, high included); None: unbounded.
+# Upper bounds where a larger value runs but cannot train (issue 31: eps=1e30 and norm_eps=1e30 trained models that
+# did not learn, exit 0). AdamW's eps is added to sqrt(v), the RMS of a gradient element: the usual 1e-8..1e-6 sit far
+# below it; at 1e-2 an element with gradients below 1e-2 (most of them, after clipping to norm 1) already moves at
+# lr * g / 1e-2 instead of lr * sign(g), so beyond it eps, not lr, sets the step. RMSNorm's eps is added to the mean
+# square of the activations, about 1 at init: 1e-2 still changes the normalised output by 0.5%, 1 halves it.
+EPS_MAX = 1e-2
+NORM_EPS_MAX = 1e-2
+# Normal init std: GPT-2/Llama use 0.02; at 1 the logits of a wide model start at tens and the first steps diverge.
+INIT_STD_MAX = 1.0
+# Seeds go to jax.random.key and numpy's default_rng: both take 32-bit seeds without truncating.
+SEED_MAX = 2**32 - 1
+# (field, low, high, low included, high included); None: unbounded. Every numeric value must also be finite.
 RANGES = (
     ("lr", 0.0, None, False, True),
     ("min_lr_ratio", 0.0, 1.0, True, True),
     ("weight_decay", 0.0, None, True, True),
     ("b1", 0.0, 1.0, True, False),
-    ("b2", 0.0, 1.0, True, False),
-    ("eps", 0.0, None, False, True),
-    ("grad_clip", 0.0, None, True, True),
+    ("b2", 0.0, 1.0, True, False),  # b2 = 1: v never forgets (and the bias correction divides by 0)
+    ("eps", 0.0, EPS_MAX, False, True),
+    ("grad_clip", 0.0, None, True, True),  # 0 turns clipping off
     ("model.dropout_rate", 0.0, 1.0, True, False),
     ("model.rope_theta", 0.0, None, False, True),
-    ("model.norm_eps", 0.0, None, False, True),
-    ("model.init_std", 0.0, None, False, True),
+    ("model.norm_eps", 0.0, NORM_EPS_MAX, False, True),
+    ("model.init_std", 0.0, INIT_STD_MAX, False, True),
     ("data.val_fraction", 0.0, 1.0, False, False),
 )
+OPTIONAL_RANGES = (("peak_tflops", 0.0, None, False, True),)  # None: look the device up
+# Integer fields with other bounds than >= 1: (field, low, high), both included; None: unbounded.
+INT_RANGES = (
+    ("seed", 0, SEED_MAX),
+    ("mesh.data", 1, None),
+    ("mesh.fsdp", MESH_AUTO, None),
+    ("mesh.tensor", 1, None),
+    ("inject_nan_at_step", -1, None),
+)
 DATA_SOURCES = ("text", "tokens", "synthetic", "hf")
+ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _get(config, field: str):
@@ -227,9 +249,16 @@ def _get(config, field: str):
 
 
 def _in_range(value, low, high, low_in, high_in) -> bool:
+  if not math.isfinite(value):
+    return False
   if low is not None and (value < low or (value == low and not low_in)):
     return False
   return high is None or value < high or (value == high and high_in)
+
+
+def _bounds(low, high, low_in, high_in) -> str:
+  upper = "inf)" if high is None else f"{high}{']' if high_in else ')'}"
+  return f"{'[' if low_in else '('}{low}, {upper}"
 
 
 def _unknown_fields(config, reference, prefix="") -> list[str]:
@@ -242,27 +271,74 @@ def _unknown_fields(config, reference, prefix="") -> list[str]:
   return unknown
 
 
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(config, reference, prefix="") -> None:
+  """ConfigError for a field whose value has another type than its default's (bool, int, float, str)."""
+  for key in reference.keys():
+    default, value, field = reference[key], config[key], prefix + key
+    if isinstance(default, ml_collections.ConfigDict):
+      _check_types(value, default, field + ".")
+      continue
+    if isinstance(default, bool):
+      ok, kind = isinstance(value, bool), "True or False"
+    elif isinstance(default, int):
+      ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float) or default is None:  # None: a float placeholder (peak_tflops)
+      ok, kind = _is_number(value) or (default is None and value is None), "a number"
+    elif isinstance(default, str):
+      ok, kind = isinstance(value, str), "a string"
+    else:
+      continue
+    if not ok:
+      raise ConfigError(f"config.{field} must be {kind}, got {value!r}")
+
+
+def _rope_scaling(text: str) -> None:
+  if not text.strip():
+    return
+  parts = [part.strip() for part in text.split(",")]
+  try:
+    values = [float(part) for part in parts]
+  except ValueError:
+    values = []
+  if len(values) != len(ROPE_SCALING_FIELDS) or not all(math.isfinite(v) and v > 0 for v in values):
+    raise ConfigError(f"config.model.rope_scaling={text!r}: '' (none) or four positive numbers "
+                      f"'{','.join(ROPE_SCALING_FIELDS)}', e.g. '32.0,1.0,4.0,8192.0' (Llama 3.1)")
+
+
 def check(config: ml_collections.ConfigDict) -> None:
   """ConfigError for any field the trainer cannot run with, naming it (the devices: :func:`mesh_shape`).
 
-  Every field is checked here, before anything is built: names (recipe, optimizer, dtypes, data
-  source, FSDP options), integer sizes >= 1, numeric ranges (:data:`RANGES`), the model's shape
-  rules (``ModelConfig``) and fields this trainer does not know.
+  Every field is checked here, before anything is built or printed: fields this trainer does not
+  know, every value's type (that of its default), names against closed lists (recipe, optimizer,
+  dtypes, data source, FSDP options, remat policy, attention), integer sizes >= 1, finite numbers
+  in their ranges (:data:`RANGES`, :data:`INT_RANGES`), ``model.rope_scaling``'s four numbers and
+  the model's shape rules (``ModelConfig``).
   """
   unknown = _unknown_fields(config, base_config())
   if unknown:
     raise ConfigError(f"config has unknown field(s) {unknown}; see train/config.py base_config() for every field")
+  _check_types(config, base_config())
   for field in POSITIVE_INTS + tuple(f"model.{f}" for f in POSITIVE_MODEL_INTS):
     value = _get(config, field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if value < 1:
       raise ConfigError(f"config.{field} must be an integer >= 1, got {value!r}")
-  for field, low, high, low_in, high_in in RANGES:
+  for field, low, high in INT_RANGES:
     value = _get(config, field)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not _in_range(value, low, high, low_in,
-                                                                                      high_in):
-      upper = "inf)" if high is None else f"{high}{']' if high_in else ')'}"
-      bounds = f"{'[' if low_in else '('}{low}, {upper}"
-      raise ConfigError(f"config.{field} must lie in {bounds}, got {value!r}")
+    if value < low or (high is not None and value > high):
+      raise ConfigError(f"config.{field} must be an integer in [{low}, {'inf)' if high is None else f'{high}]'}, "
+                        f"got {value!r}")
+  for field, low, high, low_in, high_in in RANGES + OPTIONAL_RANGES:
+    value = _get(config, field)
+    if value is None and field in dict((f[0], f) for f in OPTIONAL_RANGES):
+      continue
+    if not _in_range(value, low, high, low_in, high_in):
+      optional = " (or None: look up the device)" if field in dict((f[0], f) for f in OPTIONAL_RANGES) else ""
+      raise ConfigError(f"config.{field} must be a finite number in {_bounds(low, high, low_in, high_in)}{optional}, "
+                        f"got {value!r}")
   if config.batch_size % config.grad_accum_steps:
     raise ConfigError(
         f"config.batch_size={config.batch_size} is not a multiple of grad_accum_steps={config.grad_accum_steps}"
@@ -276,21 +352,15 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r}: 'byte' or a tokenizer.json (or its folder)")
   if config.init_from and not (pathlib.Path(config.init_from) / "config.json").is_file():
     raise ConfigError(f"config.init_from={config.init_from!r}: not a Hugging Face model folder (no config.json)")
-  if config.peak_tflops is not None and config.peak_tflops <= 0:
-    raise ConfigError(f"config.peak_tflops must be > 0 (or None: look up the device), got {config.peak_tflops}")
-  if config.mesh.data < 1 or config.mesh.fsdp < 0:
-    raise ConfigError(
-        f"config.mesh.data={config.mesh.data} must be >= 1 and config.mesh.fsdp={config.mesh.fsdp} >= 0 "
-        "(0: all devices, 1: no FSDP)"
-    )
-  if config.mesh.tensor < 1:
-    raise ConfigError(f"config.mesh.tensor={config.mesh.tensor} must be >= 1 (1: no tensor parallelism)")
   if config.mesh.tensor > 1:
     _check_tensor_parallel(config)
+  _rope_scaling(config.model.rope_scaling)
   try:
-    from train.optimizer import adamw_factory  # noqa: PLC0415  (the optimizer module imports this one)
+    from train.optimizer import OPTIMIZERS  # noqa: PLC0415  (the optimizer module imports this one)
 
-    adamw_factory(config.optimizer)
+    if config.optimizer not in OPTIMIZERS:
+      raise ConfigError(f"config.optimizer={config.optimizer!r} is not an optimizer; choose one of "
+                        f"{', '.join(OPTIMIZERS)}")
     fsdp_config(config)
     model_config(config)  # the model's own rules: heads divide d_model, known remat policy, ...
   except ConfigError:

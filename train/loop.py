@@ -109,9 +109,10 @@ def train(
   Raises:
     NonFiniteLossError: the loss or gradient norm became NaN/inf (see the module docstring).
   """
-  for note in train_config.adjust(config):  # e.g. a warmup longer than a short run
+  notes = train_config.adjust(config)  # e.g. a warmup longer than a short run
+  train_config.mesh_shape(config)  # every field, and that it fits the devices: before any output or work
+  for note in notes:
     say(note)
-  train_config.mesh_shape(config)  # the config's fields, and that it fits the devices (before the data is read)
   run_dir = pathlib.Path(workdir)
   run_dir.mkdir(parents=True, exist_ok=True)
 

@@ -1,9 +1,9 @@
 """The optimizer: AdamW (or a drop-in with its signature) with warmup + cosine and clipping.
 
-``config.optimizer`` names the AdamW variant. ``"adamw"`` is ``optax.adamw``; any other
-name is looked up as a function of ``jaxlowbit.optim`` (``adamw_8bit``, ``adamw_4bit``,
-``adamw_fp8``), which take ``optax.adamw``'s arguments. To add one, put it in
-:data:`OPTIMIZERS` or in ``jaxlowbit.optim``.
+``config.optimizer`` names the AdamW variant, one of :data:`OPTIMIZERS` (``jaxlowbit.optim.OPTIMIZERS``:
+``adamw`` is ``optax.adamw``; ``adamw_8bit``, ``adamw_4bit``, ``adamw_fp8``, ``adamw_fp8_o2`` take its
+arguments). Other functions of ``jaxlowbit.optim`` (``chain``, ``stochastic_rounding``) are not optimizers
+and are refused. To add one, put it in :data:`OPTIMIZERS`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import optax
 
 from jaxlowbit import optim
 
-OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": optax.adamw}
+# The closed list of config.optimizer names: jaxlowbit.optim's AdamW registry (optax.adamw and the low-bit ones).
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = dict(optim.OPTIMIZERS)
 # Parameters that get weight decay: matmul kernels and embedding tables, not norm scales or biases.
 DECAYED_PARAM_NAMES = ("kernel", "embedding")
 
@@ -47,12 +48,10 @@ def weight_decay_mask(params) -> object:
 
 
 def adamw_factory(name: str) -> Callable[..., optax.GradientTransformation]:
-  """The function called ``name``: from :data:`OPTIMIZERS`, else from ``jaxlowbit.optim``."""
-  if name in OPTIMIZERS:
-    return OPTIMIZERS[name]
-  if not callable(getattr(optim, name, None)):
-    raise ValueError(f"config.optimizer={name!r}: neither in {sorted(OPTIMIZERS)} nor a function of jaxlowbit.optim")
-  return getattr(optim, name)
+  """The AdamW called ``name`` in :data:`OPTIMIZERS` (ValueError naming the choices)."""
+  if name not in OPTIMIZERS:
+    raise ValueError(f"config.optimizer={name!r} is not an optimizer; choose one of {', '.join(OPTIMIZERS)}")
+  return OPTIMIZERS[name]
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
