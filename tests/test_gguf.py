@@ -1,4 +1,4 @@
-"""train.hf.save_gguf / train.gguf_ternary: a BitNet model as llama.cpp's TQ1_0 / TQ2_0 GGUF.
+"""train.hf.save_gguf / train.io.gguf_ternary: a BitNet model as llama.cpp's TQ1_0 / TQ2_0 GGUF.
 
 Every check reads the file back with llama.cpp's own Python package (``gguf.GGUFReader`` and
 ``gguf.quants.dequantize``), never with our code: the ternary values and scales it decodes must
@@ -18,7 +18,9 @@ import jaxlowbit
 from helpers import fresh_key, rel_err
 from jaxlowbit import inference
 from jaxlowbit_numerics import ternary
-from train import gguf_ternary, hf
+from train import hf
+from train.io import gguf_ternary
+from train.io.hf_config import _columns
 from train.model import ModelConfig, Transformer
 
 gguf = pytest.importorskip("gguf")
@@ -121,7 +123,7 @@ def test_gguf_holds_exactly_the_weights_jaxlowbit_inference_runs(qtype, layout, 
         leaves = leaves[key]
       runs = np.asarray(inference.dequantize_weight(leaves, "ternary")).T  # [out, in] float32: what inference runs
       codes = np.asarray(ternary.unpack_2bit(leaves["kernel_packed"], axis=-1))
-      rows = hf._columns(config, part) if part else slice(None)
+      rows = _columns(config, part) if part else slice(None)
       name = f"blk.{i}.{stem}"
       assert types[f"{name}.weight"] == QTYPES[qtype]
       np.testing.assert_array_equal(tensors[f"{name}.weight"], codes[rows])  # block scale 1.0: the codes themselves
@@ -249,7 +251,7 @@ def test_export_command_writes_a_runs_gguf(tmp_path, capsys):
   """``python -m train.hf export --scheme tq2_0`` on a BitNet run: its checkpoint's inference codes, bf16 embedding."""
   from test_train_loop import micro_config
 
-  from train import generate, loop
+  from train import loop, runs
 
   config = micro_config("", recipe="bitnet", steps=2, checkpoint_every=2, eval_every=100, data__source="synthetic",
                         model__d_model=256, model__n_heads=4, model__n_kv_heads=2, model__d_ff=256, seq_len=16)
@@ -259,7 +261,7 @@ def test_export_command_writes_a_runs_gguf(tmp_path, capsys):
   assert "model.gguf" in capsys.readouterr().out
   tensors, types, meta = read(out / hf.GGUF_FILE)
   assert meta["jaxlowbit.tokenizer"].startswith("byte") and types["token_embd.weight"] == GGML.BF16
-  _, model_config, params, _ = generate.load_run(tmp_path / "run")
+  _, model_config, params, _ = runs.load_run(tmp_path / "run")
   leaves = qparams_of(model_config, params)["layers"]["mlp"]["down"]
   np.testing.assert_array_equal(tensors["blk.0.ffn_down.weight"],
                                 np.asarray(ternary.unpack_2bit(leaves["kernel_packed"][0], axis=-1)))

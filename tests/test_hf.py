@@ -18,6 +18,7 @@ import pytest
 from helpers import fresh_key, needs_devices
 from jax.sharding import NamedSharding, PartitionSpec as P
 from train import hf
+from train.io import hf_reader
 from train.model import Transformer
 
 pytest.importorskip("safetensors")
@@ -261,9 +262,9 @@ def spread(shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> NamedSharding:
 
 def record_reads(monkeypatch) -> list[list]:
   """From now on, every block the import builds and what it read for it: ``[leaf shape, block
-  shape, [(HF name, shape read)...]]`` per call of ``train.hf._read_block`` (one device's block,
+  shape, [(HF name, shape read)...]]`` per call of ``train.io.hf_reader._read_block`` (one device's block,
   or a whole leaf), in order."""
-  calls, read_block, read_slice = [], hf._read_block, hf._read_slice
+  calls, read_block, read_slice = [], hf_reader._read_block, hf_reader._read_slice
 
   def block(tensors, pieces, shape, dtype, index):
     calls.append([shape, None, []])
@@ -276,8 +277,8 @@ def record_reads(monkeypatch) -> list[list]:
     calls[-1][2].append((name, value.shape))
     return value
 
-  monkeypatch.setattr(hf, "_read_block", block)
-  monkeypatch.setattr(hf, "_read_slice", sliced)
+  monkeypatch.setattr(hf_reader, "_read_block", block)
+  monkeypatch.setattr(hf_reader, "_read_slice", sliced)
   return calls
 
 

@@ -405,7 +405,7 @@ def _loss(model, params, batches) -> float:
 
 
 def test_perplexity_of_a_trained_model(bf16_run):
-  from train.generate import load_run
+  from train.runs import load_run
   from train.model import Transformer
 
   run_dir, config = bf16_run
@@ -428,7 +428,7 @@ def test_perplexity_of_a_trained_model(bf16_run):
 
 
 def test_ternary_reproduces_bitnet_training_forward_exactly(bitnet_run):
-  from train.generate import load_run
+  from train.runs import load_run
   from train.model import Transformer
 
   run_dir, config = bitnet_run
@@ -444,7 +444,7 @@ def test_ternary_reproduces_bitnet_training_forward_exactly(bitnet_run):
 
 
 def test_converted_params_round_trip_through_orbax(bitnet_run, tmp_path):
-  from train.generate import load_run
+  from train.runs import load_run
 
   _, _, params, _ = load_run(bitnet_run[0])
   for scheme in ("ternary", "w8a8"):

@@ -2,6 +2,8 @@
 
 Modules, in the order a run uses them: ``config`` (the config schema and recipe names),
 ``data`` (byte tokenizer, corpora, deterministic resumable batches), ``model`` (Llama-style
-decoder with jaxlowbit linears), ``optimizer``, ``checkpoint``, ``metrics``, ``loop`` (the
-training loop, one file to read top to bottom), ``main`` (command line) and ``plot``.
+decoder with jaxlowbit linears), ``optimizer``, ``runtime`` and ``steps`` (where and how a step
+runs), ``checkpoint``, ``metrics``, ``run_control``, ``loop`` (the training loop, one file to
+read top to bottom), ``main`` (command line) and ``plot``. After a run: ``runs`` (a run read
+back), ``generate`` (text), ``hf`` (Hugging Face and GGUF files; the code in ``train/io/``).
 """

@@ -25,7 +25,9 @@ from ml_collections import config_dict
 from jaxlowbit import fsdp
 from jaxlowbit.recipes import named_recipes
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
+from train.io.hf_config import model_config_from_hf, read_config
 from train.model import ModelConfig
+from train.optimizer import OPTIMIZERS
 
 # config.recipe names: "bf16" (high precision: every matmul in config.model.dtype) and every
 # preset a jaxlowbit recipe declares (jaxlowbit/recipes/: int8, fp8_tensorwise, bitnet, ...).
@@ -356,8 +358,6 @@ def check(config: ml_collections.ConfigDict) -> None:
     _check_tensor_parallel(config)
   _rope_scaling(config.model.rope_scaling)
   try:
-    from train.optimizer import OPTIMIZERS  # noqa: PLC0415  (the optimizer module imports this one)
-
     if config.optimizer not in OPTIMIZERS:
       raise ConfigError(f"config.optimizer={config.optimizer!r} is not an optimizer; choose one of "
                         f"{', '.join(OPTIMIZERS)}")
@@ -401,15 +401,13 @@ def adjust(config: ml_collections.ConfigDict) -> list[str]:
   return notes
 
 
-# ModelConfig fields that a Hugging Face config.json decides (train.hf.model_config_from_hf).
+# ModelConfig fields that a Hugging Face config.json decides (train.io.hf_config.model_config_from_hf).
 PRETRAINED_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
                      "rope_scaling", "attention_bias", "norm_eps", "tie_embeddings")
 
 
 def _adopt_pretrained(config: ml_collections.ConfigDict) -> list[str]:
-  from train import hf  # noqa: PLC0415  (hf imports the model, which this module's users import)
-
-  pretrained = hf.model_config_from_hf(hf.read_config(config.init_from))
+  pretrained = model_config_from_hf(read_config(config.init_from))
   notes = []
   for field in PRETRAINED_FIELDS:
     value, old = getattr(pretrained, field), config.model[field]

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -35,41 +33,12 @@ import numpy as np
 from flax import traverse_util
 
 from jaxlowbit import inference
-from train import checkpoint, data
+from train import data
 from train.model import ModelConfig, Transformer
+from train.runs import load_run
 
 SCHEMES = ("bf16", *inference.SCHEMES)
 DEFAULT_NEW_TOKENS = 200
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading a run
-
-
-def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any, ModelConfig, Any, int]:
-  """``(config, model_config, params, step)`` of a ``train.main`` run directory (latest step by default)."""
-  import ml_collections  # the trainer's config library; only loading a run needs it
-
-  from train import config as train_config
-  from train import steps
-  from train.optimizer import make_optimizer
-  from train.runtime import Unsharded
-
-  run_dir = pathlib.Path(run_dir)
-  config_file = run_dir / checkpoint.CONFIG_FILE
-  if not config_file.exists():
-    raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
-  config = ml_collections.ConfigDict(json.loads(config_file.read_text()))
-  model_config = train_config.model_config(config)
-  init = steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config)
-  abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
-  step = checkpoint.verified_step(run_dir, step)  # verified checkpoints only (the rule of every reader)
-  checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False, read_only=True)
-  try:
-    state, _ = checkpointer.restore(step, abstract)
-  finally:
-    checkpointer.close()
-  return config, model_config, state.params, step  # the optimizer state is dropped here
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import optax
 
 from train import checkpoint, data
 from train import config as train_config
+from train.io.hf_config import describe
+from train.io.hf_reader import load_pretrained, merge_into
 from train.metrics import say
 from train.model import Transformer
 from train.optimizer import make_optimizer
@@ -77,15 +79,13 @@ def pretrained_params(config: ml_collections.ConfigDict, params: dict) -> dict:
   has replaced by its weights (``train.hf``), each loaded onto the old leaf's sharding: every
   process reads from the files only its devices' blocks, one at a time (never a whole model in
   host memory nor on one device); the others (a BitNet recipe's extra norms) keep their init."""
-  from train import hf  # noqa: PLC0415  (safetensors is only needed here)
-
   model = train_config.model_config(config)
-  _, pretrained = hf.load_pretrained(config.init_from, param_dtype=model.param_dtype,
-                                     shardings=jax.tree.map(lambda x: x.sharding, params),
-                                     scan_layers=model.scan_layers, fused_projections=model.fused_projections)
+  _, pretrained = load_pretrained(config.init_from, param_dtype=model.param_dtype,
+                                  shardings=jax.tree.map(lambda x: x.sharding, params),
+                                  scan_layers=model.scan_layers, fused_projections=model.fused_projections)
   params = jax.tree.map(lambda x: x, params)  # a copy of the tree: merge_into fills it in place
-  kept = hf.merge_into(params, pretrained)
-  say(f"init_from {config.init_from}: {hf.describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
+  kept = merge_into(params, pretrained)
+  say(f"init_from {config.init_from}: {describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
   return params
 
 

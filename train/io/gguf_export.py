@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from train import gguf_ternary
+from train.io import gguf_ternary
 from train.io import gguf_tokenizer
 from train.model import ModelConfig, projection_paths, rope_frequencies
 

@@ -1,0 +1,44 @@
+"""A finished (or running) ``train.main`` run read back: its config, model config and newest checkpoint.
+
+    config, model_config, params, step = train.runs.load_run("runs/tiny")
+
+What a run directory holds is in ``train/checkpoint.py``; the command lines that start from a
+run (``python -m train.generate``, ``python -m train.hf export``) load it here.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import ml_collections
+
+from train import checkpoint, steps
+from train import config as train_config
+from train.model import ModelConfig, Transformer
+from train.optimizer import make_optimizer
+from train.runtime import Unsharded
+
+
+def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any, ModelConfig, Any, int]:
+  """``(config, model_config, params, step)`` of a ``train.main`` run directory (latest step by default)."""
+  run_dir = pathlib.Path(run_dir)
+  config_file = run_dir / checkpoint.CONFIG_FILE
+  if not config_file.exists():
+    raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
+  config = ml_collections.ConfigDict(json.loads(config_file.read_text()))
+  model_config = train_config.model_config(config)
+  init = steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config)
+  abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
+  step = checkpoint.verified_step(run_dir, step)  # verified checkpoints only (the rule of every reader)
+  checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False, read_only=True)
+  try:
+    state, _ = checkpointer.restore(step, abstract)
+  finally:
+    checkpointer.close()
+  return config, model_config, state.params, step  # the optimizer state is dropped here
+
+
+__all__ = ["load_run"]
