@@ -371,3 +371,133 @@ def test_a_short_run_clamps_the_warmup_with_a_notice():
   notes = train_config.adjust(config)
   assert config.warmup_steps == 50 and any("warmup" in note for note in notes), notes
   train_config.check(config)  # now runnable
+
+
+def test_two_sigints_5_ms_apart_save_and_the_resumed_run_logs_the_same_losses(tmp_path, corpus):  # noqa: F811
+  """Issue 31: a double-tapped Ctrl-C stopped mid-step (exit 130) and the resumed run lost step 24's logged loss.
+  Now signals within run_control.REPEAT_WINDOW_S of the first repeat the request: the step finishes, the run saves,
+  and resuming reproduces the uninterrupted run's logged losses bit for bit."""
+  overrides = dict(steps=1500, log_every=3, eval_every=100_000, checkpoint_every=100_000)
+  full = loop.train(micro_config(corpus, **overrides), tmp_path / "full")
+  assert full.status == "completed"
+  config_file = write_config_file(tmp_path, corpus, **overrides)
+  run_dir = tmp_path / "double"
+  proc = start_main(f"--config={config_file}", f"--workdir={run_dir}")
+  metrics_file = run_dir / "metrics.jsonl"
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if metrics_file.exists() and '"loss"' in metrics_file.read_text():
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.005)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=240)
+  assert proc.returncode == 130, out[-2000:] + err[-3000:]
+  assert "saved a checkpoint; continue with --resume" in out and "Traceback" not in err, out[-2000:] + err[-2000:]
+  stopped = checkpoint.latest_verified(run_dir)
+  assert stopped is not None and 0 < stopped < 1500
+  result = loop.train(micro_config(corpus, resume=True, **overrides), run_dir)
+  assert result.status == "completed"
+  assert train_losses(run_dir) == train_losses(tmp_path / "full")
+
+
+def test_a_signal_after_the_repeat_window_stops_at_once():
+  from train import run_control  # noqa: PLC0415
+
+  now = [0.0]
+  stop = run_control.StopRequest(clock=lambda: now[0])
+  stop._handle(signal.SIGINT, None)
+  now[0] = run_control.REPEAT_WINDOW_S / 2
+  stop._handle(signal.SIGINT, None)  # the same request
+  assert stop.requested and stop.signal == signal.SIGINT
+  now[0] = run_control.REPEAT_WINDOW_S * 1.5
+  with pytest.raises(KeyboardInterrupt):
+    stop._handle(signal.SIGINT, None)
+
+
+def test_readers_use_verified_checkpoints_only(stopped_run, tmp_path, capsys):
+  """train.generate (and export, through the same load_run / checkpoint.verified_step) never read a corrupt
+  checkpoint: the newest verified one is used with a warning; --step of a corrupt or missing one is one line."""
+  from train import cli, generate  # noqa: PLC0415
+
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  flip_bit(largest_file(run_dir / "checkpoints" / "10"))
+  _, _, _, step = generate.load_run(run_dir)
+  assert step == 8 and "checkpoints/10 is corrupt" in capsys.readouterr().err
+  for argv, shown in [(["--step", "10"], "checkpoints/10 is corrupt"), (["--step", "999"], "no checkpoint for step 999")]:
+    code = cli.run(generate.main, ["--checkpoint", str(run_dir), "--max_new_tokens", "2", *argv],
+                   codes=((checkpoint.CheckpointError, cli.EXIT_USAGE),))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and shown in lines[0], lines
+
+
+@pytest.mark.parametrize("text", ["", "{garbage", "[]"])
+def test_a_garbage_config_json_on_resume_is_one_line_naming_it(text, stopped_run, tmp_path, corpus):  # noqa: F811
+  from train import cli  # noqa: PLC0415
+
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  (run_dir / checkpoint.CONFIG_FILE).write_text(text)
+  with pytest.raises(cli.UserError, match=f"{run_dir / checkpoint.CONFIG_FILE}: the run config") as error:
+    loop.train(micro_config(corpus, resume=True), run_dir)
+  assert "\n" not in str(error.value)
+
+
+def test_a_half_written_last_metrics_line_does_not_stop_the_resume(stopped_run, tmp_path, corpus, capsys):  # noqa: F811
+  """A disk-full event cut the last record of metrics.jsonl short: the resume drops it with a notice and continues."""
+  stopped, expected = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  with open(run_dir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 11, "loss": 3.4')
+  result = loop.train(micro_config(corpus, resume=True), run_dir)
+  assert result.status == "completed" and "dropped its last line" in capsys.readouterr().out
+  assert train_losses(run_dir) == expected
+  with open(run_dir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 13, "lo')
+  assert train_losses(run_dir) == expected  # readers (train.plot) skip it too
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  (run_dir / "metrics.jsonl").write_text("\n".join(["{bad", *lines]) + "\n")
+  with pytest.raises(ValueError, match="metrics.jsonl: line 1 is not a JSON record"):
+    train_losses(run_dir)
+
+
+def test_the_run_ends_with_a_summary(stopped_run, tmp_path, corpus, capsys):  # noqa: F811
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  loop.train(micro_config(corpus, resume=True), run_dir)
+  out = capsys.readouterr().out.splitlines()
+  start = next(i for i, line in enumerate(out) if line.startswith("summary: "))
+  summary = out[start:]
+  assert summary[0] == f"summary: completed, step 12/12 in {run_dir}", summary
+  vals = {r["step"]: r["val_loss"] for r in metrics_records(run_dir) if "val_loss" in r}
+  best = min(vals, key=vals.get)
+  assert summary[1] == f"  validation loss: final {vals[12]:.4f} (step 12), best {vals[best]:.4f} (step {best})"
+  assert summary[2] == f"  checkpoint: {run_dir / 'checkpoints' / '12'}"
+  assert [line.split(":")[0].strip() for line in summary[3:]] == ["generate", "plot", "export"], summary
+  assert f"python -m train.generate --checkpoint {run_dir}" in summary[3]
+
+
+def metrics_records(run_dir):
+  from train import metrics  # noqa: PLC0415
+
+  return metrics.read_metrics(run_dir)
+
+
+def test_export_refuses_int8_storage_and_bad_out_dirs_in_one_line(stopped_run, tmp_path, capsys):
+  """Issue 31: --dtype int8 exited 0 and wrote every matmul weight as 0 (a float -> int8 cast of |w| < 1)."""
+  from train import cli, hf  # noqa: PLC0415
+  from train.model import ModelConfig  # noqa: PLC0415
+
+  stopped, _ = stopped_run
+  (tmp_path / "afile").write_text("x")
+  for argv, shown in [(["--dtype", "int8", "--out", str(tmp_path / "out")], "--dtype int8: choose one of"),
+                      (["--out", str(tmp_path / "afile" / "out")], "is a file, not a directory")]:
+    code = cli.run(hf.main, ["export", "--checkpoint", str(stopped), *argv],
+                   codes=((checkpoint.CheckpointError, cli.EXIT_USAGE),))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and shown in lines[0], lines
+  assert not (tmp_path / "out").exists()
+  with pytest.raises(ValueError, match="dtype int8 cannot hold the weights"):
+    hf.save_pretrained(tmp_path / "lib", ModelConfig(), {}, dtype="int8")

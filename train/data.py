@@ -59,6 +59,8 @@ from typing import Any
 
 import numpy as np
 
+from train import cli
+
 NUM_BYTES = 256
 BOS_ID = 256
 EOS_ID = 257
@@ -73,6 +75,9 @@ HASH_RANGE = 2**32  # zlib.crc32 values
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
+
+
+TOKEN_DTYPES = ("uint16", "uint32")  # what write_token_file writes
 
 
 def token_dtype(vocab_size: int):
@@ -169,6 +174,7 @@ class Corpus:
   validation: np.ndarray
   vocab_size: int
   description: str
+  documents: int | None = None  # text corpora: files (split whole between train and validation); None: a token split
 
 
 def stdlib_root() -> pathlib.Path:
@@ -229,7 +235,8 @@ def load_text_corpus(
     raise FileNotFoundError(f"data.path: no files ending in {tuple(suffixes)} under {[str(r) for r in roots]}")
   train, validation = split_documents(((name, path.read_bytes()) for name, path in files), val_fraction, tokenizer)
   where = "the Python standard library" if not paths else ", ".join(str(p) for p in paths)
-  return Corpus(train, validation, tokenizer.vocab_size, f"text: {len(files)} files from {where}, {tokenizer.name} tokens")
+  return Corpus(train, validation, tokenizer.vocab_size, f"text: {len(files)} files from {where}, {tokenizer.name} tokens",
+                len(files))
 
 
 def load_hf_corpus(
@@ -279,11 +286,19 @@ def read_token_file(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     raise FileNotFoundError(
         f"{path}: no {meta_path.name} beside it; write token files with train.data.write_token_file"
     )
-  meta = json.loads(meta_path.read_text())
-  tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-  if tokens.size != meta["num_tokens"]:
-    raise ValueError(f"{path}: holds {tokens.size} tokens but {meta_path.name} says {meta['num_tokens']}")
-  return tokens, int(meta["vocab_size"])
+  meta = cli.read_json(meta_path, "token file description", "write token files with python -m train.data")
+  dtype, vocab_size, count = meta.get("dtype"), meta.get("vocab_size"), meta.get("num_tokens")
+  if dtype not in TOKEN_DTYPES or not all(isinstance(v, int) and v >= 0 for v in (vocab_size, count)):
+    raise cli.UserError(f"{meta_path}: needs dtype (one of {TOKEN_DTYPES}), vocab_size and num_tokens (integers), got "
+                        f"{dict(meta)}; write token files with python -m train.data")
+  tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+  if tokens.size != count:
+    raise cli.UserError(f"{path}: holds {tokens.size} tokens but {meta_path.name} says {count} (cut short?)")
+  top = int(tokens.max()) if tokens.size else -1  # one pass; an id past the vocabulary would index past the embedding
+  if top >= vocab_size:
+    raise cli.UserError(f"{path}: holds token id {top}, outside its vocabulary of {vocab_size} ({meta_path.name}); "
+                        "rewrite the file with the tokenizer that made it, or fix vocab_size there")
+  return tokens, vocab_size
 
 
 def load_token_corpus(path: str, val_path: str, val_fraction: float) -> Corpus:
@@ -452,7 +467,8 @@ class SyntheticBatches(_Stream):
     self.position = _checked_position(state, self.state())
 
 
-def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[np.ndarray]:
+def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int,
+                       advice: str = "raise data.val_fraction or lower batch_size / seq_len") -> list[np.ndarray]:
   """The fixed validation set: the first ``num_batches`` batches of consecutive windows.
 
   Returns fewer batches when the validation tokens run out (at least one); int32
@@ -462,7 +478,7 @@ def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_ba
   if windows < batch_size:
     raise ValueError(
         f"data: the validation split has {tokens.size} tokens, fewer than one batch of {batch_size} x "
-        f"{seq_len + 1}; raise data.val_fraction or lower batch_size / seq_len"
+        f"{seq_len + 1}; {advice}"
     )
   count = min(num_batches, windows // batch_size)
   starts = np.arange(count * batch_size) * seq_len
@@ -502,6 +518,20 @@ def load_corpus(data_config) -> Corpus:
   raise ValueError(f"data.source={source!r}: choose 'text', 'tokens', 'synthetic' or 'hf'")
 
 
+def _split_advice(corpus: Corpus) -> str:
+  """What makes a validation split big enough: a text corpus is split by whole files, so with few files raising
+  data.val_fraction may change nothing."""
+  if corpus.documents is None:
+    return "raise data.val_fraction or lower batch_size / seq_len"
+  if corpus.documents < 2:
+    return ("a one-file corpus cannot be split (files go whole to train or validation, by a hash of their name): "
+            "split the text into several files, or write tokens with python -m train.data OUT FILE --val_fraction 0 "
+            "and train with data.source=tokens data.path=OUT.train.bin (its last data.val_fraction of tokens "
+            "validates)")
+  return (f"files go whole to train or validation (by a hash of their name) and {corpus.documents} files gave this "
+          "split: raise data.val_fraction, add files, or lower batch_size / seq_len")
+
+
 def build(data_config, seq_len: int, batch_size: int, eval_batches: int, seed: int) -> Datasets:
   """Training stream (at position 0) and validation batches for ``config.data``."""
   if data_config.source == "synthetic":
@@ -509,7 +539,7 @@ def build(data_config, seq_len: int, batch_size: int, eval_batches: int, seed: i
     return Datasets(SyntheticBatches(seq_len, batch_size, seed), validation, NUM_BYTES, "synthetic byte sequences")
   corpus = load_corpus(data_config)
   train = WindowBatches(corpus.train, seq_len, batch_size, seed)
-  validation = validation_batches(corpus.validation, seq_len, batch_size, max(eval_batches, 1))
+  validation = validation_batches(corpus.validation, seq_len, batch_size, max(eval_batches, 1), _split_advice(corpus))
   description = f"{corpus.description}; {corpus.train.size:,} train / {corpus.validation.size:,} validation tokens"
   return Datasets(train, validation, corpus.vocab_size, description)
 
@@ -533,4 +563,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(cli.run(main))

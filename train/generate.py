@@ -33,7 +33,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxlowbit import inference
-from train import data
+from train import checkpoint, cli, data
 from train.model import ModelConfig, Transformer
 from train.runs import load_run
 
@@ -250,4 +250,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main, codes=((checkpoint.CheckpointError, cli.EXIT_USAGE),)))

@@ -30,7 +30,7 @@ import sys
 
 import jax.numpy as jnp
 
-from train import data
+from train import checkpoint, cli, data
 from train.io.gguf import GGUF_ARCHITECTURE, GGUF_FILE, GGUF_SCHEMES, gguf_tensors, save_gguf
 from train.io.hf_config import (
     ARCHITECTURES,
@@ -42,7 +42,7 @@ from train.io.hf_config import (
     read_config,
 )
 from train.io.hf_reader import abstract_params, load_pretrained, merge_into, weight_files
-from train.io.hf_writer import hf_tensors, save_pretrained
+from train.io.hf_writer import EXPORT_DTYPES, hf_tensors, save_pretrained
 from train.runs import load_run
 
 __all__ = [
@@ -77,13 +77,17 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", required=True, help="the folder to write")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   parser.add_argument("--dtype", default="bfloat16",
-                      help="stored dtype of high-precision weights (bfloat16, float16, float32)")
+                      help=f"stored dtype of high-precision weights ({', '.join(EXPORT_DTYPES)}); int8: --scheme")
   parser.add_argument("--architecture", default="", help="default: init_from's, else LlamaForCausalLM")
   parser.add_argument("--scheme", default=None, choices=(*QUANT_SCHEMES, *GGUF_SCHEMES),
                       help="w8a16|w8a8: int8 projections + scales (save_pretrained); tq1_0|tq2_0: a BitNet run as "
                       "GGUF (save_gguf)")
   args = parser.parse_args(argv)
-  config, model_config, params, step = load_run(args.checkpoint, args.step)
+  if args.dtype not in EXPORT_DTYPES:
+    raise cli.UserError(f"--dtype {args.dtype}: choose one of {', '.join(EXPORT_DTYPES)}; for int8 weights (with "
+                        "per-channel scales) use --scheme w8a16 or w8a8")
+  config, model_config, params, step = load_run(args.checkpoint, args.step)  # verified checkpoints only
+  cli.check_output_dir(args.out, "--out")  # a file in the way, a read-only folder: one line, before any work
   tokenizer = data.tokenizer_for(config.data.get("tokenizer", "byte"))
   tokenizer_json = tokenizer.name if isinstance(tokenizer, data.HFTokenizer) else None
   try:
@@ -105,4 +109,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  raise SystemExit(cli.run(main, codes=((checkpoint.CheckpointError, cli.EXIT_USAGE),)))

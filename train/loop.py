@@ -16,8 +16,9 @@ Robustness:
   most ``log_every - 1`` steps after the bad one, and never saves past it.)
 - Ctrl-C (SIGINT) or SIGTERM (what schedulers send before preempting a job): the loop finishes
   the step it is in, saves a checkpoint and returns with ``status="interrupted"``
-  (``train.main`` exits 130 or 143). A second signal stops at once; the state is then saved only
-  if it is still intact.
+  (``train.main`` exits 130 or 143). Signals within ``run_control.REPEAT_WINDOW_S`` of the first
+  repeat the request (a double-tapped Ctrl-C still saves); a later one stops at once, and the
+  state is then saved only if it is intact and every step's metrics were recorded.
 - Checkpoints carry a manifest of their files' checksums; resuming skips a corrupt or unreadable
   newest checkpoint (and says so) for the newest intact one, and a failed save (disk full,
   permissions) stops the run with :class:`~train.checkpoint.CheckpointSaveError` keeping the last
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from train import checkpoint, data, metrics
+from train import checkpoint, cli, data, metrics
 from train import config as train_config
 from train.metrics import say
 from train.model import param_count, train_flops_per_token
@@ -113,14 +114,13 @@ def train(
   train_config.mesh_shape(config)  # every field, and that it fits the devices: before any output or work
   for note in notes:
     say(note)
-  run_dir = pathlib.Path(workdir)
-  run_dir.mkdir(parents=True, exist_ok=True)
+  run_dir = cli.check_output_dir(workdir, "--workdir")  # a file in the way or a read-only folder: one line
 
   # 1. Data.
   datasets = data.build(config.data, config.seq_len, config.batch_size, config.eval_batches, config.seed)
   model_config = train_config.model_config(config)
   if datasets.vocab_size > model_config.vocab_size:
-    raise ValueError(
+    raise train_config.ConfigError(
         f"data has {datasets.vocab_size} token ids but config.model.vocab_size={model_config.vocab_size}; raise it"
     )
   say(f"data: {datasets.description}")
@@ -159,7 +159,8 @@ def train(
   log_losses: list[float] = []  # losses of the log interval the checkpoint was saved in
   if latest is not None:
     if config_file.exists():
-      old, new = json.loads(config_file.read_text()), json.loads(train_config.to_json(config))
+      old = cli.read_json(config_file, "run config", "restore it, or delete it to resume without comparing configs")
+      new = json.loads(train_config.to_json(config))
       changed = changed_fields(old, new) - {"resume"}
       # Another mesh only places the same run differently (the checkpoint is resharded).
       moved = sorted(field for field in changed if field.split(".")[0] == "mesh")
@@ -214,7 +215,7 @@ def train(
 
   # 4. The loop. Step metrics stay on the device until a flush (log, eval, save, end) fetches
   # them, so the host never waits for the device between steps.
-  step = start_step
+  step = recorded = start_step
   pending: list[tuple[int, dict[str, jax.Array]]] = []
   losses: list[float] = log_losses  # host losses since the last log line
   grad_norm = float("nan")
@@ -257,8 +258,8 @@ def train(
     return value
 
   stop = StopRequest()
-  try:
-    with stop.installed():
+  with stop.installed():  # until the last save is on disk: a repeated signal must not cut it short
+    try:
       while step < config.steps:
         wants_stop = stop.requested or (should_stop is not None and should_stop(step))
         if jax.process_count() > 1:  # all processes must stop after the same step: agree at log boundaries
@@ -274,6 +275,7 @@ def train(
           jax.block_until_ready(step_metrics)
         step += 1
         pending.append((step, step_metrics))
+        recorded = step  # the state and the metrics agree up to here (a forced stop saves no state past it)
 
         if compile_s is None:  # the first step compiles: keep it out of the throughput
           jax.block_until_ready(step_metrics)
@@ -313,29 +315,33 @@ def train(
           if save_due:
             save(step)
           excluded_s += time.perf_counter() - paused
-  except KeyboardInterrupt:
-    status = "interrupted"
-  except (NonFiniteLossError, checkpoint.CheckpointError):
-    writer.close()
-    close_quietly(checkpointer)  # finishes saves of earlier, good steps
-    raise
+    except KeyboardInterrupt:
+      status = "interrupted"
+    except (NonFiniteLossError, checkpoint.CheckpointError):
+      writer.close()
+      close_quietly(checkpointer)  # finishes saves of earlier, good steps
+      raise
 
-  # 5. Finish: on interruption, save where we are (if the state is intact and finite).
-  if status == "interrupted":
-    if not alive(state):
-      say(f"interrupted mid-step; kept the last checkpoint (step {checkpointer.last_good_step()})")
-    elif saved_step != int(state.step):
-      step = int(state.step)  # the state is the authority (an interrupt may land between two statements)
-      try:
-        if not finite(state.params):
-          raise NonFiniteLossError(f"step {step}: parameters are not finite; kept the last checkpoint")
-        save(step)
-      except (NonFiniteLossError, checkpoint.CheckpointError):
-        writer.close()
-        close_quietly(checkpointer)
-        raise
-      say(f"interrupted at step {step}: saved a checkpoint; continue with --resume")
-  writer.close()
-  checkpointer.close()  # a save that fails only now raises CheckpointSaveError here
+    # 5. Finish: on interruption, save where we are (if the state is intact and finite).
+    if status == "interrupted":
+      if not alive(state) or int(state.step) != recorded:  # a forced stop landed inside a step or its bookkeeping
+        say(f"interrupted mid-step; kept the last checkpoint (step {checkpointer.last_good_step()})")
+      elif saved_step != int(state.step):
+        step = int(state.step)
+        try:
+          if not finite(state.params):
+            raise NonFiniteLossError(f"step {step}: parameters are not finite; kept the last checkpoint")
+          save(step)
+        except (NonFiniteLossError, checkpoint.CheckpointError):
+          writer.close()
+          close_quietly(checkpointer)
+          raise
+        say(f"interrupted at step {step}: saved a checkpoint; continue with --resume")
+    writer.close()
+    checkpointer.close()  # a save that fails only now raises CheckpointSaveError here
   last_checkpoint = checkpointer.latest_step() if saved_step is None else saved_step
+  export_args = "--scheme tq2_0" if config.recipe.startswith("bitnet") else ""  # BitNet norms: GGUF, not Llama HF
+  for line in metrics.run_summary(run_dir, status, step, config.steps, None if last_checkpoint is None else
+                                  checkpointer.directory / str(last_checkpoint), export_args):
+    say(line)
   return TrainResult(status, step, last_loss, val_loss, last_checkpoint, stop.signal)

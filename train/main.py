@@ -20,11 +20,13 @@ Errors print one line, ``error: <what and what to do>``. Exit codes:
 ===  ==================================================================================
 0    done (also: ``--resume`` of a run that already finished, which says so)
 1    any other error
-2    a bad command line or config (unknown field, value out of range, a resume whose config
-     changes the saved state's shapes, a --workdir that holds another run)
+2    a bad command line or config (unknown field, value out of range or not finite, a --config
+     file that does not load, a resume whose config changes the saved state's shapes or whose
+     checkpoints are another config's, a --workdir that is a file or holds another run, a
+     malformed config.json or token file: one line naming the file)
 3    the loss became NaN/inf; the last good checkpoint is kept
-4    a checkpoint could not be saved (disk full, permissions) or none restores intact; the
-     last good checkpoint is kept
+4    a checkpoint could not be saved (disk full, permissions) or none is verified; the last
+     good checkpoint is kept
 130  stopped by Ctrl-C (SIGINT) after saving a checkpoint (128 + SIGINT)
 143  stopped by SIGTERM (preemption) after saving a checkpoint (128 + SIGTERM)
 ===  ==================================================================================
@@ -40,7 +42,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxlowbit import fsdp
-from train import checkpoint, loop
+from train import checkpoint, cli, loop
 from train import config as train_config
 
 EXIT_ERROR = 1
@@ -63,6 +65,8 @@ EXIT_CODES = (
     (checkpoint.CheckpointError, EXIT_CHECKPOINT),
     (train_config.ConfigError, EXIT_USAGE),
     (FileExistsError, EXIT_USAGE),  # a workdir with checkpoints and no --resume
+    (cli.UserError, EXIT_USAGE),  # a missing or malformed file, named
+    (OSError, EXIT_USAGE),  # a file that cannot be read or written, named
 )
 
 
@@ -78,19 +82,35 @@ def _verbose() -> bool:
   return flags.FLAGS["verbosity"].present
 
 
+def _config_file(argv: list[str]) -> str:
+  values = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+  return values[-1] if values else "?"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad flag or an unknown config field said in one line (exit 2)."""
+  """absl's flag parsing, with a bad flag, a --config file that does not load or an unknown config field said in
+  one line (exit 2)."""
   try:
-    return flags.FLAGS(argv)
+    argv_left = flags.FLAGS(argv)
   except flags.Error as e:
     fail(f"{e}; see --helpfull", EXIT_USAGE, with_traceback=False)
+  except SyntaxError as e:  # the config file's own Python
+    fail(f"the --config file {e.filename}:{e.lineno}: {e.msg}", EXIT_USAGE, with_traceback=False)
   except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
+    if "get_config" in str(e):
+      fail(f"the --config file {_config_file(argv)} defines no get_config() (see configs/tiny.py)", EXIT_USAGE,
+           with_traceback=False)
     overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
     fail(f"the config has no field {str(e).strip(chr(34) + chr(39))!r} (overrides: {', '.join(overrides)}); every "
          "field is listed in train/config.py base_config()", EXIT_USAGE, with_traceback=False)
   except (ValueError, TypeError) as e:  # an override of the wrong type
     fail(f"bad --config override: {e}", EXIT_USAGE, with_traceback=False)
-  return argv  # unreachable
+  try:  # config_flags keeps a file it could not load as an object that raises when first used
+    _CONFIG.value.keys()
+  except Exception as e:  # noqa: BLE001  (what the file's loading raised: its last line says why)
+    cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
+    fail(f"cannot load the --config file {_config_file(argv)}: {cause[0]}", EXIT_USAGE, with_traceback=False)
+  return argv_left
 
 
 def main(argv: list[str]) -> None:
@@ -108,7 +128,7 @@ def main(argv: list[str]) -> None:
     fail("interrupted", EXIT_INTERRUPTED, with_traceback=False)
   except Exception as e:  # noqa: BLE001  (every error ends in one line and a documented code)
     code = next((code for kind, code in EXIT_CODES if isinstance(e, kind)), EXIT_ERROR)
-    fail(str(e) if code != EXIT_ERROR else f"{type(e).__name__}: {e}", code, with_traceback=_verbose())
+    fail(cli.one_line(e), code, with_traceback=_verbose())
   if result.status == "interrupted":
     sys.exit(EXIT_TERMINATED if result.stop_signal == signal.SIGTERM else EXIT_INTERRUPTED)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shlex
 import sys
 from typing import Any
 
@@ -107,21 +108,48 @@ class MetricsWriter:
       self._tb.close()
 
 
+def _parse_records(path: pathlib.Path) -> tuple[list[str], list[dict[str, Any]], str | None]:
+  """``(lines, records, notice)`` of a metrics file. A last line that does not parse is a write cut short (a full
+  disk, a kill): it is dropped and ``notice`` says so. A bad line before it: ValueError naming file and line."""
+  lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+  records, notice = [], None
+  for number, line in enumerate(lines, 1):
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    except ValueError:
+      if number == len(lines):
+        notice = f"note: {path}: dropped its last line, a record cut short (e.g. by a full disk): {line[:60]!r}"
+        lines = lines[:-1]
+        break
+      raise ValueError(f"{path}: line {number} is not a JSON record ({line[:60]!r}); delete or fix that line") from None
+    records.append(record)
+  return lines, records, notice
+
+
 def truncate_after(run_dir: str | pathlib.Path, step: int) -> None:
-  """Drop records of steps after ``step`` (a resumed run rewrites them)."""
+  """Drop records of steps after ``step`` (a resumed run rewrites them), and a last record cut short (said)."""
   path = pathlib.Path(run_dir) / METRICS_FILE
   if not path.exists():
     return
-  kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+  lines, records, notice = _parse_records(path)
+  if notice:
+    say(notice)
+  kept = [line for line, record in zip(lines, records) if record.get("step", 0) <= step]
   path.write_text("".join(line + "\n" for line in kept))
 
 
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
-  """Every record of ``RUN_DIR/metrics.jsonl`` in file order."""
+  """Every record of ``RUN_DIR/metrics.jsonl`` in file order (a last line cut short is skipped, with a notice on
+  stderr)."""
   path = pathlib.Path(run_dir) / METRICS_FILE
   if not path.exists():
-    raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}: is it a train.main --workdir?")
+  _, records, notice = _parse_records(path)
+  if notice:
+    print(notice, file=sys.stderr, flush=True)
+  return records
 
 
 def _duration(seconds: float) -> str:
@@ -149,6 +177,41 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
       parts.append(f"mfu {100 * record['mfu']:.1f}%")
     parts.append(f"eta {_duration(record['step_time_s'] * (total_steps - step))}")
   return " | ".join(parts)
+
+
+def run_summary(run_dir: str | pathlib.Path, status: str, step: int, total_steps: int,
+                checkpoint_path: str | pathlib.Path | None, export_args: str = "") -> list[str]:
+  """The lines a run ends with: steps done, the best and final validation loss (from ``metrics.jsonl``), the final
+  checkpoint's path and the commands that generate from it, plot the run and export it.
+
+  Args:
+    run_dir: the run directory.
+    status: ``"completed"`` or ``"interrupted"`` (:class:`train.loop.TrainResult`).
+    step, total_steps: the step the run reached and ``config.steps``.
+    checkpoint_path: the newest checkpoint's directory, or None when the run saved none.
+    export_args: extra arguments of the export command (``--scheme tq2_0`` for a BitNet run).
+  """
+  run = shlex.quote(str(run_dir))
+  records = read_metrics(run_dir) if (pathlib.Path(run_dir) / METRICS_FILE).exists() else []
+  evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+  lines = [f"summary: {status}, step {step}/{total_steps} in {run_dir}"]
+  if evals:
+    best = min(evals, key=lambda e: e[1])
+    lines.append(f"  validation loss: final {evals[-1][1]:.4f} (step {evals[-1][0]}), best {best[1]:.4f} "
+                 f"(step {best[0]})")
+  if checkpoint_path is None:
+    lines.append("  no checkpoint was saved")
+    return lines
+  lines.append(f"  checkpoint: {checkpoint_path}")
+  if status != "completed":
+    lines.append("  continue: the same command with --resume")
+  lines += [
+      f"  generate: python -m train.generate --checkpoint {run} --prompt 'def main('",
+      f"  plot:     python -m train.plot {run}",
+      f"  export:   python -m train.hf export --checkpoint {run} --out {shlex.quote(str(pathlib.Path(run_dir) / 'export'))}"
+      + (f" {export_args}" if export_args else ""),
+  ]
+  return lines
 
 
 def say(message: str) -> None:

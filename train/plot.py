@@ -12,6 +12,7 @@ import argparse
 import pathlib
 from collections.abc import Sequence
 
+from train import cli
 from train.metrics import read_metrics
 
 
@@ -70,4 +71,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(cli.run(main))

@@ -6,6 +6,7 @@ import contextlib
 import json
 import signal
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,25 +24,40 @@ from train.metrics import say
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# Signals that arrive within this many seconds of the first are the same request (a double-tapped Ctrl-C, or a
+# scheduler that signals the process group and then the process): the step finishes and the run saves. A later
+# one stops at once. Issue 31: two SIGINTs 5 ms apart stopped mid-step, and the resumed run lost a logged loss.
+REPEAT_WINDOW_S = 1.0
+
+
 class StopRequest:
-  """Set by SIGINT or SIGTERM while :meth:`installed` (main thread only); a second one raises KeyboardInterrupt.
+  """Set by SIGINT or SIGTERM while :meth:`installed` (main thread only).
+
+  The first signal asks the loop to stop after the step in flight and save; signals within
+  :data:`REPEAT_WINDOW_S` of it repeat that request; a signal after that raises KeyboardInterrupt
+  (stop at once: the loop saves only a state that is intact and whose metrics were all recorded).
 
   Attributes:
     requested: a stop was asked for.
     signal: which signal asked (``signal.SIGINT`` / ``signal.SIGTERM``), or None.
   """
 
-  def __init__(self):
+  def __init__(self, clock=time.monotonic):
     self.requested = False
     self.signal: int | None = None
+    self._clock = clock
+    self._first: float | None = None
 
   def _handle(self, signum, frame):
     del frame
+    now = self._clock()
     if self.requested:
-      raise KeyboardInterrupt
-    self.requested, self.signal = True, signum
+      if now - self._first > REPEAT_WINDOW_S:
+        raise KeyboardInterrupt
+      return  # the same request, repeated
+    self.requested, self.signal, self._first = True, signum, now
     name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-    say(f"\n{name}: finishing this step, then saving a checkpoint (again to stop at once)")
+    say(f"\n{name}: finishing this step, then saving a checkpoint (again after {REPEAT_WINDOW_S:g} s to stop at once)")
 
   @contextlib.contextmanager
   def installed(self):
@@ -153,6 +169,6 @@ def any_process(flag: bool) -> bool:
 
 
 __all__ = [
-    "STOP_SIGNALS", "StopRequest", "alive", "any_process", "changed_fields", "check_resumable", "close_quietly",
+    "REPEAT_WINDOW_S", "STOP_SIGNALS", "StopRequest", "alive", "any_process", "changed_fields", "check_resumable", "close_quietly",
     "field_change", "finite", "shapes_differ",
 ]

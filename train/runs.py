@@ -8,14 +8,13 @@ run (``python -m train.generate``, ``python -m train.hf export``) load it here.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
 import jax
 import ml_collections
 
-from train import checkpoint, steps
+from train import checkpoint, cli, steps
 from train import config as train_config
 from train.model import ModelConfig, Transformer
 from train.optimizer import make_optimizer
@@ -28,7 +27,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any,
   config_file = run_dir / checkpoint.CONFIG_FILE
   if not config_file.exists():
     raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
-  config = ml_collections.ConfigDict(json.loads(config_file.read_text()))
+  config = ml_collections.ConfigDict(cli.read_json(config_file, "run config"))
   model_config = train_config.model_config(config)
   init = steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))

@@ -53,6 +53,11 @@ def _stored_tensors(config: ModelConfig, params: Mapping, dtype, scheme: str | N
       yield name, value.astype(jnp.dtype(dtype)) if dtype is not None else value
 
 
+# Stored dtypes of an export's floating tensors. A cast to an integer dtype rounds weights of magnitude < 1 to 0
+# (issue 31: --dtype int8 wrote every matmul weight as 0): int8 storage is --scheme w8a16 / w8a8, with scales.
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
+
 def save_pretrained(
     path: str | pathlib.Path,
     config: ModelConfig,
@@ -91,6 +96,9 @@ def save_pretrained(
                      "export it as GGUF instead (save_gguf; python -m train.hf export --scheme tq2_0)")
   if scheme not in (None, *QUANT_SCHEMES):
     raise ValueError(f"save_pretrained: scheme must be None or one of {QUANT_SCHEMES}, got {scheme!r}")
+  if dtype is not None and jnp.dtype(dtype).name not in EXPORT_DTYPES:  # int8 would truncate every weight to 0
+    raise ValueError(f"save_pretrained: dtype {jnp.dtype(dtype).name} cannot hold the weights; choose one of "
+                     f"{EXPORT_DTYPES} (int8 weights with their scales: scheme='w8a16' or 'w8a8')")
   folder = pathlib.Path(path)
   folder.mkdir(parents=True, exist_ok=True)
   shards, current, size = [], {}, 0
