@@ -50,6 +50,7 @@ stochastically, so updates far below bf16's resolution still move the weights on
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -93,6 +94,69 @@ class ScaleByAdamQuantizedState(NamedTuple):
   nu: optax.Updates
   mu_scale: optax.Updates
   nu_scale: optax.Updates
+
+  # The formats the state's codes are in, and the optimizer's name: set on the subclass that
+  # :func:`state_class` makes per pair of formats (None here), so they ride in the pytree's type
+  # (static under jit, kept by ``jax.tree.map``, ``eval_shape`` and a restore with a target).
+  m_format = None
+  v_format = None
+  format_name = None
+
+
+def _format_name(m_format: BlockFormat, v_format: BlockFormat) -> str:
+  """``adamw_8bit`` etc. for the formats of :func:`moment_formats` (at any block size), else a description."""
+  for name in ("adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2"):
+    if moment_formats(name, m_format.block) == (m_format, v_format):
+      return name if m_format.block == moment_formats(name)[0].block else f"{name}(block_size={m_format.block})"
+  return f"adamw_quantized(m_format={m_format}, v_format={v_format})"
+
+
+def _rebuild_state(m_format: BlockFormat, v_format: BlockFormat, fields: tuple) -> ScaleByAdamQuantizedState:
+  return state_class(m_format, v_format)(*fields)
+
+
+@functools.cache
+def state_class(m_format: BlockFormat, v_format: BlockFormat) -> type[ScaleByAdamQuantizedState]:
+  """The :class:`ScaleByAdamQuantizedState` subclass of one pair of moment formats (one class per pair).
+
+  Its ``m_format``, ``v_format`` and ``format_name`` say what the codes are, so an optimizer refuses
+  another's state by its type, at trace time. The fields, and so a checkpoint's layout, are those
+  of :class:`ScaleByAdamQuantizedState`.
+  """
+  name = _format_name(m_format, v_format)
+  return type("ScaleByAdamQuantizedState", (ScaleByAdamQuantizedState,), {
+      "__slots__": (),
+      "__qualname__": f"ScaleByAdamQuantizedState[{name}]",
+      "m_format": m_format,
+      "v_format": v_format,
+      "format_name": name,
+      # pickle and deepcopy find the class again from its formats (it is made at run time)
+      "__reduce__": lambda self: (_rebuild_state, (self.m_format, self.v_format, tuple(self))),
+  })  # fmt: skip
+
+
+def _describe_state(state) -> str:
+  """What an optimizer state given to ``update`` is, for an error message."""
+  if isinstance(state, ScaleByAdamQuantizedState):
+    return f"the state of {state.format_name}" if state.format_name else "a ScaleByAdamQuantizedState of no format"
+  if isinstance(state, optax.ScaleByAdamState):
+    return "the state of optax.adamw (optax.ScaleByAdamState)"
+  return f"a {type(state).__name__}"
+
+
+def _check_state(state, state_type: type[ScaleByAdamQuantizedState]) -> None:
+  """TypeError unless ``state`` was made by an optimizer of ``state_type``'s formats."""
+  if isinstance(state, (dict, list)):
+    raise TypeError(
+        f"{state_type.format_name}.update: got a {type(state).__name__} where its state belongs: an optimizer "
+        "state restored without a target (orbax's restore(path) alone returns dicts and lists); restore with "
+        "the target jax.eval_shape(tx.init, params)"
+    )
+  if type(state) is not state_type:
+    raise TypeError(
+        f"{state_type.format_name}.update: got {_describe_state(state)}, not a state of {state_type.format_name}; "
+        f"an optimizer updates only the state its own init made (call {state_type.format_name}(...).init(params))"
+    )
 
 
 def _check_format(fmt: BlockFormat, moment: str, who: str) -> None:
@@ -146,6 +210,7 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
     raise ValueError(f"{who}: m and v must share one block size, got {m_format.block} and {v_format.block}")
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   block = m_format.block
+  state_type = state_class(m_format, v_format)
 
   def quantized(shape) -> bool:
     return math.prod(shape) >= min_size and blockable(shape, m_format) and blockable(shape, v_format)
@@ -159,7 +224,7 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
     def scale(p):  # zero scales of zero codes; ones for a moment kept in float32
       return jnp.full(_scale_shape(p.shape, block), 0.0 if quantized(p.shape) else 1.0, jnp.float32)
 
-    return ScaleByAdamQuantizedState(
+    return state_type(
         count=jnp.zeros([], jnp.int32),
         mu=jax.tree.map(lambda p: moment(p, m_format, mu_dtype), params),
         nu=jax.tree.map(lambda p: moment(p, v_format, None), params),
@@ -170,6 +235,7 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
   def run(updates, state, params=None, step=None):
     """``update`` (``step`` None: returns the updates), or the fused step (``step = (neg_lr,
     weight_decay, seeds)``, trees like the parameters: returns the new parameters)."""
+    _check_state(state, state_type)
     count_inc = optax.safe_increment(state.count)
     coefficients = adam_coefficients(b1, b2, eps, eps_root, count_inc, optax.safe_increment(count_inc))
 
@@ -201,7 +267,7 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
       trees += (params, *step)
     out = jax.tree.map(leaf, *trees, is_leaf=lambda x: x is None)
     pick = lambda i: jax.tree.map(lambda _, o: o[i], updates, out, is_leaf=lambda x: x is None)  # noqa: E731
-    return pick(0), ScaleByAdamQuantizedState(count_inc, pick(1), pick(2), pick(3), pick(4))
+    return pick(0), state_type(count_inc, pick(1), pick(2), pick(3), pick(4))
 
   def update_fn(updates, state, params=None):
     del params
@@ -627,10 +693,10 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
   Returns:
     An ``optax.GradientTransformation``.
   """
-  if isinstance(seed, int):
-    seed = jax.random.key(seed)
-  elif not jnp.issubdtype(jnp.asarray(seed).dtype, jax.dtypes.prng_key):
-    raise TypeError(f"stochastic_rounding: seed must be an int or a typed jax.random.key, got {seed!r}")
+  if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+    seed = jax.random.key(int(seed))
+  elif not (isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.shape == ()):
+    raise TypeError(f"stochastic_rounding: seed must be an int or a typed jax.random.key (one key), got {seed!r}")
   key_data = jax.random.key_data(seed)
   impl = jax.random.key_impl(seed)
 
@@ -714,6 +780,7 @@ __all__ = [
     "chain",
     "make",
     "moment_formats",
+    "state_class",
     "scale_by_adam_quantized",
     "state_shardings",
     "stochastic_rounding",

@@ -17,6 +17,11 @@ import jax.numpy as jnp
 
 from jaxlowbit_numerics.random import round_bf16_with_bits
 
+# Largest second moment a low-bit state stores (2^110 ~ 1.3e33). A larger or overflowed ``v`` is
+# brought down with its ``m`` by :func:`fit_moments`. The 2^18 of headroom below float32's max keeps
+# Adam's bias-corrected ``v / (1 - b2^t)`` finite for ``1 - b2 >= 4e-6`` (b2 up to 0.999996) and the
+# decoded values finite (``code * scale`` and square-root storage's square round up by ulps).
+MOMENT_MAX = 2.0**110
 # The coefficients in the order the fused kernel reads them from its float32 operand.
 COEFFICIENT_NAMES = ("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "bc1_next", "eps", "eps_root")
 
@@ -68,6 +73,33 @@ def adam_moments(g: jax.Array, m: jax.Array, v: jax.Array, c: AdamCoefficients, 
   return m_hat / (jnp.sqrt(v_hat + c.eps_root) + c.eps), m_new, v_new
 
 
+def fit_moments(g: jax.Array, m: jax.Array, v: jax.Array, m_new: jax.Array, v_new: jax.Array,
+                c: AdamCoefficients) -> tuple[jax.Array, jax.Array]:
+  """The new moments of :func:`adam_moments` made storable in a block-wise state: float32 ``(m, v)``.
+
+  A finite gradient of more than ~1.8e19 overflows ``g * g`` (optax's ``v`` then holds inf and its
+  update is 0 there; from ~1e18 the bias-corrected ``v`` of early steps does). A block-wise state cannot hold inf without losing the whole block (its scale
+  is the block's max), so where ``v_new`` exceeds :data:`MOMENT_MAX` and ``g`` is finite, the
+  element's pair is scaled by ``k = sqrt(MOMENT_MAX) / sqrt(v_true)``: ``v = MOMENT_MAX``,
+  ``m = k m_true``. ``m / sqrt(v)``, all that Adam's update reads, is then the exact one (optax's
+  overflowed state says 0 instead), and both stay finite. ``sqrt(v_true)`` is computed scaled by
+  ``s = max(|g|, sqrt(v))``, so nothing overflows. Elsewhere ``m_new`` and ``v_new`` pass
+  unchanged; a NaN or inf gradient keeps its NaN/inf moments (the block's state turns NaN).
+
+  Args:
+    g, m, v: the step's float32 gradient and old moments (same shape); m_new, v_new: from
+      :func:`adam_moments`; c: the step's coefficients.
+  """
+  over = (v_new > MOMENT_MAX) & jnp.isfinite(g)
+  s = jnp.maximum(jnp.abs(g), jnp.sqrt(v))
+  s = jnp.where(over, s, 1.0)  # > 0 wherever over: v_new > 0 needs g or v nonzero
+  gs, rs = g / s, jnp.sqrt(v) / s
+  root = s * jnp.sqrt(c.one_minus_b2 * (gs * gs) + c.b2 * (rs * rs))  # sqrt of the exact v_new
+  k = jnp.minimum(jnp.float32(MOMENT_MAX**0.5) / root, 1.0)
+  m_fit = c.one_minus_b1 * (g * k) + c.b1 * (m * k)  # k scales each term: no overflow on the way
+  return jnp.where(over, m_fit, m_new), jnp.where(over, jnp.float32(MOMENT_MAX), v_new)
+
+
 def apply_update(p: jax.Array, u: jax.Array, neg_lr, weight_decay, bits: jax.Array | None = None) -> jax.Array:
   """The parameter after one AdamW step: ``p + neg_lr * (u + weight_decay * p)``, in ``p``'s dtype.
 
@@ -95,5 +127,6 @@ def coefficient_vector(c: AdamCoefficients) -> jax.Array:
 
 
 __all__ = [
-    "COEFFICIENT_NAMES", "AdamCoefficients", "adam_coefficients", "adam_moments", "apply_update", "coefficient_vector",
+    "COEFFICIENT_NAMES", "MOMENT_MAX", "AdamCoefficients", "adam_coefficients", "adam_moments", "apply_update",
+    "coefficient_vector", "fit_moments",
 ]

@@ -53,7 +53,14 @@ from jax.experimental.pallas import triton as plt
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlowbit_numerics import stats
-from jaxlowbit_numerics.adam import COEFFICIENT_NAMES, AdamCoefficients, adam_moments, apply_update, coefficient_vector
+from jaxlowbit_numerics.adam import (
+    COEFFICIENT_NAMES,
+    AdamCoefficients,
+    adam_moments,
+    apply_update,
+    coefficient_vector,
+    fit_moments,
+)
 from jaxlowbit_numerics.blockwise import (
     BlockFormat,
     BlockQuantized,
@@ -196,8 +203,9 @@ def _adam_kernel(g_ref, mc_ref, ms_ref, vc_ref, vs_ref, c_ref, *refs, m_format: 
         bits = hash_bits(_element_index(first, rows, m_format.block, start, stride, size), seed)
       u = apply_update(p_ref[elements], u, s_ref[0], s_ref[1], bits)
     out_ref[elements] = u
-  _store_moment(mc_out, ms_out, blocks, [s[1] for s in steps], m_format, parts)
-  _store_moment(vc_out, vs_out, blocks, [s[2] for s in steps], v_format, parts)
+  fitted = [fit_moments(*gmv, m_new, v_new, coefficients) for gmv, (_, m_new, v_new) in zip(zip(g, m, v), steps)]
+  _store_moment(mc_out, ms_out, blocks, [f[0] for f in fitted], m_format, parts)
+  _store_moment(vc_out, vs_out, blocks, [f[1] for f in fitted], v_format, parts)
 
 
 def supported(g: jax.Array, m: BlockQuantized, v: BlockQuantized, m_format: BlockFormat, v_format: BlockFormat) -> bool:
@@ -442,8 +450,9 @@ def adam_update_reference(
   g = g.astype(jnp.float32)
   m = dequantize_blockwise(m, m_format, g.shape)
   v = dequantize_blockwise(v, v_format, g.shape)
-  u, m, v = adam_moments(g, m, v, coefficients, nesterov)
-  return u, quantize_blockwise(m, m_format), quantize_blockwise(v, v_format)
+  u, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)
+  m_new, v_new = fit_moments(g, m, v, m_new, v_new, coefficients)  # overflowed v: the pair scaled down
+  return u, quantize_blockwise(m_new, m_format), quantize_blockwise(v_new, v_format)
 
 
 def adam_step_reference(

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowbit import optim, qstate
-from jaxlowbit_numerics.adam import adam_coefficients, adam_moments
+from jaxlowbit_numerics.adam import adam_coefficients, adam_moments, fit_moments
 from pallas_kernels import adam as ak
 
 # The (m, v) formats of adamw_8bit, adamw_4bit, adamw_fp8 and adamw_fp8_o2.
@@ -155,6 +155,27 @@ def assert_nonfinite_gradients_reach_the_state_as_nan(kernel, key, m_format, v_f
     assert np.all(np.isnan(values[bad])) and np.all(np.isfinite(values[~bad])), fmt
   assert np.isnan(u[1, 3]) and np.isnan(u[2, block + 5]) and np.isnan(u[3, 7])
   assert np.isfinite(np.asarray(u)).sum() == u.size - 3
+
+
+def assert_overflowing_gradients_stay_finite(kernel, key, m_format, v_format, n):
+  """Finite gradient elements whose square overflows float32 (1e20 up to 3e38, one per row of a
+  ``[4, n]`` tensor): the kernel's moments stay finite in every block, as XLA's do, with the same
+  codes but at ties of the fitted moments (``fit_moments``), and the same update."""
+  g, m, v, c = random_case(key, (4, n), m_format, v_format)
+  block = m_format.block
+  g = g.at[0, 3].set(1e20).at[1, block + 5].set(-1e25).at[2, 7].set(1e30).at[3, n - 1].set(3e38)
+  out = kernel(g, m, v, c, m_format, v_format, False)
+  want = reference(g, m, v, c, m_format, v_format, False)
+  for q, fmt in zip(out[1:], (m_format, v_format)):
+    assert np.all(np.isfinite(np.asarray(qstate.dequantize_blockwise(q, fmt, g.shape)))), fmt
+  m32, v32 = (qstate.dequantize_blockwise(q, f, g.shape) for q, f in ((m, m_format), (v, v_format)))
+  _, m_new, v_new = adam_moments(g, m32, v32, c)
+  m_fit, v_fit = fit_moments(g.astype(jnp.float32), m32, v32, m_new, v_new, c)
+  bound, _, _, m_terms = _u_bound(g, m, v, c, m_format, v_format, False)
+  assert_codes_agree_but_ties(out[1], want[1], m_fit, m_format, "m", m_terms)
+  assert_codes_agree_but_ties(out[2], want[2], v_fit, v_format, "v")
+  u, ru = np.asarray(out[0], np.float64), np.asarray(want[0], np.float64)
+  assert np.all(np.isfinite(u)) and np.all(np.abs(u - ru) <= bound), np.max(np.abs(u - ru) / bound)
 
 
 def assert_step_matches_reference(kernel, key, shape, m_format, v_format, seeds):

@@ -14,7 +14,7 @@ from jaxlowbit import optim
 from jaxlowbit.qstate import BlockQuantized
 from optim_kernel_common import (FORMATS, assert_kernel_matches_reference, assert_step_matches_reference,
                                  assert_nonfinite_gradients_reach_the_state_as_nan,
-                                 random_case)
+                                 assert_overflowing_gradients_stay_finite, random_case)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
 
@@ -84,6 +84,11 @@ def test_apply_step_runs_the_step_kernel(name, monkeypatch):
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_nonfinite_gradients_reach_the_state_as_nan(name):
   assert_nonfinite_gradients_reach_the_state_as_nan(kernel, fresh_key(), *_takes_kernel(name), 1024)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_overflowing_gradients_stay_finite_as_in_xla(name):
+  assert_overflowing_gradients_stay_finite(kernel, fresh_key(), *_takes_kernel(name), 1024)
 
 
 @pytest.mark.parametrize("name", ["8bit", "4bit", "fp8"])

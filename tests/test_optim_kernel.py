@@ -15,7 +15,8 @@ from jaxlowbit import optim, qstate
 from jaxlowbit.qstate import BlockFormat, BlockQuantized
 from jaxlowbit_numerics.adam import adam_coefficients
 from optim_kernel_common import (FORMATS, assert_kernel_matches_reference, assert_moments_agree,
-                                 assert_nonfinite_gradients_reach_the_state_as_nan, assert_step_matches_reference,
+                                 assert_nonfinite_gradients_reach_the_state_as_nan, assert_overflowing_gradients_stay_finite,
+                                 assert_step_matches_reference,
                                  assert_update_agrees, random_case, reference)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
@@ -43,6 +44,11 @@ def test_step_kernel_writes_the_parameter_as_xla_does_interpret(name):
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_nonfinite_gradients_reach_the_state_as_nan(name):
   assert_nonfinite_gradients_reach_the_state_as_nan(interpret_kernel, fresh_key(), *FORMATS[name], 512)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_overflowing_gradients_stay_finite_as_in_xla(name):
+  assert_overflowing_gradients_stay_finite(interpret_kernel, fresh_key(), *FORMATS[name], 512)
 
 
 def test_supported_shapes_and_a_clear_error():
