@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import meta
 
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
@@ -40,6 +41,15 @@ from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return tuple(x) if isinstance(x, Sequence) else (x,)
+
+
+def check_sizes(name: str, **sizes: int | Sequence[int]) -> None:
+  """ValueError unless every size (an int or a sequence of ints, e.g. ``features=(8, 64)``) is a
+  positive int: a layer of 0 or -1 outputs is a typo, not a layer."""
+  for what, value in sizes.items():
+    values = _as_tuple(value)
+    if not values or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in values):
+      raise ValueError(f"{name}: {what} must be a positive int (or a non-empty sequence of them), got {value!r}")
 
 
 def _reshaping_init(init, flat_shape: tuple[int, ...]):
@@ -212,6 +222,10 @@ class _LowBitDenseGeneral(nn.DenseGeneral):
 
   recipe: Any = None
   recipe_types: ClassVar[tuple[type, ...]] = ()
+
+  def __post_init__(self):
+    check_sizes(type(self).__name__, features=self.features)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlowbit.layers import check_sizes
 from jaxlowbit.matmul import quantized_matmul
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, check_recipe
 
@@ -31,6 +32,7 @@ class _LowBitLinear(nnx.Linear):
     ``kernel_init``, ``bias_init``, ``promote_dtype``, ``rngs``), plus ``recipe`` (the class's
     default recipe when omitted; None for high precision)."""
     name = type(self).__name__
+    check_sizes(name, in_features=in_features, out_features=out_features)
     if "dot_general" in kwargs:
       raise ValueError(f"{name}: dot_general cannot be set; the recipe decides the dot")
     recipe = self.default_recipe if recipe is _DEFAULT else recipe

@@ -39,7 +39,7 @@ import optax
 from flax.core import meta
 
 from jaxlowbit_numerics.int8 import int8_scale, quantize_int8_with_scale
-from jaxlowbit.layers import DenseCall, dense_general, resolve
+from jaxlowbit.layers import DenseCall, check_sizes, dense_general, resolve
 from jaxlowbit.matmul import quantized_dot_general
 from jaxlowbit.recipes import Int8MixedPrecision, check_recipe
 from jaxlowbit.rounding import stochastic_round
@@ -123,6 +123,10 @@ class Int8WeightOnlyDense(nn.DenseGeneral):
   """
 
   recipe: Int8MixedPrecision | None = None
+
+  def __post_init__(self):
+    check_sizes(type(self).__name__, features=self.features)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

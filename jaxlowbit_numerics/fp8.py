@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit_numerics.stats import Axis, absmax, check_floating
+from jaxlowbit_numerics.stats import Axis, absmax, check_floating, check_nonempty_slices
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -73,9 +73,11 @@ def quantize_fp8(
 
   Returns:
     ``(q, scale)``: ``q`` of ``dtype`` and shape ``S``; ``scale`` float32 multiplier with
-    reduced axes kept as size 1, so ``dequantize_fp8(q, scale) = q / scale``.
+    reduced axes kept as size 1, so ``dequantize_fp8(q, scale) = q / scale``. ValueError if a
+    reduced axis has size 0 (an empty slice has no scale); other empty arrays give empty results.
   """
   check_floating(x, "quantize_fp8")
+  check_nonempty_slices(x, axis, "quantize_fp8")
   scale = fp8_scale(absmax(x, axis), dtype, power_of_two)
   return cast_to_fp8(x, scale, dtype), scale
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit_numerics.stats import Axis, absmax, check_floating
+from jaxlowbit_numerics.stats import Axis, absmax, check_floating, check_nonempty_slices
 
 INT8_MAX = 127
 # Floor for amax before dividing: keeps all-zero rows finite (torchao uses 1e-12).
@@ -49,9 +49,11 @@ def quantize_int8(x: jax.Array, axis: Axis = -1, eps: float = AMAX_EPS) -> tuple
 
   Returns:
     ``(q, scale)``: ``q`` int8 of shape ``S``; ``scale`` float32 with the reduced axes kept
-    as size 1, so ``dequantize_int8(q, scale) = q * scale`` broadcasts back to ``S``.
+    as size 1, so ``dequantize_int8(q, scale) = q * scale`` broadcasts back to ``S``. ValueError
+    if a reduced axis has size 0 (an empty slice has no scale); other empty arrays give empty results.
   """
   check_floating(x, "quantize_int8")
+  check_nonempty_slices(x, axis, "quantize_int8")
   scale = int8_scale(absmax(x, axis), eps)
   return quantize_int8_with_scale(x, scale), scale
 

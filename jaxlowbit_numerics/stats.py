@@ -37,6 +37,19 @@ def check_floating(x: jax.Array, who: str) -> None:
     raise TypeError(f"{who}: expected a floating-point array, got dtype {x.dtype}")
 
 
+def check_nonempty_slices(x: jax.Array, axis: Axis, who: str) -> None:
+  """ValueError when a slice reduced over ``axis`` is empty: it has no amax or mean, so no scale.
+
+  An empty array whose reduced axes are not empty (``[0, K]`` per row) has no slices: fine.
+  """
+  empty = [a for a in canonical_axis(x, axis) if x.shape[a] == 0]
+  if empty:
+    raise ValueError(
+        f"{who}: x of shape {x.shape} has size 0 along axis {empty[0]}, which each scale is computed over "
+        f"(axis={axis}); an empty slice has no scale: skip quantizing empty tensors"
+    )
+
+
 def absmax(x: jax.Array, axis: Axis = None) -> jax.Array:
   """float32 ``max(|x|)`` over ``axis`` (None: whole tensor), reduced dims kept as size 1.
 

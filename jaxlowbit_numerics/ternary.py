@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit_numerics.stats import absmean, check_floating
+from jaxlowbit_numerics.stats import absmean, check_floating, check_nonempty_slices
 
 # Floor for the abs-mean scale (BitNet FAQ: ``w.abs().mean().clamp_(min=1e-5)``).
 ABSMEAN_EPS = 1e-5
@@ -43,9 +43,10 @@ def quantize_ternary(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   Returns:
     ``(q, scale)``: ``q`` int8 of shape ``S`` with values in {-1, 0, 1}; ``scale`` float32
-    of shape ``()``, so ``w ~= q * scale``.
+    of shape ``()``, so ``w ~= q * scale``. ValueError for an empty ``w`` (no mean, no scale).
   """
   check_floating(w, "quantize_ternary")
+  check_nonempty_slices(w, None, "quantize_ternary")
   scale = ternary_scale(absmean(w)).reshape(())
   return quantize_ternary_with_scale(w, scale), scale
 
@@ -73,10 +74,20 @@ def pack_2bit(q: jax.Array, axis: int = -1) -> jax.Array:
   Returns:
     int8 array with ``shape[axis] // 4`` along ``axis``; element ``4*i + j`` of a group
     sits in bits ``7-2j .. 6-2j`` of byte ``i`` (most significant first).
+
+  Raises:
+    ValueError: a concrete ``q`` holds a value outside {-1, 0, 1} (two bits cannot store it). A
+    traced ``q`` (under ``jit``) cannot be checked without a host round trip: there a value outside
+    the set keeps its two low bits (``2 -> -2``, ``3 -> -1``), so produce traced inputs with
+    :func:`quantize_ternary` or a clip to [-1, 1].
   """
   if q.dtype != jnp.int8:
     raise TypeError(f"pack_2bit: expected int8 ternary values, got dtype {q.dtype}")
   axis = _check_packable(q.shape, axis, "pack_2bit")
+  if not isinstance(q, jax.core.Tracer) and q.size and bool(jnp.any((q < -1) | (q > 1))):
+    bad = jnp.asarray(q)[(q < -1) | (q > 1)]
+    raise ValueError(f"pack_2bit: values must be -1, 0 or 1, got {bad.size} others (e.g. {int(bad[0])}); "
+                     "quantize with quantize_ternary or clip to [-1, 1] first")
   n = q.shape[axis]
   if n % VALUES_PER_BYTE:
     raise ValueError(f"pack_2bit: size {n} along axis {axis} is not a multiple of 4; pad it first")
