@@ -14,6 +14,7 @@ what runs with which recipe and why a layer stayed high precision.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -95,6 +96,47 @@ def _handler(rules: _Rules, record: Callable[[ConvertedLayer], None] | None = No
   return handle
 
 
+def _warn_unmatched(fqns: Sequence[str], paths: Sequence[str], model: str, who: str) -> None:
+  """Warn about every ``filter_fqns`` entry that is part of none of the Dense layer ``paths`` seen."""
+  unmatched = [f for f in fqns if not any(f in path for path in paths)]
+  if unmatched and paths:
+    shown = ", ".join(repr(p) for p in list(dict.fromkeys(paths))[:8]) + (", ..." if len(set(paths)) > 8 else "")
+    warnings.warn(
+        f"{who}: filter_fqns entr{'y' if len(unmatched) == 1 else 'ies'} {', '.join(map(repr, unmatched))} "
+        f"match{'es' if len(unmatched) == 1 else ''} no Dense layer of {model}, so nothing is kept in high "
+        f"precision for {'it' if len(unmatched) == 1 else 'them'}; the Dense layers' paths are {shown} "
+        "(a layer in nn.Sequential is named layers_<i>; name it, or filter on its path)",
+        stacklevel=3,
+    )
+
+
+class _FilterCheck:
+  """Collects the Dense paths of a converted model's first call and then warns once about
+  ``filter_fqns`` entries that matched none (entered around every intercepted call: the
+  outermost one ends the call)."""
+
+  def __init__(self, fqns: tuple[str, ...], model: str):
+    self.fqns, self.model = fqns, model
+    self.paths: list[str] = []
+    self.depth = 0
+    self.done = not fqns
+
+  def see(self, layer: ConvertedLayer) -> None:
+    if not self.done:
+      self.paths.append(layer.path)
+
+  @contextlib.contextmanager
+  def __call__(self):
+    self.depth += 1
+    try:
+      yield
+    finally:
+      self.depth -= 1
+      if self.depth == 0 and not self.done and self.paths:
+        self.done = True
+        _warn_unmatched(self.fqns, self.paths, self.model, "convert")
+
+
 def convert(
     module: nn.Module,
     recipe: Recipe,
@@ -109,6 +151,8 @@ def convert(
     recipe: :class:`Int8MixedPrecision`, :class:`Float8` or :class:`BitNet`.
     filter_fqns: layers whose dot-joined path (e.g. ``"lm_head"`` or ``"layers_0.attn"``)
       contains any of these strings stay high precision ("" is an error: it is in every path).
+      The first call of the converted model warns about an entry that matches no Dense layer
+      (a layer inside ``nn.Sequential`` is named ``layers_<i>``, not by its variable name).
     auto_filter_small_kn: also leave layers too small to gain in high precision
       (``recipe.worth_quantizing``).
     filter_fn: ``filter_fn(path, module) -> bool``; True keeps that layer high precision.
@@ -125,15 +169,16 @@ def convert(
   if recipe is None:
     raise TypeError("convert: recipe must be Int8MixedPrecision, Float8 or BitNet (None converts nothing)")
   rules = _Rules(recipe, as_filter(filter_fqns, filter_fn), auto_filter_small_kn)
-  return intercepted_copy(module, dense_interceptor(_handler(rules)), "convert", jaxlowbit_convert_rules=rules,
-                          jaxlowbit_recipe=recipe)
+  check = _FilterCheck(rules.layer_filter.fqns, type(module).__name__)
+  return intercepted_copy(module, dense_interceptor(_handler(rules, check.see)), "convert", context=check,
+                          jaxlowbit_convert_rules=rules, jaxlowbit_recipe=recipe)
 
 
 def conversion_report(model: nn.Module, *args, method=None, params=None, **kwargs) -> ConversionReport:
   """What a :func:`convert` ed ``model`` runs, layer by layer, for the call ``model.apply(..., *args)``.
 
   Traces the model once with ``jax.eval_shape`` (nothing is computed). Warns when no layer
-  was converted.
+  was converted and when a ``filter_fqns`` entry matches no Dense layer.
 
   Args:
     model: the result of :func:`convert`.
@@ -155,6 +200,7 @@ def conversion_report(model: nn.Module, *args, method=None, params=None, **kwarg
 
   jax.eval_shape(run, *args)
   report = ConversionReport(tuple(seen.values()))
+  _warn_unmatched(rules.layer_filter.fqns, list(seen), type(model).__name__, "conversion_report")
   if not report.converted:
     warnings.warn(f"convert: no Dense layer of {type(model).__name__} runs {rules.recipe} "
                   f"({len(report.layers)} found; see the report's reasons)", stacklevel=2)

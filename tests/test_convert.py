@@ -170,3 +170,24 @@ def test_methods_passed_to_apply_run_converted():
   submodule = lambda m, x: m.block.up(x)  # noqa: E731  (a submodule's method, from outside)
   quantized, plain = qwrapper.apply(wparams, x, method=submodule), wrapper.apply(wparams, x, method=submodule)
   assert not np.array_equal(quantized, plain) and sqnr_db(quantized, plain) > 20
+
+
+def test_a_filter_entry_that_matches_no_layer_warns_once_naming_the_paths():
+  """The README's old mistake: ``name="lm_head"`` inside ``nn.Sequential`` is renamed ``layers_2``."""
+  import warnings
+
+  x = jnp.ones((2, 32))
+  seq = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(16, name="lm_head")])
+  model = jaxlowbit.convert(seq, Int8MixedPrecision(), filter_fqns=("lm_head", "layers_0"))
+  with pytest.warns(UserWarning, match=r"convert: filter_fqns entry 'lm_head' matches no Dense layer of Sequential.*"
+                    r"'layers_0', 'layers_2'.*nn.Sequential is named layers_<i>") as record:
+    params = model.init(jax.random.key(0), x)
+  assert not any("layers_0'" in str(w.message).split("paths")[0] for w in record), "a matching entry is not named"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # once per converted model: its later calls stay quiet
+    model.apply(params, x)
+    jaxlowbit.convert(Model(), Int8MixedPrecision(), filter_fqns=("lm_head", "block_1.up")).init(
+        jax.random.key(0), x)  # every entry matches
+  with pytest.warns(UserWarning, match=r"conversion_report: filter_fqns entry 'lm_head' matches no Dense layer"):
+    report = jaxlowbit.conversion_report(model, x)
+  assert [layer.path for layer in report.converted] == ["layers_2"]

@@ -1,4 +1,4 @@
-"""Every README code block runs as written.
+"""Every README code block runs as written, without a jaxlowbit warning, and prints what it says.
 
 Python blocks run one by one in a fresh interpreter each (the README never relies on an
 earlier block). Bash blocks are commands for a fresh machine (``pip install`` ...): the test
@@ -22,9 +22,28 @@ PYTHON = [code for lang, code in BLOCKS if lang == "python"]
 BASH = [code for lang, code in BLOCKS if lang == "bash"]
 
 
+# What a block prints, found by a piece of its code: each regex must match a line of its stdout.
+PRINTS = {
+    "jaxlowbit.convert(": [  # the Use block: the filter keeps the head, the rest runs int8
+        r"^layers_0\s+2048\s+4096\s+Int8MixedPrecision\(",
+        r"^layers_2\s+4096\s+2048\s+filtered",
+        r"^1 of 2 Dense layers converted$",
+    ],
+    "optim.make(": [r"^2\.03 state bytes per parameter$"],  # the optimizer block: the table's 2.03 B
+}
+
+
+def _block(marker: str) -> int:
+  found = [i for i, code in enumerate(PYTHON) if marker in code]
+  assert len(found) == 1, f"{len(found)} README python blocks contain {marker!r}; expected one"
+  return found[0]
+
+
 def test_readme_has_the_blocks_we_expect():
   assert len(PYTHON) >= 4 and len(BASH) >= 2
   assert {lang for lang, _ in BLOCKS} <= {"python", "bash"}  # a new language needs a check here
+  for marker in PRINTS:
+    _block(marker)
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON)))
@@ -35,6 +54,13 @@ def test_python_block_runs(index):
       [sys.executable, "-c", PYTHON[index]], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0, f"README python block {index} failed:\n{PYTHON[index]}\n{result.stderr[-3000:]}"
+  warned = [line for line in result.stderr.splitlines() if "Warning:" in line and "jaxlowbit" in line]
+  assert not warned, f"README python block {index} warns:\n" + "\n".join(warned)
+  for marker, patterns in PRINTS.items():
+    if marker in PYTHON[index]:
+      for pattern in patterns:
+        assert re.search(pattern, result.stdout, flags=re.MULTILINE), (
+            f"README python block {index} should print a line matching {pattern!r}; it printed:\n{result.stdout}")
 
 
 def test_bash_blocks_name_what_exists():
