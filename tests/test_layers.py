@@ -89,6 +89,34 @@ def test_nnx_layers_match_nnx_linear(layer_cls):
   assert np.any(np.asarray(grads.kernel[...]))
 
 
+@pytest.mark.parametrize("layer_cls", [lbnnx.Int8Dense, lbnnx.Fp8Dense, lbnnx.BitNetDense])
+def test_nnx_layers_run_quantized_matmul_on_their_kernel(layer_cls):
+  """The layer is quantized_matmul of its own kernel and recipe plus the bias, exactly, and so not
+  the high-precision product (a layer that never quantized would pass the SQNR bound above)."""
+  x = jax.random.normal(fresh_key(), (4, 6, 32))
+  layer = layer_cls(32, 24, rngs=nnx.Rngs(3))
+  assert layer.recipe is not None
+  out = layer(x)
+  want = jaxlowbit.quantized_matmul(x, layer.kernel[...], layer.recipe) + layer.bias[...]
+  np.testing.assert_array_equal(out, want)
+  exact = layer_cls(32, 24, recipe=None, rngs=nnx.Rngs(3))(x)
+  assert np.max(np.abs(out - exact)) > 1e-3 * np.max(np.abs(exact)), "the layer does not quantize"
+
+
+@pytest.mark.parametrize("layer_cls,recipe", LAYERS, ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize("default", [True, False], ids=["default_recipe", "given_recipe"])
+def test_linen_layers_run_quantized_matmul_on_their_kernel(layer_cls, recipe, default):
+  x = jax.random.normal(fresh_key(), (4, 6, 32))
+  layer = layer_cls(features=24) if default else layer_cls(features=24, recipe=recipe)
+  assert layer.recipe is not None
+  params = layer.init(jax.random.key(1), x)["params"]
+  out = layer.apply({"params": params}, x)
+  want = jaxlowbit.quantized_matmul(x, params["kernel"], layer.recipe) + params["bias"]
+  np.testing.assert_array_equal(out, want)
+  exact = layer_cls(features=24, recipe=None).apply({"params": params}, x)
+  assert np.max(np.abs(out - exact)) > 1e-3 * np.max(np.abs(exact)), "the layer does not quantize"
+
+
 def test_nnx_errors():
   with pytest.raises(TypeError, match="recipe must be BitNet"):
     lbnnx.BitNetDense(4, 4, recipe=Int8MixedPrecision(), rngs=nnx.Rngs(0))

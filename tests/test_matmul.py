@@ -14,12 +14,20 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
 from helpers import fresh_key, rel_err, sqnr_db
 
 M, K, N = 256, 512, 384
-# Bounds from the issue: INT8 >= 30 dB, FP8 >= 20 dB on every matmul.
+# SQNR floors (output, grad_input, grad_weight) against the exact float64 product: the lowest of 10
+# seeds measured on CPU (jax 0.10.2; normal x, g and W / sqrt(K) of _inputs) minus 3 dB. Measured:
+# INT8 39.5 / 39.7 / 40.1, FP8 tensorwise 28.5 / 24.6 / 24.6 (e5m2 gradients), rowwise 28.5 each,
+# rowwise_gw_hp's float32 grad_weight 130.8; BitNet's forward and straight-through grad_input 5.8
+# (ternary W against the exact W), grad_weight 42.4 (int8 x), 39.5 with int8 sx * g. Each seed
+# varied by < 0.2 dB, so a lost bit of mantissa (e5m2 for e4m3: ~12 dB) or a coarser scale fails.
 SQNR_BOUNDS = {
-    Int8MixedPrecision(): 30.0,
-    Float8("tensorwise"): 20.0,
-    Float8("rowwise"): 20.0,
-    Float8("rowwise_gw_hp"): 20.0,
+    Int8MixedPrecision(): (36.5, 36.7, 37.0),
+    Float8("tensorwise"): (25.5, 21.5, 21.5),
+    Float8("rowwise"): (25.4, 25.4, 25.4),
+    Float8("rowwise_gw_hp"): (25.4, 25.4, 127.8),
+    BitNet(): (2.7, 2.7, 39.4),
+    BitNet(grad_input=True): (2.7, 2.7, 39.4),
+    BitNet(grad_input=True, grad_weight=True): (2.7, 2.7, 36.4),
 }
 
 
@@ -50,8 +58,8 @@ def test_sqnr_of_every_matmul(recipe, record_property):
   sqnrs = {name: sqnr_db(o, r) for name, o, r in zip(("output", "grad_input", "grad_weight"), outs, refs)}
   print(recipe, {k: round(v, 1) for k, v in sqnrs.items()})
   record_property("sqnr_db", sqnrs)
-  for name, value in sqnrs.items():
-    assert value >= SQNR_BOUNDS[recipe], f"{recipe} {name}: SQNR {value:.1f} dB"
+  for (name, value), floor in zip(sqnrs.items(), SQNR_BOUNDS[recipe]):
+    assert value >= floor, f"{recipe} {name}: SQNR {value:.1f} dB, below the measured floor {floor} dB"
 
 
 def _bitnet_fake_quant(x, w):
