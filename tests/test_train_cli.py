@@ -124,3 +124,21 @@ def test_modules_end_in_cli_run():
   for module in ("main", "hf", "generate", "data", "plot"):
     text = (REPO / "train" / f"{module}.py").read_text()
     assert "cli." in text, module
+
+
+def test_hf_config_json_missing_keys_or_zero_heads_is_one_line(tmp_path):
+  from train.io import hf_config  # noqa: PLC0415
+
+  good = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+          "intermediate_size": 128, "vocab_size": 300}
+  hf_config.model_config_from_hf(good)
+  for key, value in [("num_attention_heads", 0), ("hidden_size", None), ("vocab_size", "300")]:
+    broken = {**good, key: value}
+    if value is None:
+      del broken[key]
+    with pytest.raises(hf_config.UnsupportedCheckpointError, match=f"{key} must be an integer >= 1"):
+      hf_config.model_config_from_hf(broken)
+  for text in ("", "{bad", "[]"):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(hf_config.UnsupportedCheckpointError, match="config.json: "):
+      hf_config.read_config(tmp_path)

@@ -44,6 +44,7 @@ from ml_collections import config_flags
 from jaxlowbit import fsdp
 from train import checkpoint, cli, loop
 from train import config as train_config
+from train.io.hf_config import UnsupportedCheckpointError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -66,6 +67,7 @@ EXIT_CODES = (
     (train_config.ConfigError, EXIT_USAGE),
     (FileExistsError, EXIT_USAGE),  # a workdir with checkpoints and no --resume
     (cli.UserError, EXIT_USAGE),  # a missing or malformed file, named
+    (UnsupportedCheckpointError, EXIT_USAGE),  # init_from: a Hugging Face folder this trainer cannot read
     (OSError, EXIT_USAGE),  # a file that cannot be read or written, named
 )
 

@@ -46,6 +46,10 @@ class UnsupportedCheckpointError(ValueError):
 # Configs.
 
 
+# The sizes every Llama-family config.json must give (as integers >= 1).
+HF_REQUIRED_INTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
 def model_config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
   """The :class:`~train.model.ModelConfig` of a Hugging Face ``config.json`` (as a dict).
 
@@ -64,6 +68,10 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
     raise UnsupportedCheckpointError(f"hidden_act={hf['hidden_act']!r}: train.model's MLP is SwiGLU (silu)")
   if hf.get("mlp_bias"):
     raise UnsupportedCheckpointError("mlp_bias=True: train.model's MLP has no biases")
+  for key in HF_REQUIRED_INTS:  # a missing or zero size would fail later as a KeyError or a division by zero
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise UnsupportedCheckpointError(f"config.json: {key} must be an integer >= 1, got {value!r}")
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
   if hf.get("head_dim") not in (None, d // heads):
     raise UnsupportedCheckpointError(f"head_dim={hf['head_dim']} != hidden_size / num_attention_heads = {d // heads}")
@@ -212,7 +220,13 @@ def read_config(path: str | pathlib.Path) -> dict:
   file = pathlib.Path(path) / CONFIG_FILE
   if not file.is_file():
     raise UnsupportedCheckpointError(f"{file} not found: not a Hugging Face model folder")
-  return json.loads(file.read_text())
+  try:
+    config = json.loads(file.read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise UnsupportedCheckpointError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise UnsupportedCheckpointError(f"{file}: holds a JSON {type(config).__name__}, not an object")
+  return config
 
 
 def describe(config: ModelConfig) -> str:
