@@ -244,6 +244,27 @@ def test_clear_errors(tmp_path):
     hf.load_pretrained(sharded)
 
 
+def test_integer_nan_and_truncated_tensors_are_refused_naming_them(tmp_path):
+  """Issue 31: an int32 or bool tensor was cast to float and trained, a NaN one ended as exit 3 after training
+  started, a truncated file raised safetensors' own error without naming the file."""
+  cfg = CASES["llama3"]
+  tensors = random_tensors(cfg, np.random.default_rng(0))
+  name = "model.layers.0.mlp.up_proj.weight"
+  for dtype, shown in [(np.int32, "I32"), (np.bool_, "BOOL")]:
+    stored = {**tensors, name: tensors[name].astype(dtype)}
+    with pytest.raises(hf.UnsupportedCheckpointError, match=f"tensor '{name}' is stored as {shown}"):
+      hf.load_pretrained(write_checkpoint(tmp_path / shown, cfg, stored))
+  poisoned = {**tensors, name: tensors[name].copy()}
+  poisoned[name][3, 5] = np.nan
+  with pytest.raises(hf.UnsupportedCheckpointError, match=f"tensor '{name}' holds NaN or inf"):
+    hf.load_pretrained(write_checkpoint(tmp_path / "nan", cfg, poisoned))
+  folder = write_checkpoint(tmp_path / "cut", cfg, tensors)
+  data = (folder / "model.safetensors").read_bytes()
+  (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+  with pytest.raises(hf.UnsupportedCheckpointError, match="model.safetensors: not a readable safetensors file"):
+    hf.load_pretrained(folder)
+
+
 # -------------------------------------------------------------------------------------------
 # Loading onto shardings: each device's block read on its own.
 

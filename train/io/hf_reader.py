@@ -62,6 +62,8 @@ def weight_files(path: str | pathlib.Path) -> list[pathlib.Path]:
 
 # An open tensor: (its safe_open file, shape, safetensors dtype such as "BF16" or "I8").
 _Tensor = tuple[Any, tuple[int, ...], str]
+# safetensors dtypes a weight may be stored in (an integer or bool tensor would be cast to float and trained).
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @contextlib.contextmanager
@@ -72,7 +74,11 @@ def _opened(files: list[pathlib.Path]) -> Iterator[dict[str, _Tensor]]:
   with contextlib.ExitStack() as stack:
     tensors = {}
     for file in files:
-      f = stack.enter_context(safe_open(str(file), framework="numpy"))
+      try:
+        f = stack.enter_context(safe_open(str(file), framework="numpy"))
+      except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError for a cut or garbled file)
+        raise UnsupportedCheckpointError(f"{file}: not a readable safetensors file ({str(e).strip()[:200]}); "
+                                         "download or export it again") from None
       for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
         block = f.get_slice(name)
         tensors[name] = (f, tuple(block.get_shape()), block.get_dtype())
@@ -95,10 +101,12 @@ def _read(tensors: dict[str, _Tensor], name: str, index: tuple[slice, ...]) -> n
   ``save_pretrained``) comes out float32 ``codes * scale[rows, None]``."""
   file, _, dtype = tensors[name]
   value = _read_slice(file, name, index)
-  if dtype != "I8":
-    return value
-  scale = _read_slice(tensors[_scale_name(name)][0], _scale_name(name), index[:1])
-  return value.astype(np.float32) * scale.astype(np.float32)[:, None]
+  if dtype == "I8":
+    scale = _read_slice(tensors[_scale_name(name)][0], _scale_name(name), index[:1])
+    value = value.astype(np.float32) * scale.astype(np.float32)[:, None]
+  if not np.isfinite(value).all():  # a NaN weight would surface only as a NaN loss after training starts
+    raise UnsupportedCheckpointError(f"tensor {name!r} holds NaN or inf values; this checkpoint cannot be trained from")
+  return value
 
 
 def _read_block(tensors: dict[str, _Tensor], pieces: list[_Piece], shape: tuple[int, ...], dtype,
@@ -160,6 +168,10 @@ def _check_tensors(path, config: ModelConfig, tensors: dict[str, _Tensor], sourc
                    leaves: dict[str, jax.ShapeDtypeStruct]) -> None:
   """UnsupportedCheckpointError unless ``tensors`` are exactly the ones ``config`` implies, in its
   shapes (from the headers, before any data is read)."""
+  for name, (_, _, dtype) in tensors.items():
+    if dtype not in FLOAT_DTYPES + ("I8",):
+      raise UnsupportedCheckpointError(f"{path}: tensor {name!r} is stored as {dtype}; weights must be one of "
+                                       f"{', '.join(FLOAT_DTYPES)} (or I8 with a {QUANT_SCALE_SUFFIX} tensor)")
   weights = {name for name, (_, _, dtype) in tensors.items() if dtype == "I8"}
   scales = {name for name in tensors if name.endswith(QUANT_SCALE_SUFFIX)}
   unpaired = {_scale_name(w) for w in weights} ^ scales
