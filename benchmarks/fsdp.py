@@ -43,7 +43,7 @@ import jaxlowbit  # noqa: E402
 from benchmarks.common import table, write_json  # noqa: E402
 from benchmarks.layer import sqnr  # noqa: E402
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp  # noqa: E402
-from jaxlowbit.fsdp.hlo import collectives, summarize  # noqa: E402
+from jaxlowbit.parallel.hlo import collectives, summarize  # noqa: E402
 
 # name -> (recipe, FsdpConfig fields)
 VARIANTS = {

@@ -9,7 +9,7 @@ XLA's memory estimate), run ``--warmup`` steps, then time ``--steps`` steps and 
 result. MFU counts model FLOPs (6 N T plus causal attention, ``train.model``) against the
 device's bf16 dense peak for every recipe, so low-bit rows can pass what bf16 reaches.
 
-Every row also lists the compiled step's collectives (``jaxlowbit.fsdp.hlo``: bytes per step per
+Every row also lists the compiled step's collectives (``jaxlowbit.parallel.hlo``: bytes per step per
 op and replica group size, so a ``fsdp x tensor`` mesh shows each axis's traffic apart).
 
 Prints a table last and writes JSON to ``--out``. Needs no network (synthetic data). On CPU,
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from jaxlowbit.fsdp.hlo import collectives, summarize
+from jaxlowbit.parallel.hlo import collectives, summarize
 from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token

@@ -10,11 +10,11 @@ Swap a layer::
 NNX layers live in ``jaxlowbit.nnx`` (imported with the package).
 """
 
-from jaxlowbit import fsdp, inference, nnx, optim, qstate, quantized_training
+from jaxlowbit import fsdp, inference, nnx, optim, parallel, qstate, quantized_training
 from jaxlowbit.convert import conversion_report, convert, worth_quantizing
 from jaxlowbit_numerics.fp8 import dequantize_fp8, quantize_fp8
 from jaxlowbit_numerics.int8 import dequantize_int8, quantize_int8
-from jaxlowbit.layers import BitNetDense, Fp8Dense, Int8Dense, dense_for
+from jaxlowbit.layers import BitNetDense, Fp8Dense, Int8Dense, LowBitDense, dense_for
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.quantized_training import Int8Weight, Int8WeightOnlyDense
@@ -33,6 +33,7 @@ __all__ = [
     "Int8MixedPrecision",
     "Int8Weight",
     "Int8WeightOnlyDense",
+    "LowBitDense",
     "LowBitOperand",
     "QuantizedMatrix",
     "Recipe",
@@ -46,6 +47,7 @@ __all__ = [
     "inference",
     "nnx",
     "optim",
+    "parallel",
     "pack_2bit",
     "quantize_fp8",
     "quantize_int8",

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 
 from jaxlowbit.interception import PASS, LayerFilter, as_filter, dense_interceptor, intercepted_copy, module_path
-from jaxlowbit.layers import _LowBitDenseGeneral, dense_general, resolve
+from jaxlowbit.layers import LowBitDense, dense_general, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
 
 
@@ -77,7 +77,7 @@ class _Rules:
   def decide(self, module: nn.Module, inputs, path: str) -> ConvertedLayer:
     """What this layer runs (the one rule shared by the interceptor and the report)."""
     k, n = resolve(module, inputs).kn
-    if isinstance(module, _LowBitDenseGeneral):
+    if isinstance(module, LowBitDense):
       return ConvertedLayer(path, k, n, None, f"a jaxlowbit layer: runs its own recipe {module.recipe}")
     if self.layer_filter.keeps(path, module):
       return ConvertedLayer(path, k, n, None, "filtered (filter_fqns / filter_fn)")

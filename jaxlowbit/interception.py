@@ -1,7 +1,7 @@
 """Taking over a Linen model's Dense layers: the one interceptor and the one filter rule.
 
 Every way jaxlowbit changes how an existing Flax model's linears compute goes through here:
-``jaxlowbit.convert`` (a recipe), ``jaxlowbit.fsdp`` (record the linears, then run them on
+``jaxlowbit.convert`` (a recipe), ``jaxlowbit.parallel`` (record the linears, then run them on
 gathered weight shards), ``jaxlowbit.inference`` (converted weights; calibration). Each plugs a
 *handler* into :func:`dense_interceptor`; the interceptor owns what they share:
 

@@ -1,4 +1,5 @@
-"""Flax Linen layers: ``Int8Dense``, ``Fp8Dense``, ``BitNetDense``, and the one Dense body.
+"""Flax Linen layers: ``LowBitDense`` (any recipe), the named ``Int8Dense``, ``Fp8Dense``, ``BitNetDense``,
+and the one Dense body.
 
 Each layer is a drop-in for ``flax.linen.DenseGeneral`` (it *is* a subclass): same attributes,
 same parameter tree (``kernel`` of shape ``batch + contracted + features``, ``bias`` of shape
@@ -198,7 +199,7 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   out = matmul(call, inputs if is_low_bit(inputs) else jnp.asarray(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
-    # The bias's own feature dims: a tensor-parallel layer's (jaxlowbit.fsdp) holds its share of them.
+    # The bias's own feature dims: a tensor-parallel layer's (jaxlowbit.parallel) holds its share of them.
     out = out + jnp.reshape(bias, expanded + tuple(bias.shape[len(call.batch_dims):]))
   return out
 
@@ -217,8 +218,30 @@ def recipe_matmul(recipe: Recipe | None) -> Matmul:
   return matmul
 
 
-class _LowBitDenseGeneral(nn.DenseGeneral):
-  """DenseGeneral whose dot follows ``recipe``; subclasses fix the recipe family."""
+class LowBitDense(nn.DenseGeneral):
+  """``flax.linen.DenseGeneral`` whose dot follows a recipe: the base of every jaxlowbit Dense layer.
+
+  Same attributes, parameters (``kernel [*batch, *contracted, *features]``, ``bias [*batch,
+  *features]``) and initialization as ``DenseGeneral``, so checkpoints move freely between the two;
+  ``recipe`` chooses the three matmuls' numerics (None: exactly ``DenseGeneral``). The named layers
+  (:class:`Int8Dense`, :class:`Fp8Dense`, :class:`BitNetDense`) are subclasses that fix a recipe
+  family (``recipe_types``) and a default recipe; ``jaxlowbit.convert`` leaves every instance of
+  this class to its own recipe and FSDP (``jaxlowbit.parallel``) runs it with that recipe.
+
+  Attributes:
+    features, axis, batch_dims, use_bias, dtype, param_dtype, kernel_init, bias_init,
+      precision, promote_dtype: as in ``flax.linen.DenseGeneral`` (``dot_general`` and
+      ``dot_general_cls`` must stay None: the recipe decides the dot).
+    recipe: any recipe (``jaxlowbit.recipes``), or None for high precision.
+    recipe_types: class-level: the recipe classes a subclass accepts (empty: any).
+
+  Example::
+
+    layer = LowBitDense(features=4096, recipe=jaxlowbit.Float8("rowwise"))
+    params = layer.init(jax.random.key(0), jnp.ones((8, 2048), jnp.bfloat16))
+    # params["params"]["kernel"]: [2048, 4096] float32, ["bias"]: [4096] float32
+    y = layer.apply(params, x)          # x [..., 2048] bfloat16 -> y [..., 4096] bfloat16
+  """
 
   recipe: Any = None
   recipe_types: ClassVar[tuple[type, ...]] = ()
@@ -247,7 +270,7 @@ class _LowBitDenseGeneral(nn.DenseGeneral):
     return dense_general(self, inputs, self.recipe)
 
 
-class Int8Dense(_LowBitDenseGeneral):
+class Int8Dense(LowBitDense):
   """``DenseGeneral`` trained with INT8 mixed precision (:class:`Int8MixedPrecision`).
 
   Attributes:
@@ -264,7 +287,7 @@ class Int8Dense(_LowBitDenseGeneral):
   recipe_types: ClassVar[tuple[type, ...]] = (Int8MixedPrecision,)
 
 
-class Fp8Dense(_LowBitDenseGeneral):
+class Fp8Dense(LowBitDense):
   """``DenseGeneral`` trained in FP8 (:class:`Float8`, tensorwise by default).
 
   Attributes:
@@ -281,7 +304,7 @@ class Fp8Dense(_LowBitDenseGeneral):
   recipe_types: ClassVar[tuple[type, ...]] = (Float8,)
 
 
-class BitNetDense(_LowBitDenseGeneral):
+class BitNetDense(LowBitDense):
   """``DenseGeneral`` with BitNet b1.58 ternary weights and int8 activations (:class:`BitNet`).
 
   BitNet models put an RMSNorm before each BitNet linear; that is the model's job (see
@@ -301,15 +324,11 @@ class BitNetDense(_LowBitDenseGeneral):
   recipe_types: ClassVar[tuple[type, ...]] = (BitNet,)
 
 
-class LowBitDense(_LowBitDenseGeneral):
-  """``DenseGeneral`` with any recipe (what :func:`dense_for` builds for a recipe without a named layer)."""
-
-
 def dense_for(recipe: Recipe | None, **kwargs) -> nn.Module:
   """The layer that runs ``recipe``, built with ``kwargs`` (``DenseGeneral``'s attributes).
 
   None gives ``nn.DenseGeneral``; a recipe gives the named layer of its family (``Int8Dense``,
-  ``Fp8Dense``, ``BitNetDense``: each declares its ``recipe_types``), or :class:`LowBitDense`.
+  ``Fp8Dense``, ``BitNetDense``: each declares its ``recipe_types``), or :class:`LowBitDense` itself.
   """
   check_recipe(recipe, "dense_for")
   if recipe is None:

@@ -52,7 +52,7 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: Axis, split: Split = NO_SPLIT)
   """
   if spec.ternary:
     if split:
-      raise NotImplementedError("ternary weights are quantized with FSDP's global scale (jaxlowbit.fsdp), not a Split")
+      raise NotImplementedError("ternary weights are quantized with FSDP's global scale (jaxlowbit.parallel), not a Split")
     return ternary.quantize_ternary(x)
   if spec.per_tensor:
     axis = None

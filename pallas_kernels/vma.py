@@ -1,6 +1,6 @@
 """Pallas calls inside ``jax.shard_map``: output types that vary like their operands.
 
-Under ``shard_map`` with ``check_vma=True`` (its default, and how ``jaxlowbit.fsdp`` runs
+Under ``shard_map`` with ``check_vma=True`` (its default, and how ``jaxlowbit.parallel`` runs
 the model) ``pallas_call`` needs each output's ``manual_axis_type``: the mesh axes along
 which the value differs between devices. A kernel's output differs wherever any operand
 does, so it takes the union of the operands' varying axes. Outside ``shard_map`` every

@@ -26,7 +26,9 @@ from jax.sharding import PartitionSpec as P
 import jaxlowbit
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp, quantized_matmul
 from jaxlowbit.fsdp import FsdpConfig, WeightScaling
-from jaxlowbit.fsdp.hlo import collectives
+from jaxlowbit.parallel.fsdp.gather import ternary_pack_axis
+from jaxlowbit.parallel.fsdp.plan import flatten
+from jaxlowbit.parallel.hlo import collectives
 from fsdp_common import TinyNet, data, sharded_and_unsharded, train
 from helpers import fresh_key, rel_err, run_distributed_workers, sqnr_db
 
@@ -105,8 +107,6 @@ def test_unsharded_numerics_against_quantized_matmul(recipe, config, identical, 
 
 
 def test_ternary_shards_pack_where_they_divide():
-  from jaxlowbit.fsdp.gather import ternary_pack_axis
-
   assert ternary_pack_axis((32, 96)) == 1  # along N
   assert ternary_pack_axis((32, 6)) == 0  # along the shard's K
   assert ternary_pack_axis((6, 10)) is None  # one byte per value
@@ -370,7 +370,7 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
   ))(params)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   for path in (("ScanBlock_0", "down", "kernel"), ("ScanBlock_0", "up", "bias")):
-    a, b = (fsdp.plan.flatten(t)[path] for t in (grads, ref_grads))
+    a, b = (flatten(t)[path] for t in (grads, ref_grads))
     assert rel_err(a, b) < 1e-4, path
 
 

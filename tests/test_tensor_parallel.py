@@ -1,4 +1,4 @@
-"""The pieces of tensor parallelism (``jaxlowbit.fsdp.tensor``) against their unsplit references.
+"""The pieces of tensor parallelism (``jaxlowbit.parallel.tensor``) against their unsplit references.
 
 Inside ``shard_map`` over 4 virtual CPU devices on one axis, each holding a tile of a matrix:
 

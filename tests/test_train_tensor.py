@@ -1,4 +1,4 @@
-"""Tensor parallelism (a ``tensor`` mesh axis, ``jaxlowbit.fsdp.tensor``) on 8 virtual CPU devices.
+"""Tensor parallelism (a ``tensor`` mesh axis, ``jaxlowbit.parallel.tensor``) on 8 virtual CPU devices.
 
 - 5 trainer steps on a ``data x fsdp x tensor`` mesh give the per-step training losses and the
   validation loss of the run without tensor parallelism within ``test_train_fsdp``'s bounds:
@@ -28,7 +28,7 @@ from helpers import fresh_key
 from test_train_fsdp import STEPS, assert_same_run, rtol_for, run_config, run_main, start_record
 from test_train_loop import micro_config, train_losses
 from jaxlowbit import fsdp
-from jaxlowbit.fsdp.hlo import collectives
+from jaxlowbit.parallel.hlo import collectives
 from train import config as train_config
 from train import loop, steps
 from train.model import ModelConfig, Transformer, tensor_parallel_rules
@@ -129,7 +129,7 @@ HLO_FSDP, HLO_TENSOR = 4, 2
 HLO_BATCH, HLO_SEQ, HLO_D = 8, 32, 64
 # Each device's token rows of its group: 8 sequences over 4 FSDP groups, their tokens over 2.
 HLO_ROWS = HLO_BATCH // HLO_FSDP * HLO_SEQ // HLO_TENSOR  # 32
-# The message of one gathered activation [32, 64] (jaxlowbit.fsdp.tensor's table): INT8 sends
+# The message of one gathered activation [32, 64] (jaxlowbit.parallel.tensor's table): INT8 sends
 # its per-token rows and scales and x^T (per input feature); FP8 tensorwise sends its e4m3 rows
 # (the one scale is reduced first, x^T derived from the rows).
 ACTIVATION_BYTES = {

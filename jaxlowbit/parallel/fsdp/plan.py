@@ -2,7 +2,7 @@
 
 The sharding rule (one dimension per tensor, over the ``fsdp`` axis; replicated over ``data``):
 
-- a linear's kernel (``LinearWeight``, found by :func:`jaxlowbit.fsdp.plan_for_model`) is
+- a linear's kernel (``LinearWeight``, found by :func:`jaxlowbit.parallel.plan_for_model`) is
   sharded along its leading contracted dimension K (dim 0, or the first dim after the
   layer axes that ``nn.scan``/``nn.vmap`` stack in front), so each device holds whole
   rows ``[K/n, N]`` and the linear gathers them low-bit;
@@ -11,7 +11,7 @@ The sharding rule (one dimension per tensor, over the ``fsdp`` axis; replicated 
 - a tensor whose sharded dimension does not divide by the axis size, and every tensor of
   rank < 2 (biases, norm scales), stays replicated: no padding, no gather.
 
-Tensor parallelism (a ``tensor`` mesh axis, ``jaxlowbit.fsdp.tensor``): the plan's rules name
+Tensor parallelism (a ``tensor`` mesh axis, ``jaxlowbit.parallel.tensor``): the plan's rules name
 modules by the end of their path (``{"attn.q": COLUMN, "attn.out": ROW, "attn.out_norm":
 FEATURES}``) and split their parameters over ``tensor`` as well, never gathered along it:
 
@@ -36,9 +36,9 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxlowbit.fsdp.config import FsdpConfig
-from jaxlowbit.fsdp.gather import weight_scaling
-from jaxlowbit.fsdp.tensor import COLUMN, FEATURES, ROW, ColumnParallel, RowParallel, TensorParallel, TensorSplit
+from jaxlowbit.parallel.fsdp.config import FsdpConfig
+from jaxlowbit.parallel.fsdp.gather import weight_scaling
+from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, ColumnParallel, RowParallel, TensorParallel, TensorSplit
 from jaxlowbit.scaling import WeightScaling
 from jaxlowbit.recipes import Recipe, check_recipe
 
@@ -82,7 +82,7 @@ def unflatten(flat: Mapping[Path, Any]) -> dict:
 class FsdpPlan:
   """How one parameter tree is sharded and which of its leaves are FSDP linears.
 
-  Build it with :func:`make_plan` (arrays) or :func:`jaxlowbit.fsdp.plan_for_model` (a
+  Build it with :func:`make_plan` (arrays) or :func:`jaxlowbit.parallel.plan_for_model` (a
   Linen model). ``mesh=None`` is the unsharded plan: the same numerics on one device.
 
   Attributes:
@@ -295,30 +295,6 @@ def make_plan(
                   tensor_splits=tensor_splits)
 
 
-def make_mesh(fsdp: int = -1, data: int = 1, devices=None, config: FsdpConfig = FsdpConfig(), tensor: int = 1) -> Mesh:
-  """A ``(data, fsdp)`` mesh, or ``(data, fsdp, tensor)`` with ``tensor > 1``, over ``devices``
-  (default: all devices of all processes).
-
-  ``fsdp=-1`` takes every device not used by ``data`` and ``tensor``. The tensor axis is the
-  minor one, then FSDP, so with ``jax.devices()``'s order a tensor group (which moves
-  activations in every layer) sits on the fastest links, within a host, an FSDP group within a
-  host where it fits, and the ``data`` axis spans hosts (multi-host: call
-  ``jax.distributed.initialize()`` first).
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  if tensor < 1 or data < 1 or len(devices) % (data * tensor):
-    raise ValueError(f"make_mesh: data={data} x tensor={tensor} must divide the {len(devices)} devices")
-  if fsdp == -1:
-    fsdp = len(devices) // (data * tensor)
-  if fsdp * data * tensor != len(devices):
-    raise ValueError(f"make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} != {len(devices)} devices; pass "
-                     "fsdp=-1 or a matching size")
-  if tensor == 1:
-    return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp), (config.data_axis, config.fsdp_axis))
-  return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, tensor),
-              (config.data_axis, config.fsdp_axis, config.tensor_axis))
-
-
 def _global_array(value, sharding: NamedSharding) -> jax.Array:
   """A global array from a host value that every process holds in full (multi-host safe)."""
   host = np.asarray(value)
@@ -352,7 +328,6 @@ __all__ = [
     "LinearWeight",
     "Path",
     "flatten",
-    "make_mesh",
     "make_plan",
     "shard_batch",
     "shard_dim",

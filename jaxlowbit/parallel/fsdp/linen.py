@@ -3,15 +3,15 @@
 :func:`plan_for_model` traces the model once (``jax.eval_shape``) and records every
 ``nn.Dense`` / ``nn.DenseGeneral`` / jaxlowbit layer: its path, its recipe and its kernel
 layout. :func:`apply` runs ``model.apply`` inside ``shard_map`` with a Linen method
-interceptor: each recorded linear computes through :func:`jaxlowbit.fsdp.fsdp_linear` on
+interceptor: each recorded linear computes through :func:`jaxlowbit.parallel.fsdp_linear` on
 its local kernel shard (one low-bit gather), and every other sharded parameter is
 all-gathered in its own dtype before the model starts.
 
 Tensor parallelism: ``plan_for_model(..., tensor_parallel=rules)`` names the column- and
-row-parallel linears (``jaxlowbit.fsdp.plan``); :func:`apply` runs them with their collectives
-and makes the :class:`~jaxlowbit.fsdp.tensor.TensorParallel` current, so the model reads its
+row-parallel linears (``jaxlowbit.parallel.fsdp.plan``); :func:`apply` runs them with their collectives
+and makes the :class:`~jaxlowbit.parallel.tensor.TensorParallel` current, so the model reads its
 device's tokens and gathers the whole sequence before its column-parallel groups
-(``jaxlowbit.fsdp.tensor_parallel()``; ``train/model.py`` does). A column-parallel linear's
+(``jaxlowbit.parallel.tensor_parallel()``; ``train/model.py`` does). A column-parallel linear's
 output has its device's ``N / t`` features; a row-parallel one returns ``[M / t, N]``.
 
 Which recipe a linear runs: a jaxlowbit layer (``Int8Dense``, ``Fp8Dense``,
@@ -32,13 +32,13 @@ import jax
 from jax import lax
 
 from jaxlowbit.convert import worth_quantizing
-from jaxlowbit.fsdp.config import FsdpConfig
-from jaxlowbit.fsdp.linear import fsdp_linear
-from jaxlowbit.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
-from jaxlowbit.fsdp.scales import Scales
-from jaxlowbit.fsdp.tensor import running
+from jaxlowbit.parallel.fsdp.config import FsdpConfig
+from jaxlowbit.parallel.fsdp.linear import fsdp_linear
+from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
+from jaxlowbit.parallel.fsdp.scales import Scales
+from jaxlowbit.parallel.tensor import running
 from jaxlowbit.interception import PASS, as_filter, dense_interceptor
-from jaxlowbit.layers import DenseCall, _LowBitDenseGeneral, dense_general, resolve
+from jaxlowbit.layers import DenseCall, LowBitDense, dense_general, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
 
 # Name of the parameter that ``apply`` puts beside each kernel to hand its layer the
@@ -86,7 +86,7 @@ def linears_of(
     if not _is_fsdp_linear(module):
       return PASS
     call = resolve(module, inputs)
-    if isinstance(module, _LowBitDenseGeneral):
+    if isinstance(module, LowBitDense):
       chosen = module.recipe
     else:
       skip = layer_filter.keeps(path, module)
@@ -126,11 +126,11 @@ def plan_for_model(
     model: the Linen model (not a ``jaxlowbit.convert`` result: pass ``recipe`` instead).
     params: its ``"params"`` collection (arrays or ``jax.ShapeDtypeStruct``s, full shapes).
     *args, method, **kwargs: an example call, as for ``model.apply`` (shapes only).
-    mesh: from :func:`jaxlowbit.fsdp.make_mesh`, or None for the unsharded plan.
+    mesh: from :func:`jaxlowbit.parallel.make_mesh`, or None for the unsharded plan.
     config: :class:`FsdpConfig`.
     recipe, filter_fqns, filter_fn, auto_filter_small_kn: the recipe of plain Flax Dense layers.
     tensor_parallel: ``{module path end: COLUMN | ROW | FEATURES}`` for a mesh with a tensor
-      axis (:func:`jaxlowbit.fsdp.make_plan`); the model must gather before its column-parallel
+      axis (:func:`jaxlowbit.parallel.make_plan`); the model must gather before its column-parallel
       linears (module docstring).
   """
   linears = linears_of(
@@ -176,12 +176,12 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
       parameters for an unsharded plan (then call it anywhere).
     *args, method, **kwargs: as for ``model.apply`` (e.g. ``rngs=``, ``mutable=``).
     plan: from :func:`plan_for_model`.
-    scales: from :func:`jaxlowbit.fsdp.precompute_scales` for these parameters; a linear
+    scales: from :func:`jaxlowbit.parallel.precompute_scales` for these parameters; a linear
       without an entry reduces its own scale (one all-reduce).
 
   ``rngs`` (e.g. dropout) are folded with the device's index along the batch axes (and the
   tensor axis), so each device draws for its own tokens. With a tensor axis the model runs with
-  :func:`jaxlowbit.fsdp.tensor_parallel` returning it (module docstring).
+  :func:`jaxlowbit.parallel.tensor_parallel` returning it (module docstring).
 
   Returns:
     What ``model.apply`` returns. Differentiable in ``params``: sharded leaves get their

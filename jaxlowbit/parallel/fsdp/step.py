@@ -2,7 +2,7 @@
 
 The loss function is written for ONE device: it gets the local parameter shards, the
 step's scales, the local slice of the batch and any replicated extras (e.g. a dropout
-key), and returns the mean loss over that slice (it calls :func:`jaxlowbit.fsdp.apply` to
+key), and returns the mean loss over that slice (it calls :func:`jaxlowbit.parallel.apply` to
 run the model; under tensor parallelism, over this device's tokens of the slice, which
 ``TensorParallel.local_tokens`` picks). :func:`value_and_grad` wraps it in ``shard_map``: the
 loss is averaged over the batch axes (and the tensor axis), sharded parameters get their
@@ -20,8 +20,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxlowbit.fsdp.plan import FsdpPlan
-from jaxlowbit.fsdp.scales import Scales, precompute_scales
+from jaxlowbit.parallel.fsdp.plan import FsdpPlan
+from jaxlowbit.parallel.fsdp.scales import Scales, precompute_scales
 from jaxlowbit.optim import apply_step, state_shardings
 
 # loss_fn(params, scales, batch, *extras) -> float32 scalar: mean loss over this device's slice.

@@ -11,7 +11,7 @@ scales (:func:`encode` / :func:`decode`)::
 
 Every shard is quantized with the same *global* scale, so every message carries the same scale
 bytes; the receiver uses the first shard's (what travelled, not a copy it already had).
-A quantized activation's shard (tensor parallelism, ``jaxlowbit.fsdp.tensor``) travels as its
+A quantized activation's shard (tensor parallelism, ``jaxlowbit.parallel.tensor``) travels as its
 per-token payload, its per-token float32 scales and, where the recipe reads one, its transposed
 payload (``[ rows payload | row scales | transposed payload ]``).
 """

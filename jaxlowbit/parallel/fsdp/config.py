@@ -5,20 +5,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jaxlowbit.parallel.mesh import MeshAxes
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 
 REMAT_MODES = ("save_gathered", "regather")
 
 
 @dataclasses.dataclass(frozen=True)
-class FsdpConfig:
-  """Options of jaxlowbit's FSDP.
+class FsdpConfig(MeshAxes):
+  """Options of jaxlowbit's FSDP, and the mesh axes it runs over (:class:`~jaxlowbit.parallel.mesh.MeshAxes`).
 
   Attributes:
     fsdp_axis: mesh axis the parameters are sharded over (and the batch, too).
     data_axis: mesh axis the parameters are replicated over and the batch sharded over
       (HSDP); ignored when the mesh has no such axis.
-    tensor_axis: mesh axis of tensor parallelism (``jaxlowbit.fsdp.tensor``): the linears the
+    tensor_axis: mesh axis of tensor parallelism (``jaxlowbit.parallel.tensor``): the linears the
       plan's rules name are split over it, the batch is not; ignored when the mesh has no such axis.
     int8_weight_scaling: how an INT8 mixed-precision weight travels.
       ``"row"`` (default): int8 with one global scale per output channel, exactly the
@@ -39,22 +40,17 @@ class FsdpConfig:
       more quantization of the input per linear, for 1/n of the weight memory).
   """
 
-  fsdp_axis: str = "fsdp"
-  data_axis: str = "data"
-  tensor_axis: str = "tensor"
   int8_weight_scaling: Literal["tensor", "row"] = "row"
   remat: Literal["save_gathered", "regather"] = "save_gathered"
 
   def __post_init__(self):
+    super().__post_init__()
     if self.int8_weight_scaling not in INT8_WEIGHT_SCALINGS:
       raise ValueError(
           f"FsdpConfig.int8_weight_scaling must be one of {INT8_WEIGHT_SCALINGS}, got {self.int8_weight_scaling!r}"
       )
     if self.remat not in REMAT_MODES:
       raise ValueError(f"FsdpConfig.remat must be one of {REMAT_MODES}, got {self.remat!r}")
-    names = (self.data_axis, self.fsdp_axis, self.tensor_axis)
-    if len(set(names)) != 3:
-      raise ValueError(f"FsdpConfig: data_axis, fsdp_axis and tensor_axis must differ, got {names}")
 
 
 __all__ = ["REMAT_MODES", "FsdpConfig"]

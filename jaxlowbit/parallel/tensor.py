@@ -40,7 +40,7 @@ INT8, FP8 rowwise      per-token rows + scales, and x^T per     2 (two quantizat
 high precision         the compute dtype                       2 (bf16)
 =====================  ======================================  =======================
 
-:func:`jaxlowbit.fsdp.apply` makes a :class:`TensorParallel` current while the model runs
+:func:`jaxlowbit.parallel.apply` makes a :class:`TensorParallel` current while the model runs
 (:func:`tensor_parallel` returns it; None otherwise), so a model reads its device's tokens and
 gathers before its column-parallel groups (``train/model.py``), and runs the linears the plan
 marks :data:`COLUMN` / :data:`ROW` with :class:`ColumnParallel` / :class:`RowParallel`.
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit.fsdp import wire
+from jaxlowbit.parallel import wire
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, is_low_bit
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit.recipes.base import quantize_operand
@@ -273,7 +273,7 @@ class RowParallel:
 
 
 # ---------------------------------------------------------------------------------------------
-# What a model sees while jaxlowbit.fsdp.apply runs it tensor-parallel.
+# What a model sees while jaxlowbit.parallel.apply runs it tensor-parallel.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +321,7 @@ _CURRENT = contextvars.ContextVar("jaxlowbit_tensor_parallel", default=None)
 
 
 def tensor_parallel() -> TensorParallel | None:
-  """The :class:`TensorParallel` a model is being traced under (``jaxlowbit.fsdp.apply`` on a mesh
+  """The :class:`TensorParallel` a model is being traced under (``jaxlowbit.parallel.apply`` on a mesh
   with a tensor axis), or None: read it while tracing, never in a backward rule."""
   return _CURRENT.get()
 

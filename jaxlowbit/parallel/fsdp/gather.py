@@ -6,7 +6,7 @@ Inside ``jax.shard_map`` each device holds the rows ``[K/n, N]`` of a weight ``W
 forward
   1. quantize the local shard with the weight's GLOBAL scale (precomputed for the step, or
      reduced over the axis by :func:`global_scale`: one small all-reduce);
-  2. pack payload + float32 scales into one ``uint8`` message (:mod:`jaxlowbit.fsdp.wire`;
+  2. pack payload + float32 scales into one ``uint8`` message (:mod:`jaxlowbit.parallel.wire`;
      ternary packed 2 bits per value);
   3. ``all_gather`` the messages (the only collective of the weight) and decode them into a
      :class:`~jaxlowbit.operand.LowBitOperand`: ``W [K, N]`` and ``W^T [N, K]`` quantized.
@@ -15,7 +15,7 @@ backward
   quantization) ``psum_scatter`` ed back to this device's ``[K/n, N]`` rows, in float32.
 
 The operand then goes to the ordinary :func:`jaxlowbit.quantized_matmul`, which runs the recipe
-exactly as on one device (:func:`jaxlowbit.fsdp.fsdp_linear` is the two together). A weight
+exactly as on one device (:func:`jaxlowbit.parallel.fsdp_linear` is the two together). A weight
 whose recipe computes its forward in high precision (``None``, ``Int8MixedPrecision(output=
 False)``) travels in the compute dtype instead and arrives as a plain array.
 
@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit.fsdp import wire
-from jaxlowbit.fsdp.tensor import ColumnParallel, RowParallel
+from jaxlowbit.parallel import wire
+from jaxlowbit.parallel.tensor import ColumnParallel, RowParallel
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like
 from jaxlowbit.recipes import Recipe, check_recipe
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS, Reduction, WeightScaling
@@ -150,12 +150,12 @@ def global_scale(w: jax.Array, scaling: WeightScaling, axis_name: str | None, te
   """The quantizer's global scale of a weight sharded along dim 0 over ``axis_name``.
 
   One all-reduce over the axis (MAX of the amax, or SUM of the abs-sum); none when
-  ``axis_name`` is None. Use :func:`jaxlowbit.fsdp.precompute_scales` to get every weight's
+  ``axis_name`` is None. Use :func:`jaxlowbit.parallel.precompute_scales` to get every weight's
   scale in one collective per step instead.
 
   Args:
     w: local ``[K/n, N]`` shard (or the whole ``[K, N]`` weight with ``axis_name=None``).
-    tensor: the linear's tensor-parallel collective (``jaxlowbit.fsdp.tensor``), or None:
+    tensor: the linear's tensor-parallel collective (``jaxlowbit.parallel.tensor``), or None:
       ``RowParallel`` weights are split along K over its axis too, ``ColumnParallel`` ones along N
       (their per-channel scales stay this device's ``[N / n]``).
   Returns:

@@ -2,7 +2,7 @@
 
     y = quantized_matmul(x, gather_weight(w_shard, ...), recipe)
 
-:func:`~jaxlowbit.fsdp.gather.gather_weight` turns this device's rows of ``W`` into the whole
+:func:`~jaxlowbit.parallel.fsdp.gather.gather_weight` turns this device's rows of ``W`` into the whole
 weight as a low-bit operand in one all-gather (and reduce-scatters its gradient);
 :func:`jaxlowbit.quantized_matmul` runs the recipe on it exactly as on one device, so there is
 one implementation of every recipe's three matmuls. ``FsdpConfig(remat="regather")`` runs the
@@ -12,7 +12,7 @@ weight again instead of keeping it (and re-quantizes the input it reads).
 Activation scales are per device, as in any data-parallel run: per-token scales are
 unaffected, per-tensor and per-column (over tokens) ones see the local tokens only.
 
-Tensor parallelism: ``tensor`` is the linear's collective (``jaxlowbit.fsdp.tensor``). A
+Tensor parallelism: ``tensor`` is the linear's collective (``jaxlowbit.parallel.tensor``). A
 ``ColumnParallel`` linear holds ``[K/n, N/t]`` (its own output channels), reads the whole
 sequence and gives ``[M, N/t]``; a ``RowParallel`` one holds ``[K/(t n), N]``, reads ``[M, K/t]``
 and gives its ``[M/t, N]`` rows, reduce-scattered. The FSDP gather is the same in both.
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowbit.fsdp.config import FsdpConfig
-from jaxlowbit.fsdp.gather import gather_weight, weight_scaling
-from jaxlowbit.fsdp.tensor import ColumnParallel, RowParallel
+from jaxlowbit.parallel.fsdp.config import FsdpConfig
+from jaxlowbit.parallel.fsdp.gather import gather_weight, weight_scaling
+from jaxlowbit.parallel.tensor import ColumnParallel, RowParallel
 from jaxlowbit.matmul import match_varying_axes, quantized_matmul
 from jaxlowbit.operand import is_low_bit
 from jaxlowbit.recipes import Recipe, check_recipe

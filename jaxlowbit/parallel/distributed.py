@@ -3,7 +3,7 @@
 jaxlowbit has no launcher: start one process per host (or per GPU) with whatever starts
 your jobs (SLURM, mpirun, Kubernetes, ssh, a shell loop) and call
 :func:`initialize_distributed` in each before anything else touches JAX. The processes then
-see one global device list, :func:`jaxlowbit.fsdp.make_mesh` spans all of them, and every
+see one global device list, :func:`jaxlowbit.parallel.make_mesh` spans all of them, and every
 jitted step runs on all hosts.
 
 Where the three values come from, first match wins:

@@ -23,7 +23,7 @@ not depend on the mesh; a column-parallel linear takes its own channels' slice.
 
 Weights that are replicated (not sharded) have global statistics locally and join no
 collective. Kernels stacked by ``nn.scan`` get one scale per layer (``[layers]`` or
-``[layers, N]``), which ``jaxlowbit.fsdp.apply`` hands to the scanned body beside the
+``[layers, N]``), which ``jaxlowbit.parallel.apply`` hands to the scanned body beside the
 kernel, so every layer finds its own.
 """
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxlowbit.fsdp.plan import FsdpPlan, Path, flatten
+from jaxlowbit.parallel.fsdp.plan import FsdpPlan, Path, flatten
 from jaxlowbit.scaling import Reduction
 
 Scales = dict[Path, jax.Array]  # {kernel path: float32 () or [N] scale}
@@ -99,7 +99,7 @@ def precompute_scales(params: Mapping, plan: FsdpPlan) -> Scales:
 
   Returns:
     A flat dict keyed by kernel path (replicated arrays on the mesh), to pass as
-    ``scales`` to ``jaxlowbit.fsdp.apply`` / the train step. Call it under ``jit`` after
+    ``scales`` to ``jaxlowbit.parallel.apply`` / the train step. Call it under ``jit`` after
     each optimizer step; it issues one all-reduce for all weights (none when nothing
     quantized is sharded). Scales carry no gradient.
   """
