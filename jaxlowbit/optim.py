@@ -30,7 +30,17 @@ rate and, after :func:`stochastic_rounding`, bf16 stochastic rounding inside it)
 keeps that behind ``optax.clip_by_global_norm``. Tensors with
 fewer than :data:`MIN_QUANTIZED_SIZE` elements, or that :func:`jaxlowbit.qstate.blockable`
 refuses, keep float32 moments and follow ``optax.adamw`` bit for bit. A NaN or inf gradient
-element turns its block's moments NaN (never a finite value), as it turns optax's.
+element turns its block's moments NaN (never a finite value), as it turns optax's. A finite
+gradient whose square overflows float32 (optax's ``v`` then holds inf) keeps the state finite: its
+element's ``m`` and ``v`` are scaled down together, keeping Adam's ``m / sqrt(v)``
+(:func:`jaxlowbit_numerics.adam.fit_moments`); the rest of its block then takes near-zero steps
+until the outlier decays, as after any gradient that dwarfs its block.
+
+Each state is of its formats' class (:func:`state_class`; ``state.format_name`` says
+``adamw_8bit`` etc.): ``update`` refuses another optimizer's state, naming both, and a state
+restored without a target (orbax's dicts). ``optax.adamw``'s own ``update`` cannot tell our state
+from its own (the fields are named ``mu`` and ``nu`` in both; renaming them would change every
+checkpoint's layout), so keep each state with the optimizer that made it.
 
 Sharding: every state leaf is one array with its parameter's rank and leading shape (the
 state's ``mu``/``nu`` hold codes ``[*lead, N]``, ``mu_scale``/``nu_scale`` block scales
