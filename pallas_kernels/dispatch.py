@@ -124,6 +124,7 @@ def fused_quantize(
                                            rows_t=rows_t, split=split)
     elif (transposing and rows_spec is not None and not rows_spec.per_tensor
           and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue)):
+      _refuse_forced_fallback(cols_spec or rows_spec, r, c, True, prologue)
       # A shape the transposing kernel does not take but the rows kernel does: the rows come from
       # the rows kernel, exactly as a rows-only request gets them (a layer's codes then do not
       # depend on whether its backward needs a transposed copy: training and an inference
@@ -135,9 +136,24 @@ def fused_quantize(
       else:
         transposed = quantize_kernels.fused_quantize_reference(inputs, prologue, None, cols_spec, split=split)[1]
     else:
+      _refuse_forced_fallback(spec, r, c, transposing, prologue)
       rows, transposed, own_stat = quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec,
                                                                              rows_t, split)
     return rows, transposed, own_stat if stat is None else stat
+
+
+def _refuse_forced_fallback(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prologue) -> None:
+  """Under ``JAXLOWBIT_BACKEND=pallas``, ValueError where a quantize kernel exists for ``spec`` but
+  cannot take this ``[R, C]`` shape: forcing the kernels must not run XLA in their place unseen.
+  (Ternary weights and a bare per-tensor row copy have no kernel on purpose: XLA is their path.)"""
+  bare_per_tensor = spec.per_tensor and not transposed and isinstance(prologue, Identity)
+  if policy.requested_backend() != "pallas" or spec.ternary or bare_per_tensor:
+    return
+  raise ValueError(
+      f"{policy.BACKEND_ENV}=pallas: the {spec.dtype} quantize kernel cannot take a [{r}, {c}] operand"
+      f"{' with its transposed copy' if transposed else ''} (columns must be a multiple of 16 and rows and "
+      f"columns divide its tiles); pad the operand, or unset {policy.BACKEND_ENV} so XLA takes this shape"
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("prologue", "rows_spec", "cols_spec", "rows_t", "split"))
@@ -238,8 +254,18 @@ def adam_update(
 def _adam_on_kernel(g, m, v, m_format, v_format) -> bool:
   """The one choice of :func:`adam_update` and :func:`adam_step`: the policy, then the tensor."""
   explicit = any(axis is not None for axis in jax.typeof(g).sharding.spec)  # sharding in types: XLA's update
-  return (not explicit and policy.adam_on_kernel((m_format.kind, v_format.kind))
-          and adam_kernels.supported(g, m, v, m_format, v_format))
+  if explicit or not policy.adam_on_kernel((m_format.kind, v_format.kind)):
+    return False
+  if adam_kernels.supported(g, m, v, m_format, v_format):
+    return True
+  if policy.requested_backend() == "pallas":  # forced: the kernel runs here, so not taking the shape is an error
+    raise ValueError(
+        f"{policy.BACKEND_ENV}=pallas: the fused Adam kernel cannot take a {g.dtype} tensor of shape {g.shape} "
+        f"with {m_format.kind}/{v_format.kind} moments of block {m_format.block} (it needs a last axis that is a "
+        f"multiple of the block and a power-of-two block; see pallas_kernels.adam.supported); unset "
+        f"{policy.BACKEND_ENV} so XLA's update takes it"
+    )
+  return False
 
 
 def adam_step(

@@ -7,7 +7,9 @@ live in ``tuning``. Every number below comes from a recorded run on the GPU runn
 
 Backends: ``$JAXLOWBIT_BACKEND`` is ``auto`` (default: a kernel where the device supports it and
 the numbers say it wins, XLA elsewhere), ``xla`` (the references everywhere) or ``pallas`` (the
-kernels for every shape they can take; a clear error where they cannot run).
+kernels for every shape they can take; a clear error where they cannot run: a GEMM off Hopper, and
+on a device with the kernels, a quantizer or fused Adam shape they do not tile. Ternary weights, a
+bare per-tensor cast and tiles of a column-split matrix have no kernel on purpose: XLA runs them).
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
 
   ``auto`` and ``pallas``: wherever it runs (:func:`adam_kernel_runs`; measured faster than XLA for
   every kind); ``xla``: never. Like the quantizers, a forced ``pallas`` on a device without the
-  kernel falls back to XLA rather than failing: the two are one spec.
+  kernel falls back to XLA rather than failing (the two are one spec); on a device with it, a
+  tensor it cannot take is an error under ``pallas`` (``dispatch``), as for the quantizers.
   """
   return requested_backend() != "xla" and adam_kernel_runs(kinds)
 

@@ -28,7 +28,7 @@ from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit import nnx as lbnnx
 from jaxlowbit_numerics.int8 import quantize_int8
 from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
-from pallas_kernels import inference_dispatch, int8_gemv, w8a16
+from pallas_kernels import inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, rel_err
 
@@ -96,6 +96,29 @@ def test_kernels_lower_for_cuda(m):
     for name, (fn, *shapes) in args.items():
       text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
       assert "__gpu$xla.gpu.triton" in text, name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("m", [1, 4, 16, 48, 256])
+def test_dispatch_takes_the_kernels_where_the_table_says_lowered_for_cuda(m, monkeypatch):
+  """tests/test_inference_gpu.py's dispatch table on CPU: the device faked as an H100 (sm90), each
+  scheme's linear lowered for CUDA, the lowered program names the kernel exactly where the policy's
+  table says (the GPU test checks the same on the real device)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("fakes a GPU on a CPU host; tests/test_inference_gpu.py runs on the GPU")
+  monkeypatch.delenv("JAXLOWBIT_BACKEND", raising=False)
+  leaves = {scheme: inference.quantize_weight(jax.random.normal(fresh_key(), (2048, 1024)), scheme)
+            for scheme in ("w8a16", "ternary", "w8a8")}  # quantized on the real (CPU) device
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
+  for scheme, name, takes in (
+      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),
+      ("ternary", "jaxlowbit_a8w2_matmul", m <= policy.TERNARY_KERNEL_MAX_M),
+      ("w8a8", "jaxlowbit_a8w8_matmul", m <= policy.W8A8_KERNEL_MAX_M),
+  ):
+    with jax.sharding.use_abstract_mesh(H100):
+      fn = jax.jit(lambda x, leaves=leaves[scheme], scheme=scheme: inference.quantized_linear(x, leaves, scheme))
+      hlo = fn.trace(jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert (name in hlo) == takes, (scheme, m)
 
 
 def test_gemv_configs_fill_the_gpu():
