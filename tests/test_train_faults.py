@@ -357,6 +357,15 @@ def test_a_bad_config_is_one_error_line_and_exit_2(override, shown, tmp_path):
   assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
+def test_a_misspelled_override_says_the_field_and_the_hint_plainly(tmp_path):
+  proc = start_main(f"--config={TINY}", f"--workdir={tmp_path / 'bad'}", "--config.model.d_modl=3")
+  out, err = proc.communicate(timeout=240)
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert proc.returncode == 2 and lines == [
+      "error: the config has no field 'd_modl' (in --config.model.d_modl); did you mean \"d_model\"? (every field is "
+      "listed in train/config.py base_config())"], err
+
+
 def test_a_bad_config_value_names_the_field():
   for field, value in [("eval_batches", 0), ("grad_clip", -1.0), ("warmup_steps", -1), ("seq_len", 0)]:
     config = train_config.load_file(TINY)

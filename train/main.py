@@ -102,9 +102,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     if "get_config" in str(e):
       fail(f"the --config file {_config_file(argv)} defines no get_config() (see configs/tiny.py)", EXIT_USAGE,
            with_traceback=False)
-    overrides = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
-    fail(f"the config has no field {str(e).strip(chr(34) + chr(39))!r} (overrides: {', '.join(overrides)}); every "
-         "field is listed in train/config.py base_config()", EXIT_USAGE, with_traceback=False)
+    # ml_collections' message: "'modle'\nDid you mean \"model\" instead of \"modle\"?" (as a KeyError's repr)
+    # (nested fields: escaped once more per level).
+    text = str(e.args[0]) if e.args else str(e)
+    for _ in range(3):
+      if "\\" in text:
+        text = text.encode().decode("unicode_escape")
+    name, _, hint = text.partition("\n")
+    name, hint = name.strip("\"' "), hint.split(" instead of")[0].strip()
+    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+    fail(f"the config has no field {name!r} (in {', '.join(overrides)})"
+         + (f"; {hint[0].lower() + hint[1:]}?" if hint else "")
+         + " (every field is listed in train/config.py base_config())", EXIT_USAGE, with_traceback=False)
   except (ValueError, TypeError) as e:  # an override of the wrong type
     fail(f"bad --config override: {e}", EXIT_USAGE, with_traceback=False)
   try:  # config_flags keeps a file it could not load as an object that raises when first used
