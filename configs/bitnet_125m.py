@@ -2,7 +2,11 @@
 
 Recipe bitnet. BitNet b1.58: ternary weights x int8 activations in the forward, a straight-through
 backward whose grad_input runs on int8 tensor cores (the ternary weight is exact in int8) and whose
-grad_weight stays high precision, and an RMSNorm before each BitNet projection (train/model.py).
+grad_weight stays high precision. The published BitNet b1.58 2B4T form (train/model.py): the pre-norms
+plus two sub-norms per layer (before the attention output and down projections) and tied input/output
+embeddings (the tied head stays high precision). --config.model.bitnet_norm_placement=every_projection
+puts an RMSNorm before every BitNet projection instead (torchao's surgery);
+--config.model.mlp_activation=relu2 is 2B4T's squared-ReLU MLP (default SwiGLU).
 --config.recipe=bitnet_int8_bwd runs grad_weight in int8 too, bitnet_hp_bwd the whole backward in bf16.
 
     python -m train.main --config configs/bitnet_125m.py --workdir runs/bitnet_125m
@@ -14,4 +18,6 @@ from train import config as train_config
 def get_config():
   config = train_config.llama_125m()
   config.recipe = "bitnet"
+  config.model.bitnet_norm_placement = "sub"
+  config.model.tie_embeddings = True
   return config

@@ -1,7 +1,7 @@
 """Llama 3 8B's trunk with the byte-level vocabulary, FSDP over 8 GPUs (train/config.py: llama_8b).
 
-Recipe bitnet. BitNet b1.58: ternary weights x int8 activations, an RMSNorm before each BitNet projection;
-weights travel packed 2 bits per value under FSDP.
+Recipe bitnet. BitNet b1.58: ternary weights x int8 activations in the published 2B4T form (pre-norms plus
+two sub-norms per layer, tied embeddings; train/model.py); weights travel packed 2 bits per value under FSDP.
 
     python -m train.main --config configs/bitnet_8b.py --workdir runs/bitnet_8b
 """
@@ -12,4 +12,6 @@ from train import config as train_config
 def get_config():
   config = train_config.llama_8b()
   config.recipe = "bitnet"
+  config.model.bitnet_norm_placement = "sub"
+  config.model.tie_embeddings = True
   return config

@@ -1,8 +1,8 @@
 """Producers that quantize a linear's input on the way: RMSNorm -> quantize, SwiGLU -> quantize.
 
 A transformer feeds most of its linears from an elementwise op: an RMSNorm (the block's
-pre-norms, BitNet's norm before every projection) or SwiGLU (the down projection). Quantizing
-the op's bf16 output afterwards reads and writes it again; these producers compute the op and
+pre-norms, BitNet's norms) or the MLP's gated activation (SwiGLU or squared ReLU: the down
+projection). Quantizing the op's bf16 output afterwards reads and writes it again; these producers compute the op and
 its quantization in one pass and hand :func:`jaxlowbit.quantized_matmul` a
 :class:`~jaxlowbit.operand.LowBitOperand` built to ``recipe.input_quantization()`` (rows for the
 forward, the transpose grad_weight reads). The bf16 output is never written.
@@ -39,7 +39,7 @@ from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, vary
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
-from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, round_to
+from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, check_gate_activation, round_to
 
 
 # Off while a model converted for inference runs: its linears no longer run the training recipe.
@@ -163,71 +163,77 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU
+# SwiGLU (and the other gated activations: ``activation`` names one of GATE_ACTIVATIONS)
 
 
-@jax.custom_vjp
-def swiglu(gate_up: jax.Array) -> jax.Array:
-  """``silu(gate) * up`` of ``gate_up [..., 2H]`` (``[gate | up]``) in float32, cast back: ``[..., H]``.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def swiglu(gate_up: jax.Array, activation: str = "silu") -> jax.Array:
+  """``act(gate) * up`` of ``gate_up [..., 2H]`` (``[gate | up]``) in float32, cast back: ``[..., H]``.
+
+  ``activation``: ``"silu"`` (SwiGLU) or ``"relu2"`` (squared ReLU ``max(gate, 0)^2``, BitNet b1.58
+  2B4T); :data:`pallas_kernels.quantize.GATE_ACTIVATIONS`.
 
   Its gradient ``d gate_up [..., 2H]`` is one elementwise pass (:func:`_swiglu_backward`); autodiff
   of the split wrote the two halves' gradients and concatenated them in a separate copy (bf16 1B
   step on an H200: 13.5 ms per step for the two).
   """
-  return SwiGLU().reference((gate_up,))
+  return SwiGLU(activation).reference((gate_up,))
 
 
-def _swiglu_fwd(gate_up):
-  return swiglu(gate_up), gate_up
+def _swiglu_fwd(gate_up, activation):
+  return swiglu(gate_up, activation), gate_up
 
 
-def _swiglu_bwd(gate_up, dh):
-  return (_swiglu_backward(dh, gate_up),)
+def _swiglu_bwd(activation, gate_up, dh):
+  return (_swiglu_backward(dh, gate_up, activation),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def _swiglu_backward(dh, gate_up):
-  """``d gate_up [..., 2H]`` of ``h = silu(gate) * up`` given ``dh [..., H]``, in ``gate_up``'s dtype.
+def _swiglu_backward(dh, gate_up, activation: str):
+  """``d gate_up [..., 2H]`` of ``h = act(gate) * up`` given ``dh [..., H]``, in ``gate_up``'s dtype.
 
   One pass on a GPU (the values kernel of :class:`SwiGLUGrad`): XLA wrote it as a concatenate
   fusion of the two halves' expressions that it did not fuse into the gradient GEMMs reading it (bf16
   1B step on an H200: 8.0 ms for the concatenate plus 4.3 ms converting its halves).
   """
-  return dispatch.prologue_values((dh, gate_up), SwiGLUGrad())
+  return dispatch.prologue_values((dh, gate_up), SwiGLUGrad(activation))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _swiglu_quantized(gate_up, how: OperandQuantization, split: Split) -> LowBitOperand:
-  return _swiglu_quantized_fwd(gate_up, how, split)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _swiglu_quantized(gate_up, how: OperandQuantization, split: Split, activation: str) -> LowBitOperand:
+  return _swiglu_quantized_fwd(gate_up, how, split, activation)[0]
 
 
-def _swiglu_quantized_fwd(gate_up, how, split):
+def _swiglu_quantized_fwd(gate_up, how, split, activation):
   with dispatch.split_operands(split):
-    return _produce((gate_up,), SwiGLU(), how, gate_up.dtype)[0], gate_up
+    return _produce((gate_up,), SwiGLU(activation), how, gate_up.dtype)[0], gate_up
 
 
-def _swiglu_quantized_bwd(how, split, gate_up, ct):
+def _swiglu_quantized_bwd(how, split, activation, gate_up, ct):
   del how, split
-  return (_swiglu_backward(ct.carrier, gate_up),)
+  return (_swiglu_backward(ct.carrier, gate_up, activation),)
 
 
 _swiglu_quantized.defvjp(_swiglu_quantized_fwd, _swiglu_quantized_bwd)
 
 
-def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = None) -> jax.Array | LowBitOperand:
-  """SwiGLU of ``gate_up [..., 2H]``, quantized for the linear that reads it when ``recipe`` allows.
+def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = None,
+               activation: str = "silu") -> jax.Array | LowBitOperand:
+  """``act(gate) * up`` of ``gate_up [..., 2H]``, quantized for the linear that reads it when ``recipe`` allows.
 
   ``split``: how this device's values are split (tensor parallelism: ``Split(cols=...)`` when it
   holds ``H / n`` hidden units, ``[gate | up]`` of its own; the per-token amaxes span all of H).
+  ``activation``: ``"silu"`` (SwiGLU, the default) or ``"relu2"`` (:func:`swiglu`).
 
   Returns a :class:`LowBitOperand` ``[M, H]`` or the ``[..., H]`` array (as :func:`swiglu`).
   """
+  check_gate_activation(activation)
   how = fused_quantization(recipe)
   if how is None:
-    return swiglu(gate_up)
-  return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, split or NO_SPLIT)
+    return swiglu(gate_up, activation)
+  return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, split or NO_SPLIT, activation)
 
 
 __all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "unfused"]

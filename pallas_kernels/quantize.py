@@ -6,7 +6,8 @@ write their high-precision output:
 - :class:`Identity`: ``x [R, C]`` itself;
 - :class:`RmsNorm`: ``x [R, C]``, ``gamma [C]`` -> ``round(x * (rsqrt(mean(x^2) + eps) * gamma))``,
   as ``flax.linen.RMSNorm`` computes it (float32 statistics, rounded to the compute dtype);
-- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(silu(gate) * up)`` ``[R, H]``.
+- :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(act(gate) * up)`` ``[R, H]``, ``act`` silu (SwiGLU)
+  or squared ReLU (``activation="relu2"``, BitNet b1.58 2B4T's MLP).
 
 :class:`SwiGLUGrad` (``dh [R, H]``, ``gate_up [R, 2H]`` -> SwiGLU's ``d gate_up [R, 2H]``) is
 not quantized: the values kernel writes it.
@@ -132,11 +133,37 @@ class RmsNorm:
     return lax.rsqrt(jnp.mean(x * x, axis=-1) + self.eps)
 
 
+# The gate activations of a gated MLP ``act(gate) * up`` (ModelConfig.mlp_activation): silu (SwiGLU)
+# and squared ReLU ``max(gate, 0)^2`` (BitNet b1.58 2B4T; Hugging Face ``hidden_act="relu2"``).
+GATE_ACTIVATIONS = ("silu", "relu2")
+
+
+def check_gate_activation(activation: str) -> None:
+  if activation not in GATE_ACTIVATIONS:
+    raise ValueError(f"gate activation {activation!r} is not known; choose one of {GATE_ACTIVATIONS}")
+
+
+def gate_activation(gate: jax.Array, activation: str) -> jax.Array:
+  """``act(gate)`` of a float32 block (the kernels' and the references' one definition)."""
+  if activation == "relu2":
+    relu = jnp.maximum(gate, 0.0)
+    return relu * relu
+  return gate / (1.0 + jnp.exp(-gate))
+
+
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
-  """``gate_up [R, 2H]`` (``[gate | up]``) -> ``silu(gate) * up`` in float32, rounded to its dtype: ``[R, H]``."""
+  """``gate_up [R, 2H]`` (``[gate | up]``) -> ``act(gate) * up`` in float32, rounded to its dtype: ``[R, H]``.
+
+  ``activation``: a name of :data:`GATE_ACTIVATIONS` (``"silu"``: SwiGLU; ``"relu2"``: squared ReLU).
+  """
+
+  activation: str = "silu"
 
   stats = False
+
+  def __post_init__(self):
+    check_gate_activation(self.activation)
 
   def width(self, inputs) -> int:
     return inputs[0].shape[1] // 2
@@ -147,24 +174,30 @@ class SwiGLU:
     h = ref.shape[1] // 2
     gate = ref[rows, cols].astype(jnp.float32)
     up = ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32)
-    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(ref.dtype).astype(jnp.float32)
+    return (gate_activation(gate, self.activation) * up).astype(ref.dtype).astype(jnp.float32)
 
   def reference(self, inputs) -> jax.Array:
     gate, up = jnp.split(inputs[0].astype(jnp.float32), 2, axis=-1)
-    return round_to(gate / (1.0 + jnp.exp(-gate)) * up, inputs[0].dtype)
+    return round_to(gate_activation(gate, self.activation) * up, inputs[0].dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class SwiGLUGrad:
-  """``dh [R, H]``, ``gate_up [R, 2H]`` -> ``d gate_up [R, 2H]`` of ``h = silu(gate) * up``, in float32
-  rounded to ``gate_up``'s dtype: ``[dh * up * s * (1 + gate * (1 - s)) | dh * gate * s]`` with
-  ``s = sigmoid(gate)``. A block of columns must lie within one half (``H`` divisible by it).
+  """``dh [R, H]``, ``gate_up [R, 2H]`` -> ``d gate_up [R, 2H]`` of ``h = act(gate) * up``, in float32
+  rounded to ``gate_up``'s dtype. silu: ``[dh * up * s * (1 + gate * (1 - s)) | dh * gate * s]`` with
+  ``s = sigmoid(gate)``; relu2: ``[dh * up * 2 relu(gate) | dh * relu(gate)^2]``. A block of columns
+  must lie within one half (``H`` divisible by it).
 
   The values kernel runs one program per block of ``H``'s columns and writes both halves' blocks
   (:meth:`write`): each input element is read once.
   """
 
+  activation: str = "silu"
+
   stats = False
+
+  def __post_init__(self):
+    check_gate_activation(self.activation)
 
   def width(self, inputs) -> int:
     return inputs[1].shape[1]
@@ -173,9 +206,11 @@ class SwiGLUGrad:
     """Columns of the values kernel's grid: one program writes a block of each half."""
     return inputs[0].shape[1]
 
-  @staticmethod
-  def halves(dh, gate, up):
+  def halves(self, dh, gate, up):
     """(d gate, d up) in float32 from float32 blocks of ``dh``, ``gate``, ``up``."""
+    if self.activation == "relu2":
+      relu = jnp.maximum(gate, 0.0)
+      return dh * up * (2.0 * relu), dh * (relu * relu)
     sig = 1.0 / (1.0 + jnp.exp(-gate))
     return dh * up * sig * (1.0 + gate * (1.0 - sig)), dh * gate * sig
 

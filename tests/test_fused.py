@@ -1,8 +1,10 @@
-"""jaxlowbit.fused: RMSNorm / SwiGLU producers hand quantized_matmul a pre-quantized input.
+"""jaxlowbit.fused: RMSNorm / gated-activation (SwiGLU, squared ReLU) producers hand quantized_matmul a
+pre-quantized input.
 
 - the operand they produce is exactly the unfused op's output quantized for the recipe;
 - through quantized_matmul, forward equal to the unfused path and gradients as accurate
   (against float64) as autodiff of the unfused path;
+- the gated activations (silu, relu2) and their one-pass backward against plain jnp / float64 autodiff;
 - the model with fused quantizers trains like the model without (same loss, gradients as close
   to a float32 model's).
 """
@@ -17,6 +19,7 @@ from flax import traverse_util
 import jaxlowbit
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fused
 from jaxlowbit.recipes.base import quantize_operand
+from pallas_kernels.quantize import GATE_ACTIVATIONS
 from helpers import fresh_key, rel_err
 from train.model import ModelConfig, Transformer
 
@@ -40,7 +43,9 @@ def test_producers_quantize_exactly_the_unfused_output(recipe):
   _same_operand(fused.rms_norm_for(x, scale, 1e-5, recipe, jnp.bfloat16),
                 *quantize_operand(fused.rms_norm(x, scale, 1e-5, jnp.bfloat16).reshape(96, 64), how))
   gate_up = jax.random.normal(kg, (96, 128)).astype(jnp.bfloat16)
-  _same_operand(fused.swiglu_for(gate_up, recipe), *quantize_operand(fused.swiglu(gate_up), how))
+  for activation in GATE_ACTIVATIONS:
+    _same_operand(fused.swiglu_for(gate_up, recipe, activation=activation),
+                  *quantize_operand(fused.swiglu(gate_up, activation), how))
 
 
 def test_recipes_that_need_high_precision_inputs_get_them():
@@ -71,15 +76,42 @@ def test_gradients_through_the_producers_match_the_unfused_path(recipe):
     return lambda x, s, w: jnp.sum(jaxlowbit.quantized_matmul(op(x, s, 1e-5, recipe, jnp.bfloat16), w, recipe)
                                    .astype(jnp.float32) ** 2)
 
-  def swiglu_then(fuse):
-    op = fused.swiglu_for if fuse else lambda g, r: fused.swiglu(g)
+  def swiglu_then(fuse, activation="silu"):
+    op = (lambda g, r: fused.swiglu_for(g, r, activation=activation)) if fuse else lambda g, r: fused.swiglu(
+        g, activation)
     return lambda g, w: jnp.sum(jaxlowbit.quantized_matmul(op(g, recipe), w, recipe).astype(jnp.float32) ** 2)
 
-  for make, args in ((norm_then, (x, scale, w)), (swiglu_then, (gate_up, w_down))):
+  def relu2_then(fuse):
+    return swiglu_then(fuse, "relu2")
+
+  for make, args in ((norm_then, (x, scale, w)), (swiglu_then, (gate_up, w_down)), (relu2_then, (gate_up, w_down))):
     got, want = jax.grad(make(True), argnums=(0, 1))(*args), jax.grad(make(False), argnums=(0, 1))(*args)
     np.testing.assert_array_equal(make(True)(*args), make(False)(*args))  # the same forward
     for a, b in zip(got, want):  # the same math, rounded in another order: a bf16 rounding apart at most
       assert rel_err(a, b) <= 2 * BF16_ROUNDING, (make.__name__, rel_err(a, b))
+
+
+PLAIN_GATES = {"silu": jax.nn.silu, "relu2": lambda g: jnp.maximum(g, 0) ** 2}
+
+
+@pytest.mark.parametrize("activation", GATE_ACTIVATIONS)
+def test_gated_activation_and_its_backward_equal_plain_jnp(activation):
+  """``act(gate) * up`` against plain jnp (float32, exactly: the same float32 expression rounded once) and
+  its one-pass backward against float64 autodiff (one bf16 rounding)."""
+  kg, kd = jax.random.split(fresh_key())
+  gate_up = (2 * jax.random.normal(kg, (2, 40, 256))).astype(jnp.bfloat16)  # relu2's negative half included
+  dh = jax.random.normal(kd, (2, 40, 128)).astype(jnp.bfloat16)
+  plain = lambda gu: PLAIN_GATES[activation](gu[..., :128]) * gu[..., 128:]  # noqa: E731
+  got = fused.swiglu_for(gate_up, None, activation=activation)
+  assert got.dtype == jnp.bfloat16 and got.shape == (2, 40, 128)
+  want = plain(gate_up.astype(jnp.float32)).astype(jnp.bfloat16)
+  assert rel_err(got, want) <= BF16_ROUNDING  # silu: exp's last bit may round another way
+  _, vjp = jax.vjp(lambda gu: fused.swiglu(gu, activation), gate_up)
+  (d_gate_up,) = vjp(dh)
+  (exact,) = _exact_grads(lambda gu: jnp.sum(plain(gu) * dh.astype(jnp.float64)), gate_up)
+  assert d_gate_up.dtype == jnp.bfloat16 and rel_err(d_gate_up, exact) <= BF16_ROUNDING
+  with pytest.raises(ValueError, match="choose one of"):
+    fused.swiglu_for(gate_up, None, activation="gelu")
 
 
 def test_norm_backward_is_as_accurate_as_autodiff():

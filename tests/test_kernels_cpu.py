@@ -190,6 +190,12 @@ def test_fused_swiglu_quantize_interpret_matches_reference(rows_spec, cols_spec,
   _check_fused((gate_up,), qk.SwiGLU(), rows_spec, cols_spec, rows_t)
 
 
+@pytest.mark.timeout(300)
+def test_fused_relu2_quantize_interpret_matches_reference(column_scales):
+  gate_up = (jax.random.normal(fresh_key(), (128, 256)) * 2).astype(jnp.bfloat16)
+  _check_fused((gate_up,), qk.SwiGLU("relu2"), BITNET, None, True)  # the layout BitNet's down reads
+
+
 def test_fused_kernel_nan_row_interpret(column_scales):
   x = jax.random.normal(fresh_key(), (64, 128)).at[5, 7].set(jnp.nan).astype(jnp.bfloat16)
   rows, cols, _ = qk.fused_quantize_kernel((x, jnp.ones(128)), qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)), INT8, INT8,
@@ -217,16 +223,17 @@ def _swiglu_grad_inputs(rows, h):
 
 
 @pytest.mark.timeout(300)
-def test_swiglu_grad_values_interpret_match_reference():
+@pytest.mark.parametrize("activation", qk.GATE_ACTIVATIONS)
+def test_swiglu_grad_values_interpret_match_reference(activation):
   inputs = _swiglu_grad_inputs(64, 256)
-  got = qk.prologue_kernel(inputs, qk.SwiGLUGrad(), interpret=True)
-  want = qk.SwiGLUGrad().reference(inputs)
+  got = qk.prologue_kernel(inputs, qk.SwiGLUGrad(activation), interpret=True)
+  want = qk.SwiGLUGrad(activation).reference(inputs)
   assert got.shape == want.shape == (64, 512) and got.dtype == want.dtype == jnp.bfloat16
   bf16_values_close(got, want)
-  # The reference is the autodiff gradient of SwiGLU, rounded once.
+  # The reference is the autodiff gradient of the gated activation, rounded once.
   dh, gate_up = inputs
-  exact = jax.vjp(lambda g: qk.SwiGLU().reference((g,)).astype(jnp.float32), gate_up.astype(jnp.float32))[1](
-      dh.astype(jnp.float32))[0]
+  forward = lambda g: qk.SwiGLU(activation).reference((g,)).astype(jnp.float32)  # noqa: E731
+  exact = jax.vjp(forward, gate_up.astype(jnp.float32))[1](dh.astype(jnp.float32))[0]
   bf16_values_close(want, exact.astype(jnp.bfloat16))
 
 

@@ -1,16 +1,21 @@
-"""train.model: parameter count, FLOPs, RoPE, causality, recipe wiring, BitNet surgery, scan/remat."""
+"""train.model: parameter count, FLOPs, RoPE, causality, recipe wiring, BitNet norms, MLP activations,
+scan/remat."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import traverse_util
 
 from helpers import fresh_key, rel_err
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision
 from train import config as train_config
-from train.model import ModelConfig, Transformer, param_count, projection_paths, rope, train_flops_per_token
+from train.model import (BITNET_NORM_PLACEMENTS, MLP_ACTIVATIONS, ModelConfig, Transformer, param_count,
+                         projection_paths, rope, tensor_parallel_rules, train_flops_per_token)
 
 SMALL = ModelConfig(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, dtype=jnp.float32)
 
@@ -38,8 +43,20 @@ def test_param_count_matches_the_tree(changes):
   assert param_count(config)["total"] == _real_count(config)
 
 
+@pytest.mark.parametrize("placement, activation, fused, tied",
+                         list(itertools.product(BITNET_NORM_PLACEMENTS, MLP_ACTIVATIONS, (True, False), (True, False))),
+                         ids=str)
+def test_param_count_matches_the_tree_for_every_bitnet_form(placement, activation, fused, tied):
+  config = dataclasses.replace(SMALL, recipe=BitNet(), bitnet_norm_placement=placement, mlp_activation=activation,
+                               fused_projections=fused, tie_embeddings=tied)
+  assert param_count(config)["total"] == _real_count(config)
+  if not tied:  # a BitNet LM head: every_projection gives it a norm, sub does not
+    config = dataclasses.replace(config, quantize_lm_head=True)
+    assert param_count(config)["total"] == _real_count(config)
+
+
 def test_param_count_of_the_shipped_configs():
-  for name in ("bf16_1b", "bitnet_1b", "bitnet_125m", "tiny"):
+  for name in ("bf16_1b", "bitnet_1b", "bitnet_125m", "bitnet_8b", "tiny"):
     config = train_config.model_config(train_config.load_file(f"configs/{name}.py"))
     assert param_count(config)["total"] == _real_count(config), name
 
@@ -122,6 +139,113 @@ def test_bitnet_surgery_inserts_a_norm_before_each_bitnet_linear():
   assert set(plain["layers"]["mlp"]) == {"gate_up", "down"}
 
 
+def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  params = jax.eval_shape(Transformer(config).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  return {"/".join(path): leaf.shape for path, leaf in traverse_util.flatten_dict(params).items()}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_projections", "separate_projections"])
+def test_sub_placement_is_the_published_bitnet_parameter_set(fused):
+  """Per layer: attn_norm, mlp_norm, the sub-norms attn/out_norm [d_model] and mlp/down_norm [d_ff], the
+  projections; no other norm. Tied embeddings: no LM head (BitNet b1.58 2B4T, HF BitNetForCausalLM)."""
+  config = dataclasses.replace(SMALL, recipe=BitNet(), bitnet_norm_placement="sub", tie_embeddings=True,
+                               fused_projections=fused)
+  layers, d, f, q, kv = SMALL.n_layers, SMALL.d_model, SMALL.d_ff, SMALL.n_heads * SMALL.head_dim, 2 * SMALL.head_dim
+  if fused:
+    projections = {"attn/qkv": (d, q + 2 * kv), "mlp/gate_up": (d, 2 * f)}
+  else:
+    projections = {"attn/q": (d, q), "attn/k": (d, kv), "attn/v": (d, kv), "mlp/gate": (d, f), "mlp/up": (d, f)}
+  projections |= {"attn/out": (q, d), "mlp/down": (f, d)}
+  expected = {"embed/embedding": (SMALL.vocab_size, d), "final_norm/scale": (d,),
+              "layers/attn_norm/scale": (layers, d), "layers/mlp_norm/scale": (layers, d),
+              "layers/attn/out_norm/scale": (layers, q), "layers/mlp/down_norm/scale": (layers, f)}
+  expected |= {f"layers/{name}/kernel": (layers, *shape) for name, shape in projections.items()}
+  assert _param_shapes(config) == expected
+  # every_projection is the same tree plus a norm before q/k/v (or qkv) and gate/up (or gate_up)
+  extra = set(_param_shapes(dataclasses.replace(config, bitnet_norm_placement="every_projection"))) - set(expected)
+  inputs = ("attn/qkv", "mlp/gate_up") if fused else ("attn/q", "attn/k", "attn/v", "mlp/gate", "mlp/up")
+  assert extra == {f"layers/{name}_norm/scale" for name in inputs}
+
+
+def test_sub_norms_split_over_features_under_tensor_parallelism():
+  config = dataclasses.replace(SMALL, recipe=BitNet(), bitnet_norm_placement="sub", fused_projections=False)
+  rules = tensor_parallel_rules(config)
+  assert {path for path in rules if path.endswith("_norm")} == {"attn.out_norm", "mlp.down_norm"}
+
+
+def test_sub_placement_keeps_high_precision_projections_plain():
+  config = dataclasses.replace(SMALL, recipe=BitNet(), bitnet_norm_placement="sub", quantize_attention=False)
+  layer = jax.eval_shape(Transformer(config).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]["layers"]
+  assert set(layer["attn"]) == {"qkv", "out"} and set(layer["mlp"]) == {"gate_up", "down", "down_norm"}
+
+
+def _plain_mlp(x, kernels, activation):
+  """float32 jnp reference of the gated MLP: down(act(gate(x)) * up(x))."""
+  act = {"silu": jax.nn.silu, "relu2": lambda g: jnp.maximum(g, 0) ** 2}[activation]
+  return (act(x @ kernels["gate"]) * (x @ kernels["up"])) @ kernels["down"]
+
+
+@pytest.mark.parametrize("activation", MLP_ACTIVATIONS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_projections", "separate_projections"])
+def test_mlp_activation_equals_a_plain_jnp_reference(activation, fused):
+  """Forward and gradients (the fused op's own backward) of the model's MLP against jnp autodiff, float32."""
+  from train.model import Mlp  # noqa: PLC0415  (the block's MLP module; not public API)
+
+  config = dataclasses.replace(SMALL, mlp_activation=activation, fused_projections=fused)
+  mlp = Mlp(config)
+  x = jax.random.normal(fresh_key(), (3, 10, SMALL.d_model))
+  params = mlp.init(jax.random.key(0), x)
+  # large kernels so that relu2's negative half and its square both matter
+  params = jax.tree.map(lambda w: w * 20, params)
+  p = params["params"]
+
+  def kernels(p):
+    if fused:
+      gate, up = jnp.split(p["gate_up"]["kernel"], 2, axis=-1)
+    else:
+      gate, up = p["gate"]["kernel"], p["up"]["kernel"]
+    return {"gate": gate, "up": up, "down": p["down"]["kernel"]}
+
+  got = mlp.apply(params, x).reshape(3, 10, -1)
+  want = _plain_mlp(x, kernels(p), activation)
+  assert rel_err(got, want) < 1e-5
+  probe = jax.random.normal(fresh_key(), want.shape)
+  g_got = jax.grad(lambda p, x: jnp.sum(mlp.apply({"params": p}, x).reshape(probe.shape) * probe), (0, 1))(p, x)
+  g_want = jax.grad(lambda p, x: jnp.sum(_plain_mlp(x, kernels(p), activation) * probe), (0, 1))(p, x)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("activation", MLP_ACTIVATIONS)
+def test_sub_model_fused_quantizers_equal_the_unfused_path(activation):
+  """The `sub` model: its pre-norms quantize for q/k/v and gate/up, its sub-norms for out and down, in the
+  same pass. With the straight-through high-precision backward, forward bit-equal and gradients equal up
+  to float rounding to fused_quantizers=False, in float32 (in bf16 XLA's excess precision rounds the two
+  graphs' residual adds differently). The trainer's int8 grad_input also quantizes g per row, where a
+  rounding difference moves a code by one step now and then: both paths' gradients are then as close to
+  the high-precision backward's (test_fused's bar)."""
+  config = dataclasses.replace(SMALL, recipe=BitNet(), bitnet_norm_placement="sub", mlp_activation=activation)
+  tokens = jax.random.randint(fresh_key(), (4, 17), 0, SMALL.vocab_size)
+  params = Transformer(config).init(jax.random.key(0), tokens[:, :-1])
+
+  def loss_and_grads(**changes):
+    model = Transformer(dataclasses.replace(config, **changes))
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+        model.apply(p, tokens[:, :-1]), tokens[:, 1:]).mean()
+    return jax.jit(jax.value_and_grad(loss))(params), jax.jit(model.apply)(params, tokens[:, :-1])
+
+  (fused_loss, fused_grads), fused_logits = loss_and_grads()
+  (plain_loss, plain_grads), plain_logits = loss_and_grads(fused_quantizers=False)
+  np.testing.assert_array_equal(fused_logits, plain_logits)
+  assert float(fused_loss) == float(plain_loss)
+  for a, b in zip(jax.tree.leaves(fused_grads), jax.tree.leaves(plain_grads)):
+    assert rel_err(a, b) < 1e-5
+  (_, fused_int8), _ = loss_and_grads(recipe=BitNet(grad_input=True))
+  (_, plain_int8), _ = loss_and_grads(recipe=BitNet(grad_input=True), fused_quantizers=False)
+  for a, b, exact in zip(jax.tree.leaves(fused_int8), jax.tree.leaves(plain_int8), jax.tree.leaves(fused_grads)):
+    assert rel_err(a, exact) <= 1.25 * rel_err(b, exact) + 1e-3
+
+
 def test_scan_and_loop_compute_the_same_function():
   tokens = jax.random.randint(fresh_key(), (2, 16), 0, 259)
   scanned = Transformer(SMALL)
@@ -165,3 +289,7 @@ def test_bad_model_configs_are_rejected():
     dataclasses.replace(SMALL, filter_fqns="lm_head")
   with pytest.raises(ValueError, match="empty string"):  # "" is in every path: it would keep every layer
     dataclasses.replace(SMALL, filter_fqns=("",))
+  with pytest.raises(ValueError, match=r"bitnet_norm_placement='subnorm'; choose one of \('sub', 'every_projection'\)"):
+    dataclasses.replace(SMALL, bitnet_norm_placement="subnorm")
+  with pytest.raises(ValueError, match=r"mlp_activation='gelu'; choose one of \('silu', 'relu2'\)"):
+    dataclasses.replace(SMALL, mlp_activation="gelu")

@@ -54,6 +54,7 @@ TENSOR_VS_UNSHARDED = [
     ("bitnet", (1, 4, 2), (1, 1)),
     ("bf16", (1, 2, 4), (1, 1)),
     ("bitnet", (1, 2, 4), (1, 1)),  # ternary weights split 4 ways along K: abs-means summed over shards
+    ("bitnet+sub", (1, 4, 2), (1, 1)),  # sub-norms split over features; pre-norms quantize for the gathers
     ("bf16", (2, 2, 2), (1, 1)),
     ("int8", (2, 2, 2), (4, 1)),
 ]
@@ -66,7 +67,10 @@ def seed() -> int:
 
 
 def tp_config(corpus: str, seed: int, recipe: str, data: int, fsdp_size: int, tensor: int):
-  return run_config(corpus, seed, recipe, fsdp_size, data, mesh__tensor=tensor, **TP_MODEL)
+  """``recipe``: a recipe name, or ``"bitnet+sub"``: configs/bitnet_*.py's form (sub-norms, tied embeddings)."""
+  recipe, _, placement = recipe.partition("+")
+  form = {"model__bitnet_norm_placement": placement, "model__tie_embeddings": True} if placement else {}
+  return run_config(corpus, seed, recipe, fsdp_size, data, mesh__tensor=tensor, **TP_MODEL, **form)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Structure (pre-norm, no biases)::
       -> embed                                (high precision, float32 table)
       -> n_layers x Block:
            x = x + attn(attn_norm(x))          RoPE, grouped-query causal attention
-           x = x + mlp(mlp_norm(x))            SwiGLU
+           x = x + mlp(mlp_norm(x))            gated MLP: SwiGLU, or squared ReLU (mlp_activation)
       -> final_norm -> lm_head                 (high precision by default; or the tied embedding)
     logits [B, T, vocab] float32
 
@@ -16,13 +16,25 @@ high-precision matmuls run in ``dtype`` (bfloat16 by default). Each projection
 ``jaxlowbit.dense_for(recipe)`` where ``ModelConfig.recipe_for(path)`` chooses the recipe:
 ``quantize_attention`` / ``quantize_mlp`` / ``quantize_lm_head`` and ``filter_fqns`` (keep
 a projection high precision when its path contains one of the strings, as in
-``jaxlowbit.convert``) decide which ones are low-bit.
+``jaxlowbit.convert``) decide which ones are low-bit. A tied LM head (``tie_embeddings``) is
+the embedding table and always high precision.
 
-BitNet model surgery (BitNet b1.58; torchao ``bitnet``): every projection that runs with
-a :class:`jaxlowbit.BitNet` recipe gets its own RMSNorm right before it, named
-``<projection>_norm`` (``qkv_norm``, ``out_norm``, ``gate_up_norm``, ``down_norm``). The
-block's pre-norms stay, so a BitNet model is the bf16 model plus those norms. It is done
-here, in :func:`projection`, where a reader sees it, not hidden in the layer.
+BitNet norms (``bitnet_norms``; a projection that runs with a :class:`jaxlowbit.BitNet` recipe),
+placed by ``bitnet_norm_placement``, each named ``<projection>_norm``:
+
+========================  =====================================================================
+``"sub"``                 the published BitNet b1.58 (paper, Hugging Face ``BitNetForCausalLM``,
+                          llama.cpp ``bitnet``): the pre-norms, plus ``attn.out_norm`` on the
+                          attention output ``[n_heads head_dim]`` (HF ``attn_sub_norm``) and
+                          ``mlp.down_norm`` on the hidden activation ``[d_ff]`` (``ffn_sub_norm``).
+                          q/k/v and gate/up read the pre-norm, which quantizes for them.
+``"every_projection"``    torchao's surgery: an RMSNorm before every BitNet projection
+                          (``qkv_norm``, ``out_norm``, ``gate_up_norm``, ``down_norm``, and
+                          ``lm_head_norm`` for a BitNet LM head), i.e. a second norm after each
+                          pre-norm.
+========================  =====================================================================
+
+It is done here, where a reader sees it (:meth:`ModelConfig.norm_before`), not hidden in the layer.
 
 Layers are stacked with ``nn.scan`` (one compiled block for all layers: a 1B model compiles
 in seconds) and optionally rematerialized with ``nn.remat`` under a named policy. Parameters
@@ -54,6 +66,7 @@ import jaxlowbit.fused
 from jaxlowbit.fsdp import COLUMN, FEATURES, ROW, tensor_parallel
 from jaxlowbit.interception import LayerFilter
 from jaxlowbit.operand import is_low_bit
+from pallas_kernels.quantize import GATE_ACTIVATIONS
 
 # Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
 # block at all; the others are ``jax.checkpoint_policies`` that say what the backward may
@@ -71,6 +84,13 @@ CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ATTENTION_INPUTS = ("qkv", "q", "k", "v")  # the projections that carry biases with attention_bias
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_HEAD_DIM_MULTIPLE = 8
+# Where the BitNet norms sit (ModelConfig.bitnet_norm_placement). "sub": the published BitNet b1.58
+# architecture (paper, Hugging Face BitNetForCausalLM, llama.cpp "bitnet"): the pre-norms, plus one
+# norm on the attention output before its projection and one on the MLP's hidden activation before
+# down. "every_projection": torchao's model surgery, an RMSNorm before every BitNet projection.
+BITNET_NORM_PLACEMENTS = ("sub", "every_projection")
+SUB_NORM_PROJECTIONS = ("out", "down")  # the projections that get a sub-norm under "sub"
+MLP_ACTIVATIONS = GATE_ACTIVATIONS  # act of the gated MLP down(act(gate(x)) * up(x)): "silu", "relu2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +103,9 @@ class ModelConfig:
     n_layers: number of blocks.
     n_heads: query heads; ``head_dim = d_model // n_heads``.
     n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
-    d_ff: hidden width of the SwiGLU MLP.
+    d_ff: hidden width of the gated MLP.
+    mlp_activation: the MLP's ``act`` in ``down(act(gate(x)) * up(x))``: ``"silu"`` (SwiGLU) or
+      ``"relu2"`` (squared ReLU ``max(x, 0)^2``, BitNet b1.58 2B4T); computed in float32.
     rope_theta: RoPE base frequency.
     rope_scaling: ``()`` (none) or Llama 3's frequency scaling ``(factor, low_freq_factor,
       high_freq_factor, original_max_position_embeddings)``.
@@ -105,7 +127,10 @@ class ModelConfig:
     recipe: a jaxlowbit recipe, or None for a high-precision model.
     quantize_attention, quantize_mlp, quantize_lm_head: which projections use ``recipe``.
     filter_fqns: projections whose path contains any of these strings stay high precision.
-    bitnet_norms: insert the RMSNorm before each BitNet projection (BitNet model surgery).
+    bitnet_norms: add the BitNet norms (where: ``bitnet_norm_placement``); False: none.
+    bitnet_norm_placement: ``"every_projection"``: an RMSNorm ``<projection>_norm`` before every
+      BitNet projection (torchao's surgery); ``"sub"``: the published BitNet b1.58 sub-norms, only
+      ``attn.out_norm`` (width ``n_heads head_dim``) and ``mlp.down_norm`` (width ``d_ff``).
     fused_quantizers: a quantized projection's input is quantized by the op that produces it
       (RMSNorm, SwiGLU: ``jaxlowbit.fused``) instead of after it; the same numbers, one pass
       fewer. Off for models whose linears were converted for inference.
@@ -117,6 +142,7 @@ class ModelConfig:
   n_heads: int = 4
   n_kv_heads: int = 2
   d_ff: int = 768
+  mlp_activation: str = "silu"
   rope_theta: float = 10_000.0
   rope_scaling: tuple[float, ...] = ()
   attention_bias: bool = False
@@ -136,6 +162,7 @@ class ModelConfig:
   quantize_lm_head: bool = False
   filter_fqns: tuple[str, ...] = ()
   bitnet_norms: bool = True
+  bitnet_norm_placement: str = "every_projection"
   fused_quantizers: bool = True
 
   def __post_init__(self):
@@ -153,6 +180,11 @@ class ModelConfig:
       raise ValueError(f"ModelConfig: remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig: attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+    if self.bitnet_norm_placement not in BITNET_NORM_PLACEMENTS:
+      raise ValueError(f"ModelConfig: bitnet_norm_placement={self.bitnet_norm_placement!r}; choose one of "
+                       f"{BITNET_NORM_PLACEMENTS}")
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"ModelConfig: mlp_activation={self.mlp_activation!r}; choose one of {MLP_ACTIVATIONS}")
     if self.tie_embeddings and self.quantize_lm_head and self.recipe is not None:
       raise ValueError("ModelConfig: a tied LM head is the embedding table and stays high precision; "
                        "set quantize_lm_head=False or tie_embeddings=False")
@@ -185,9 +217,14 @@ class ModelConfig:
     return recipe if recipe is not None and recipe.input_quantization() is not None else None
 
   def norm_before(self, path: str) -> bool:
-    """Whether the projection at ``path`` gets its own RMSNorm (BitNet model surgery)."""
+    """Whether the projection at ``path`` gets its own RMSNorm ``<name>_norm`` (the BitNet norms).
+
+    Only BitNet projections do; under ``bitnet_norm_placement="sub"`` only ``attn.out`` and ``mlp.down``.
+    """
     recipe = self.recipe_for(path)
-    return self.bitnet_norms and recipe is not None and recipe.norm_before_linear
+    if not self.bitnet_norms or recipe is None or not recipe.norm_before_linear:
+      return False
+    return self.bitnet_norm_placement == "every_projection" or path.split(".")[-1] in SUB_NORM_PROJECTIONS
 
 
 # How tensor parallelism splits each projection (by name; jaxlowbit.fsdp.tensor): column-parallel
@@ -478,7 +515,8 @@ def kv_cache_update(module: nn.Module, k: jax.Array, v: jax.Array, positions: ja
 
 
 class Mlp(nn.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))`` (silu and the product in float32)."""
+  """Gated MLP ``down(act(gate(x)) * up(x))``: SwiGLU (act silu) or squared ReLU (``mlp_activation``);
+  act and the product in float32."""
 
   config: ModelConfig
 
@@ -495,7 +533,7 @@ class Mlp(nn.Module):
       gate_up = jnp.concatenate([gate, up], axis=-1)
     tp = tensor_parallel()
     h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"),
-                                   split=tp.feature_split if tp is not None else None)
+                                   split=tp.feature_split if tp is not None else None, activation=c.mlp_activation)
     return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), "layers.mlp.down", c.d_model,
                       _residual_std(c))
 

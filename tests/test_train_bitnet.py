@@ -1,0 +1,141 @@
+"""The BitNet b1.58 model forms in the trainer: norm placement, squared-ReLU MLP, tied embeddings.
+
+- ``--config.model.bitnet_norm_placement`` and ``--config.model.mlp_activation`` parse from the
+  command line, ``configs/bitnet_*.py`` ship the published 2B4T form, bad names are a ConfigError
+  naming the choices;
+- each form trains a few steps with the trainer and checkpoints; the run's config.json records the
+  choice, ``generate.load_run`` rebuilds the same model from the run directory alone, and a resumed
+  run continues the uninterrupted one exactly;
+- how often the train step quantizes each BitNet weight to ternary, counted in its jaxpr.
+"""
+
+import collections
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jax_core
+
+import test_train_loop
+from test_train_config import _parse
+from test_train_loop import micro_config, train_losses
+from jaxlowbit import BitNet
+from train import config as train_config
+from train import generate, loop, steps
+from train.model import Transformer, projection_paths
+from train.optimizer import make_optimizer
+from train.runtime import Unsharded
+
+corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_command_line_chooses_the_bitnet_form():
+  shipped = train_config.model_config(_parse([f"--config={CONFIGS / 'bitnet_1b.py'}"]))
+  assert shipped.recipe == BitNet(grad_input=True)
+  assert shipped.bitnet_norm_placement == "sub" and shipped.tie_embeddings and shipped.mlp_activation == "silu"
+  config = _parse([f"--config={CONFIGS / 'tiny.py'}", "--config.recipe=bitnet",
+                   "--config.model.bitnet_norm_placement=sub", "--config.model.mlp_activation=relu2"])
+  train_config.check(config)
+  model = train_config.model_config(config)
+  assert model.bitnet_norm_placement == "sub" and model.mlp_activation == "relu2"
+  default = train_config.model_config(_parse([f"--config={CONFIGS / 'tiny.py'}", "--config.recipe=bitnet"]))
+  assert default.bitnet_norm_placement == "every_projection" and default.mlp_activation == "silu"
+
+
+@pytest.mark.parametrize("field, bad, choices", [
+    ("bitnet_norm_placement", "subnorm", r"\('sub', 'every_projection'\)"),
+    ("mlp_activation", "gelu", r"\('silu', 'relu2'\)"),
+])
+def test_bad_names_are_config_errors_naming_the_choices(field, bad, choices):
+  config = train_config.load_file(CONFIGS / "bitnet_125m.py")
+  config.model[field] = bad
+  with pytest.raises(train_config.ConfigError, match=f"{field}='{bad}'; choose one of {choices}"):
+    train_config.check(config)
+
+
+# (bitnet_norm_placement, mlp_activation, tie_embeddings): the published 2B4T form, and today's default.
+FORMS = [("sub", "relu2", True), ("every_projection", "silu", False)]
+FORM_STEPS = 4
+
+
+@pytest.mark.parametrize("placement, activation, tied", FORMS, ids=str)
+def test_each_bitnet_form_trains_checkpoints_and_reloads(placement, activation, tied, corpus, tmp_path):
+  config = micro_config(corpus, recipe="bitnet", steps=FORM_STEPS, checkpoint_every=2, eval_every=2,
+                        model__bitnet_norm_placement=placement, model__mlp_activation=activation,
+                        model__tie_embeddings=tied)
+  full = loop.train(config, tmp_path / "full")
+  assert full.status == "completed" and full.step == FORM_STEPS
+  losses = train_losses(tmp_path / "full")
+  assert all(np.isfinite(list(losses.values()))) and losses[FORM_STEPS] < losses[1], losses
+
+  recorded = json.loads((tmp_path / "full" / "config.json").read_text())["model"]
+  assert (recorded["bitnet_norm_placement"], recorded["mlp_activation"], recorded["tie_embeddings"]) == (
+      placement, activation, tied)
+  _, model_config, params, step = generate.load_run(tmp_path / "full")
+  assert step == FORM_STEPS and model_config == train_config.model_config(config)
+  abstract = jax.eval_shape(steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config))
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(lambda x: (x.shape, x.dtype),
+                                                                            abstract.params)
+  norms = {name for name in params["layers"]["attn"] | params["layers"]["mlp"] if name.endswith("_norm")}
+  assert norms == ({"out_norm", "down_norm"} if placement == "sub" else {"qkv_norm", "out_norm", "gate_up_norm",
+                                                                            "down_norm"})
+  assert ("lm_head" in params) != tied
+
+  stopped = loop.train(config, tmp_path / "split", should_stop=lambda step: step == 2)
+  assert stopped.status == "interrupted" and stopped.checkpoint_step == 2
+  config.resume = True
+  assert loop.train(config, tmp_path / "split").step == FORM_STEPS
+  assert train_losses(tmp_path / "split") == losses  # bit for bit
+
+
+# ---------------------------------------------------------------------------------------------
+# Ternary weight quantization per optimizer step, counted in the train step's jaxpr.
+#
+# A BitNet weight W [K, N] is quantized as ``round(W / mean|W|)`` (jaxlowbit_numerics.ternary), so
+# each quantization is one ``round`` whose operand has W's shape. Today's count per forward use of a
+# weight is 2: the forward quantizes W for Wq^T (BitNet.forward) and the backward quantizes it again
+# for grad_input's rows (BitNet.backward); nothing is reused between the two passes. The jaxpr holds
+# the layer scan's body and the gradient-accumulation scan's body once, so each BitNet projection's
+# weights are quantized 2 x n_layers x grad_accum_steps times per optimizer step. Issue 26 asks for
+# once per optimizer step (shared by every microbatch and both passes); when that lands, this count
+# (and the test's assertion) becomes 1 outside the scans.
+TERNARY_QUANTIZATIONS_PER_USE = 2
+
+
+def _rounds_by_shape(jaxpr, counts=None) -> collections.Counter:
+  """``round`` equations of ``jaxpr`` and every jaxpr nested in it (scan, pjit, remat...), by operand shape."""
+  counts = collections.Counter() if counts is None else counts
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "round":
+      counts[tuple(eqn.invars[0].aval.shape)] += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        if isinstance(sub, jax_core.ClosedJaxpr):
+          _rounds_by_shape(sub.jaxpr, counts)
+        elif isinstance(sub, jax_core.Jaxpr):
+          _rounds_by_shape(sub, counts)
+  return counts
+
+
+@pytest.mark.parametrize("placement", ["sub", "every_projection"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_ternary_weight_quantizations_per_step(placement, accum):
+  # Widths chosen so that no weight [K, N] has the shape of an activation [tokens, K] that is rounded too.
+  config = micro_config("unused", recipe="bitnet", grad_accum_steps=accum, model__n_layers=2, model__d_model=40,
+                        model__d_ff=72, model__bitnet_norm_placement=placement)
+  model_config = train_config.model_config(config)
+  model, optimizer = Transformer(model_config), make_optimizer(config)
+  state = jax.eval_shape(steps.make_init(Unsharded(model), optimizer, config))
+  batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+  jaxpr = jax.make_jaxpr(steps.make_train_step(Unsharded(model), optimizer, config))(state, batch).jaxpr
+  rounds = _rounds_by_shape(jaxpr)
+  kernels = {path: shape for path, shape in projection_paths(model_config).items() if model_config.recipe_for(path)}
+  assert kernels and len(set(kernels.values())) == len(kernels)
+  tokens = config.batch_size // accum * config.seq_len
+  assert not set(kernels.values()) & {shape for shape in rounds if shape[0] == tokens}
+  for path, shape in kernels.items():
+    assert rounds[shape] == TERNARY_QUANTIZATIONS_PER_USE, (path, shape, rounds)
