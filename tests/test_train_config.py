@@ -78,6 +78,10 @@ def test_check_rejects_inconsistent_fields():
     train_config.check(config)
 
 
+# Model fields a preset sets besides its recipe: BitNet ships the published b1.58 2B4T form.
+PRESET_MODEL_FIELDS = {"bitnet": {"bitnet_norm_placement": "sub", "tie_embeddings": True}}
+
+
 @pytest.mark.parametrize("size,low,high", [("1b", 0.9e9, 1.1e9), ("125m", 1.0e8, 1.5e8), ("8b", 6.5e9, 7.5e9)])
 def test_presets_share_one_base_and_differ_only_in_recipe(size, low, high):
   configs = {name: train_config.load_file(CONFIGS / f"{name}_{size}.py") for name in RECIPE_FILES}
@@ -85,7 +89,8 @@ def test_presets_share_one_base_and_differ_only_in_recipe(size, low, high):
   for name, config in configs.items():
     train_config.check(config)
     assert config.recipe == RECIPE_FILES[name]
-    assert {**config.to_dict(), "recipe": "bf16"} == base
+    model = {**base["model"], **PRESET_MODEL_FIELDS.get(name, {})}
+    assert {**config.to_dict(), "recipe": "bf16"} == {**base, "model": model}
   assert low < param_count(train_config.model_config(configs["bf16"]))["total"] < high
 
 
