@@ -547,3 +547,15 @@ def test_another_configs_checkpoints_are_one_line_on_the_command_line(stopped_ru
   out, err = proc.communicate(timeout=240)
   lines = [line for line in err.splitlines() if line.strip()]
   assert proc.returncode == 2 and len(lines) == 1 and "is intact but does not restore" in lines[0], err[-3000:]
+
+
+def test_manifests_of_earlier_versions_still_verify(stopped_run, tmp_path):
+  """Runs saved before the manifest moved into the save wrote it after orbax's commit, listing every file with its
+  digest (commit files included): such checkpoints stay verified, and a change to any listed file still fails."""
+  stopped, _ = stopped_run
+  run_dir = copy_run(stopped, tmp_path)
+  step_dir = run_dir / "checkpoints" / "10"
+  (step_dir / checkpoint.MANIFEST).write_text(json.dumps({"step": 10, "files": checkpoint.file_digests(step_dir)}))
+  assert checkpoint.verify(step_dir) is None
+  flip_bit(step_dir / "_CHECKPOINT_METADATA")
+  assert checkpoint.verify(step_dir).startswith("corrupt: 1 file(s) changed")

@@ -101,22 +101,23 @@ def _crc32(path: pathlib.Path) -> int:
   return crc
 
 
-def file_digests(step_dir: pathlib.Path) -> dict[str, list[int] | None]:
-  """``{relative path: [size, crc32]}`` of every file of a checkpoint directory but its manifest (the
-  files orbax rewrites at its commit: None, they must exist; those only the commit adds: left out)."""
-  digests = {}
-  for p in sorted(step_dir.rglob("*")):
-    name = str(p.relative_to(step_dir))
-    if not p.is_file() or p.name == MANIFEST or name in COMMIT_ONLY_FILES:
-      continue
-    digests[name] = None if name in COMMIT_FILES else [p.stat().st_size, _crc32(p)]
-  return digests
+def file_digests(step_dir: pathlib.Path) -> dict[str, list[int]]:
+  """``{relative path: [size, crc32]}`` of every file of a checkpoint directory but its manifest."""
+  return {str(p.relative_to(step_dir)): [p.stat().st_size, _crc32(p)]
+          for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def manifest_files(step_dir: pathlib.Path) -> dict[str, list[int] | None]:
+  """What a manifest written before orbax's commit lists: :func:`file_digests`, with the files the commit rewrites
+  (:data:`COMMIT_FILES`) as None (they must exist) and those only the commit adds left out."""
+  return {name: None if name in COMMIT_FILES else digest
+          for name, digest in file_digests(step_dir).items() if name not in COMMIT_ONLY_FILES}
 
 
 def write_manifest(step_dir: pathlib.Path, step: int) -> None:
   """Write ``step_dir``'s manifest (renamed into place when complete: a manifest is never cut short)."""
   partial = step_dir / (MANIFEST + ".partial")
-  partial.write_text(json.dumps({"step": step, "files": file_digests(step_dir)}))
+  partial.write_text(json.dumps({"step": step, "files": manifest_files(step_dir)}))
   partial.replace(step_dir / MANIFEST)
 
 
