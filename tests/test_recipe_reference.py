@@ -150,9 +150,10 @@ RECIPES = {
 }
 
 
-def outlier_inputs(key):
+def outlier_inputs(key, m=M, k=K, n=N):
   """float32 x [M, K], W [K, N], g [M, N]: normal, with outlier rows (x100) and outlier features
   (x30) in x, outlier rows in g, and one outlier output channel in W."""
+  M, K, N = m, k, n  # noqa: N806
   kx, kw, kg, kr, kc = jax.random.split(key, 5)
   x = np.array(jax.random.normal(kx, (M, K)), np.float32)
   w = np.array(jax.random.normal(kw, (K, N)), np.float32) / np.float32(np.sqrt(K))
@@ -172,11 +173,10 @@ def _fwd_bwd(recipe, x, w, g):
   return (y, *vjp(g))
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES), ids=str)
-def test_every_matmul_matches_the_fake_quant_reference(recipe):
+def assert_matches_the_reference(recipe, shape=(M, K, N)):
   key = fresh_key()
   for seed in range(SEEDS):
-    x, w, g = outlier_inputs(jax.random.fold_in(key, seed))
+    x, w, g = outlier_inputs(jax.random.fold_in(key, seed), *shape)
     outs = _fwd_bwd(recipe, jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
     for name, out, operands in zip(("output", "grad_input", "grad_weight"), outs, RECIPES[recipe](x, w, g)):
       want, tol = matmul(*operands)
@@ -187,6 +187,27 @@ def test_every_matmul_matches_the_fake_quant_reference(recipe):
       assert np.all(err <= tol), (
           f"{recipe} {name} (draw {seed}): off the fake-quant reference by {np.max(err / tol):.3g}x the "
           f"tolerance at {worst}: got {got[worst]:.6g}, want {want[worst]:.6g}")
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES), ids=str)
+def test_every_matmul_matches_the_fake_quant_reference(recipe, float32_matmuls):
+  """The default dispatch (XLA on CPU; on a GPU the kernels where they win)."""
+  assert_matches_the_reference(recipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(RECIPES), ids=str)
+def test_forced_pallas_kernels_match_the_fake_quant_reference(recipe, float32_matmuls, monkeypatch):
+  """The Pallas quantizers and GEMM (JAXLOWBIT_BACKEND=pallas) against the same independent
+  reference: a scale helper wrong in both kernel and library reference cannot cancel out here."""
+  from pallas_kernels import policy
+
+  monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
+  shape = (256, 512, 256)  # tiled by every quantize kernel
+  m, k, n = shape
+  text = _fwd_bwd.lower(recipe, *(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((m, k), (k, n), (m, n)))).as_text()
+  assert "jaxlowbit_quantize_rows" in text and "mosaic_gpu" in text, "the kernels did not run"
+  assert_matches_the_reference(recipe, shape)
 
 
 def test_the_reference_tells_the_formats_and_axes_apart():
