@@ -36,7 +36,9 @@ value within float rounding of the midpoint of two codes: Triton and XLA may con
 ``a * b + c`` into an FMA differently, and XLA computes a dynamic map's values to 3e-7 of the table
 the kernel gathers from, either of which moves a moment by an ulp or two), the same scales up to
 that rounding, and ``u`` to a few float32 ulps (division and square root). A NaN or inf
-gradient element turns its block's scales NaN, as in the reference.
+gradient element turns its block's scales NaN, as in the reference; a finite one whose square
+overflows has its element's moments scaled down by ``adam.fit_moments`` before they are stored, as
+in the reference.
 """
 
 from __future__ import annotations

@@ -85,8 +85,11 @@ def test_another_optimizers_state_is_refused_naming_both(name, given):
   params = {"w": jnp.zeros((8, 1024))}
   foreign = optim.make(given, LR).init(params)
   named = "optax.adamw" if given == "adamw" else given
+  tx = optim.make(name, LR)
   with pytest.raises(TypeError, match=rf"{name}\.update: got the state of {named}\b.*not a state of {name}"):
-    jax.jit(optim.make(name, LR).update)(params, foreign, params)
+    jax.jit(tx.update)(params, foreign, params)
+  with pytest.raises(TypeError, match=rf"got the state of {named}\b"):  # the fused step checks the same
+    jax.jit(lambda g, s, p: optim.apply_step(tx, g, s, p))(params, foreign, params)
 
 
 def test_a_state_carries_its_format_through_tree_maps_pickle_and_a_targeted_restore(tmp_path):
