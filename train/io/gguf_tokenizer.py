@@ -136,6 +136,18 @@ def hf_vocab(path: str | pathlib.Path, vocab_size: int, pre: str | None = None) 
     raise ValueError(f"{tokenizer.name}: only byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2 style) go to GGUF's "
                      f"'{MODEL}' tokenizer; this one is {model.get('type')!r} with decoder "
                      f"{(spec.get('decoder') or {}).get('type')!r}")
+  tokens = {int(i): (name, NORMAL) for name, i in model["vocab"].items()}
+  for added in spec.get("added_tokens", []):
+    tokens[int(added["id"])] = (added["content"], CONTROL if added.get("special") else USER_DEFINED)
+  names, types = _padded(tokens, vocab_size, "hf_vocab")
+  merges = tuple(m if isinstance(m, str) else " ".join(m) for m in model.get("merges", []))
+  bos_id, add_bos = _added_first(tokenizer)
+  if not merges:  # every byte its own token (byte_tokenizer.py's file): any split gives the same ids
+    multi = [name for name, _ in tokens.values() if len(name) > 1]
+    if len(multi) < 2:
+      raise ValueError(f"{tokenizer.name}: a BPE tokenizer without merges and without two multi-character tokens "
+                       "for the unreachable merge GGUF needs")
+    return Vocab(names, types, (f"{multi[0]} {multi[1]}",), pre or BYTE_PRE, bos_id, tokenizer.eos_id, None, add_bos)
   if pre is None:
     key = _pre_tokenizer_key(spec.get("pre_tokenizer"))
     if key not in PRE_TOKENIZERS:
@@ -143,14 +155,6 @@ def hf_vocab(path: str | pathlib.Path, vocab_size: int, pre: str | None = None) 
                        f"({key!r}) does; pass pre=<llama.cpp tokenizer.ggml.pre name> if you know it "
                        f"(recognised: {', '.join(sorted(set(PRE_TOKENIZERS.values())))})")
     pre = PRE_TOKENIZERS[key]
-  tokens = {int(i): (name, NORMAL) for name, i in model["vocab"].items()}
-  for added in spec.get("added_tokens", []):
-    tokens[int(added["id"])] = (added["content"], CONTROL if added.get("special") else USER_DEFINED)
-  names, types = _padded(tokens, vocab_size, "hf_vocab")
-  merges = tuple(m if isinstance(m, str) else " ".join(m) for m in model.get("merges", []))
-  if not merges:  # GGUF has no empty arrays; a pair of two whole added tokens never applies
-    raise ValueError(f"{tokenizer.name}: a BPE tokenizer without merges; llama.cpp's '{MODEL}' tokenizer needs some")
-  bos_id, add_bos = _added_first(tokenizer)
   return Vocab(names, types, merges, pre, bos_id, tokenizer.eos_id, None, add_bos)
 
 

@@ -3,7 +3,10 @@
 Supported: ``LlamaForCausalLM`` (Llama 2/3.x, with Llama 3's ``rope_scaling``),
 ``Qwen2ForCausalLM`` (q/k/v biases) and ``MistralForCausalLM`` (its sliding window is not
 applied: exact up to ``sliding_window`` tokens); tied or untied embeddings, grouped-query
-attention, any RMSNorm epsilon and RoPE theta.
+attention, any RMSNorm epsilon and RoPE theta. ``BitNetForCausalLM`` (BitNet b1.58: the Llama
+names plus ``self_attn.attn_sub_norm`` and ``mlp.ffn_sub_norm``, our ``attn/out_norm`` and
+``mlp/down_norm`` under ``bitnet_norm_placement="sub"``) maps to a BitNet-recipe model here; its
+packed weights are read and written by ``hf_bitnet.py``.
 
 Names and layouts. A Hugging Face linear stores ``weight [out, in]``; ``train.model`` stores
 ``kernel [in, out]``. The q, k and v projections become one ``attn/qkv`` kernel ``[d, (H + 2
@@ -23,6 +26,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from jaxlowbit import BitNet
 from train.model import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -34,6 +38,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": {"model_type": "qwen2"},
     "MistralForCausalLM": {"model_type": "mistral"},
 }
+BITNET_ARCHITECTURE = "BitNetForCausalLM"  # model_type "bitnet" (hf_bitnet.py)
+BITNET_ACTIVATIONS = ("silu", "relu2")  # hidden_act of BitNetForCausalLM that train.model's MLP has
 QUANT_SCALE_SUFFIX = ".weight_scale"  # quantized exports: "<linear>.weight" int8 [out, in] + this [out]
 QUANT_SCHEMES = ("w8a16", "w8a8")
 
@@ -59,13 +65,16 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
     UnsupportedCheckpointError: another architecture, activation, head size or RoPE scaling.
   """
   architecture = (hf.get("architectures") or ["?"])[0]
-  if architecture not in ARCHITECTURES:
+  bitnet = architecture == BITNET_ARCHITECTURE
+  if architecture not in ARCHITECTURES and not bitnet:
     raise UnsupportedCheckpointError(
         f"architecture {architecture!r} (model_type {hf.get('model_type')!r}) is not supported; "
-        f"train.hf reads {', '.join(ARCHITECTURES)}"
+        f"train.hf reads {', '.join([*ARCHITECTURES, BITNET_ARCHITECTURE])}"
     )
-  if hf.get("hidden_act", "silu") != "silu":
-    raise UnsupportedCheckpointError(f"hidden_act={hf['hidden_act']!r}: train.model's MLP is SwiGLU (silu)")
+  activation = hf.get("hidden_act", "silu")
+  if activation not in (BITNET_ACTIVATIONS if bitnet else ("silu",)):
+    raise UnsupportedCheckpointError(f"hidden_act={activation!r}: train.model's MLP is SwiGLU (silu)"
+                                     + (" or squared ReLU (relu2)" if bitnet else ""))
   if hf.get("mlp_bias"):
     raise UnsupportedCheckpointError("mlp_bias=True: train.model's MLP has no biases")
   for key in HF_REQUIRED_INTS:  # a missing or zero size would fail later as a KeyError or a division by zero
@@ -94,6 +103,11 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
   )
+  if bitnet:  # transformers' BitNet linears: one absmean scale each, so q/k/v and gate/up unfused
+    method = (hf.get("quantization_config") or {}).get("quant_method", "bitnet")
+    if method != "bitnet":
+      raise UnsupportedCheckpointError(f"BitNetForCausalLM quantized with {method!r}: only 'bitnet' is read")
+    fields.update(recipe=BitNet(), bitnet_norm_placement="sub", mlp_activation=activation, fused_projections=False)
   return ModelConfig(**{**fields, **overrides})
 
 
@@ -155,6 +169,8 @@ def _hf_names(config: ModelConfig) -> dict[str, tuple[str, int | None, str]]:
   if not config.tie_embeddings:
     names["lm_head.weight"] = ("lm_head/kernel", None, "T")
   fused = config.fused_projections
+  # BitNetForCausalLM's sub-norms: ours under bitnet_norm_placement="sub".
+  sub_norms = config.bitnet_norm_placement == "sub" and config.norm_before("layers.mlp.down")
   for i in range(config.n_layers):
     prefix = f"model.layers.{i}."
     names[prefix + "input_layernorm.weight"] = ("attn_norm/scale", i, "copy")
@@ -167,6 +183,9 @@ def _hf_names(config: ModelConfig) -> dict[str, tuple[str, int | None, str]]:
     for x in ("gate", "up"):
       names[prefix + f"mlp.{x}_proj.weight"] = ("mlp/gate_up/kernel", i, f"T:{x}") if fused else (f"mlp/{x}/kernel", i, "T")
     names[prefix + "mlp.down_proj.weight"] = ("mlp/down/kernel", i, "T")
+    if sub_norms:
+      names[prefix + "self_attn.attn_sub_norm.weight"] = ("attn/out_norm/scale", i, "copy")
+      names[prefix + "mlp.ffn_sub_norm.weight"] = ("mlp/down_norm/scale", i, "copy")
   return names
 
 
@@ -236,6 +255,7 @@ def describe(config: ModelConfig) -> str:
 
 
 __all__ = [
-    "ARCHITECTURES", "CONFIG_FILE", "INDEX_FILE", "QUANT_SCALE_SUFFIX", "QUANT_SCHEMES", "SINGLE_FILE",
+    "ARCHITECTURES", "BITNET_ACTIVATIONS", "BITNET_ARCHITECTURE", "CONFIG_FILE", "INDEX_FILE", "QUANT_SCALE_SUFFIX",
+    "QUANT_SCHEMES", "SINGLE_FILE",
     "UnsupportedCheckpointError", "describe", "hf_config", "model_config_from_hf", "read_config",
 ]

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from train.io import hf_bitnet
 from train.io.hf_config import (
     INDEX_FILE,
     QUANT_SCALE_SUFFIX,
@@ -219,14 +220,18 @@ def load_pretrained(path: str | pathlib.Path, param_dtype=jnp.float32, shardings
   Returns:
     The config and ``params`` as ``Transformer(config).apply({"params": params}, tokens)`` takes
     them (a BitNet recipe's extra norms are not part of a HF model: initialize the model and
-    merge with :func:`merge_into`). A quantized export's int8 weights come back dequantized.
+    merge with :func:`merge_into`). A quantized export's int8 weights come back dequantized. A
+    ``BitNetForCausalLM`` folder is read by :func:`train.io.hf_bitnet.load_pretrained`.
 
   Raises:
     UnsupportedCheckpointError: an unsupported architecture or option, a missing file or tensor,
       a shape config.json does not imply (checked before any weight is read).
     ValueError: ``shardings`` lacks a parameter's path.
   """
-  config = model_config_from_hf(read_config(path), param_dtype=param_dtype, **overrides)
+  hf_json = read_config(path)
+  if hf_bitnet.is_bitnet(hf_json):
+    return hf_bitnet.load_pretrained(path, param_dtype, shardings, **overrides)
+  config = model_config_from_hf(hf_json, param_dtype=param_dtype, **overrides)
   leaves = traverse_util.flatten_dict(abstract_params(config), sep="/")
   sources = _sources(config)
   placed = traverse_util.flatten_dict(shardings, sep="/") if shardings is not None else None

@@ -1,0 +1,187 @@
+"""train.io.hf_bitnet: our BitNet model as Hugging Face ``BitNetForCausalLM`` folders, and back.
+
+Without torch, the folder is checked by an independent float64 numpy forward of the graph
+``BitNetForCausalLM`` runs with transformers' BitLinear layers (read from the folder alone:
+its config.json and safetensors, the 2-bit row packing unpacked here, activations quantized to
+int8 per token with scale 127 / absmax, the output divided by ``weight_scale``). With torch and
+transformers installed, transformers itself loads the folder (skipped otherwise; the GPU runner
+runs benchmarks/hf_bitnet_check.py).
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlowbit
+from helpers import fresh_key, rel_err
+from jaxlowbit import inference
+from jaxlowbit_numerics import ternary
+from train import hf
+from train.io import hf_bitnet
+from train.model import ModelConfig, Transformer
+
+pytest.importorskip("safetensors")
+from safetensors.numpy import load_file  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("float32_matmuls")
+
+CONFIG = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, dtype=jnp.float32,
+                     rope_theta=5e5, recipe=jaxlowbit.BitNet(), bitnet_norm_placement="sub", tie_embeddings=True)
+# The numpy forward against ours: 1e-6 typically; an activation on an int8 rounding tie in one
+# and not the other (127 / absmax times x there, x over absmax / 127 here) moves its token.
+LOGITS_RTOL = 3e-2
+
+
+def random_params(config: ModelConfig, key) -> dict:
+  """The init with every value scaled by 1 +- 0.3 at random (norm scales too), so no tensor can pass for another."""
+  params = Transformer(config).init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+  return jax.tree.unflatten(tree, [x * (1 + 0.3 * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
+
+
+def ternary_logits(config: ModelConfig, params, tokens) -> np.ndarray:
+  """Our BitNet inference forward (``generate --scheme ternary``), float32."""
+  model = inference.convert_for_inference(Transformer(config), "ternary")
+  return np.asarray(model.apply({"params": inference.quantize_params(params, "ternary")}, jnp.asarray(tokens)))
+
+
+def test_row_packing_is_transformers_layout():
+  rng = np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30)))
+  codes = rng.integers(-1, 2, (12, 7)).astype(np.int8)
+  packed = hf_bitnet.pack_rows(codes)
+  assert packed.shape == (3, 7) and packed.dtype == np.uint8
+  for r in range(3):  # row r holds rows r, r + 3, r + 6, r + 9, two bits each, lowest first
+    expected = sum((codes[r + 3 * i].astype(np.int32) + 1) << (2 * i) for i in range(4))
+    np.testing.assert_array_equal(packed[r], expected)
+  np.testing.assert_array_equal(hf_bitnet.unpack_rows(packed), codes)
+
+
+def hf_reference_logits(folder, tokens: np.ndarray) -> np.ndarray:
+  """BitNetForCausalLM with transformers' BitLinear, from the folder alone, in float64 numpy."""
+  cfg = json.loads((folder / "config.json").read_text())
+  t = load_file(str(folder / "model.safetensors"))
+  heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+  eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+  b, seq = tokens.shape
+
+  def norm(x, name):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * t[name].astype(np.float64)
+
+  def bitlinear(x, name):
+    rows = t[f"{name}.weight"].shape[0]
+    w = np.concatenate([((t[f"{name}.weight"] >> (2 * i)) & 3).astype(np.float64) - 1 for i in range(4)], 0)
+    assert w.shape[0] == 4 * rows
+    scale = 127 / np.maximum(np.abs(x).max(-1, keepdims=True), 1e-5)
+    q = np.clip(np.round(x * scale), -128, 127)
+    return (q @ w.T) / (scale * t[f"{name}.weight_scale"].astype(np.float64))
+
+  act = {"silu": lambda g: g / (1 + np.exp(-g)), "relu2": lambda g: np.maximum(g, 0) ** 2}[cfg["hidden_act"]]
+  inv_freq = theta ** (-np.arange(0, hd, 2) / hd)
+  angles = np.concatenate([np.arange(seq)[:, None] * inv_freq[None]] * 2, -1)
+
+  def rope(x):
+    return x * np.cos(angles) + np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * np.sin(angles)
+
+  embed = t["model.embed_tokens.weight"].astype(np.float64)
+  x = embed[tokens]
+  causal = np.triu(np.full((seq, seq), -np.inf), 1)
+  for i in range(cfg["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    h = norm(x, p + "input_layernorm.weight")
+    q, k, v = (bitlinear(h, p + f"self_attn.{z}_proj") for z in "qkv")
+    q = rope(q.reshape(b, seq, heads, hd).transpose(0, 2, 1, 3))
+    k = np.repeat(rope(k.reshape(b, seq, kv, hd).transpose(0, 2, 1, 3)), heads // kv, 1)
+    v = np.repeat(v.reshape(b, seq, kv, hd).transpose(0, 2, 1, 3), heads // kv, 1)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + causal
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    attn = (probs / probs.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(b, seq, heads * hd)
+    x = x + bitlinear(norm(attn, p + "self_attn.attn_sub_norm.weight"), p + "self_attn.o_proj")
+    h = norm(x, p + "post_attention_layernorm.weight")
+    hidden = act(bitlinear(h, p + "mlp.gate_proj")) * bitlinear(h, p + "mlp.up_proj")
+    x = x + bitlinear(norm(hidden, p + "mlp.ffn_sub_norm.weight"), p + "mlp.down_proj")
+  x = norm(x, "model.norm.weight")
+  head = t["lm_head.weight"] if "lm_head.weight" in t else embed
+  return x @ head.astype(np.float64).T
+
+
+LAYOUTS = {"scan_fused_silu": {}, "unrolled_unfused_relu2_untied": dict(
+    scan_layers=False, fused_projections=False, mlp_activation="relu2", tie_embeddings=False)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_folder_is_transformers_bitnet_with_our_codes_and_logits(layout, tmp_path):
+  config = dataclasses.replace(CONFIG, **LAYOUTS[layout])
+  params = random_params(config, fresh_key())
+  folder = hf_bitnet.save_pretrained(tmp_path / "hf", config, params)
+  cfg = json.loads((folder / "config.json").read_text())
+  assert cfg["architectures"] == ["BitNetForCausalLM"] and cfg["model_type"] == "bitnet"
+  assert cfg["quantization_config"] == {"quant_method": "bitnet", "linear_class": "bitlinear",
+                                        "quantization_mode": "offline"}
+  assert cfg["hidden_act"] == config.mlp_activation and cfg["tie_word_embeddings"] == config.tie_embeddings
+  # The codes and scale of one projection are those jaxlowbit.inference runs.
+  t = load_file(str(folder / "model.safetensors"))
+  qparams = inference.quantize_params(params, "ternary")
+  down = jax.tree.map(lambda x: x[1], qparams["layers"]) if config.scan_layers else qparams["layers_1"]
+  down = down["mlp"]["down"]
+  np.testing.assert_array_equal(hf_bitnet.unpack_rows(t["model.layers.1.mlp.down_proj.weight"]),
+                                np.asarray(ternary.unpack_2bit(down["kernel_packed"], axis=-1)))
+  np.testing.assert_allclose(t["model.layers.1.mlp.down_proj.weight_scale"], 1 / np.asarray(down["kernel_scale"]),
+                             rtol=1e-7)
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 16))
+  assert rel_err(hf_reference_logits(folder, tokens), ternary_logits(config, params, tokens)) < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("weights", hf_bitnet.FORMATS)
+def test_import_gives_back_the_exported_models_forward(weights, tmp_path):
+  """Export a fused, scanned model and import it (unfused, as transformers' scales are per linear):
+  the BitNet forward is the same; master weights come back exactly."""
+  params = random_params(CONFIG, fresh_key())
+  hf_bitnet.save_pretrained(tmp_path / "hf", CONFIG, params, weights=weights)
+  config, imported = hf_bitnet.load_pretrained(tmp_path / "hf", dtype=jnp.float32)
+  assert config.bitnet_norm_placement == "sub" and not config.fused_projections and config.tie_embeddings
+  assert config.d_ff == CONFIG.d_ff and config.n_kv_heads == CONFIG.n_kv_heads
+  tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 16))
+  ours = ternary_logits(CONFIG, params, tokens)
+  if weights == "master":  # q, k, v now quantized on their own: the same weights, another forward
+    again = hf_bitnet.hf_tensors(config, imported, "master")
+    for (name, value), (_, before) in zip(again, hf_bitnet.hf_tensors(CONFIG, params, "master"), strict=True):
+      np.testing.assert_array_equal(value, before, err_msg=name)
+    return
+  assert rel_err(ternary_logits(config, imported, tokens), ours) < 1e-5
+  # The imported model requantizes to the exported codes, as a fused model too.
+  fused, again = hf_bitnet.load_pretrained(tmp_path / "hf", dtype=jnp.float32, fused_projections=True)
+  assert rel_err(ternary_logits(fused, again, tokens), ours) < 1e-5
+
+
+def test_clear_errors(tmp_path):
+  params = Transformer(CONFIG).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  every = dataclasses.replace(CONFIG, bitnet_norm_placement="every_projection")
+  with pytest.raises(ValueError, match="bitnet_norm_placement=sub"):
+    hf_bitnet.save_pretrained(tmp_path / "a", every, params)
+  with pytest.raises(ValueError, match="every attention and MLP linear"):
+    hf_bitnet.save_pretrained(tmp_path / "b", dataclasses.replace(CONFIG, filter_fqns=("down",)), params)
+  assert not list(tmp_path.iterdir())  # nothing written, not even a partial folder
+  llama = hf.hf_config(dataclasses.replace(CONFIG, recipe=None))
+  assert not hf_bitnet.is_bitnet(llama)
+  with pytest.raises(hf.UnsupportedCheckpointError, match="hidden_act='gelu'"):
+    hf_bitnet.model_config_from_hf({**llama, "architectures": ["BitNetForCausalLM"], "hidden_act": "gelu"})
+
+
+def test_transformers_loads_it_with_our_logits(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  params = random_params(CONFIG, fresh_key())
+  folder = hf_bitnet.save_pretrained(tmp_path / "hf", CONFIG, params)
+  try:
+    model = transformers.BitNetForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+  except RuntimeError as e:  # older transformers: "No GPU found. A GPU is needed for quantization."
+    pytest.skip(f"transformers does not load BitNet models here: {e}")
+  tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 16))
+  with torch.no_grad():
+    theirs = model(torch.as_tensor(tokens).to(model.device)).logits.float().cpu().numpy()
+  assert rel_err(theirs, ternary_logits(CONFIG, params, tokens)) < LOGITS_RTOL
