@@ -78,11 +78,12 @@ def fit_moments(g: jax.Array, m: jax.Array, v: jax.Array, m_new: jax.Array, v_ne
   """The new moments of :func:`adam_moments` made storable in a block-wise state: float32 ``(m, v)``.
 
   A finite gradient of more than ~1.8e19 overflows ``g * g`` (optax's ``v`` then holds inf and its
-  update is 0 there; from ~1e18 the bias-corrected ``v`` of early steps does). A block-wise state cannot hold inf without losing the whole block (its scale
-  is the block's max), so where ``v_new`` exceeds :data:`MOMENT_MAX` and ``g`` is finite, the
-  element's pair is scaled by ``k = sqrt(MOMENT_MAX) / sqrt(v_true)``: ``v = MOMENT_MAX``,
-  ``m = k m_true``. ``m / sqrt(v)``, all that Adam's update reads, is then the exact one (optax's
-  overflowed state says 0 instead), and both stay finite. ``sqrt(v_true)`` is computed scaled by
+  update is 0 there; from ~1e18 the bias-corrected ``v`` of early steps does). A block-wise state
+  cannot hold inf without losing the whole block (its scale is the block's max), so where ``v_new``
+  exceeds :data:`MOMENT_MAX` and ``g`` is finite, the element's pair is scaled by
+  ``k = sqrt(MOMENT_MAX) / sqrt(v_true)``: ``v = MOMENT_MAX``, ``m = k m_true``. ``m / sqrt(v)``,
+  all that Adam's update reads, is then the exact one (optax's overflowed state says 0 instead),
+  and both stay finite. ``sqrt(v_true)`` is computed scaled by
   ``s = max(|g|, sqrt(v))``, so nothing overflows. Elsewhere ``m_new`` and ``v_new`` pass
   unchanged; a NaN or inf gradient keeps its NaN/inf moments (the block's state turns NaN).
 

@@ -1,5 +1,7 @@
 """convert(): existing Linen models run quantized with unchanged parameter trees."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,8 +176,6 @@ def test_methods_passed_to_apply_run_converted():
 
 def test_a_filter_entry_that_matches_no_layer_warns_once_naming_the_paths():
   """The README's old mistake: ``name="lm_head"`` inside ``nn.Sequential`` is renamed ``layers_2``."""
-  import warnings
-
   x = jnp.ones((2, 32))
   seq = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(16, name="lm_head")])
   model = jaxlowbit.convert(seq, Int8MixedPrecision(), filter_fqns=("lm_head", "layers_0"))

@@ -52,7 +52,8 @@ LINEN = [jaxlowbit.Int8Dense, jaxlowbit.Fp8Dense, jaxlowbit.BitNetDense, layers.
 @pytest.mark.parametrize("features", [0, -1, (4, 0), 2.5, True])
 @pytest.mark.parametrize("cls", LINEN)
 def test_linen_layers_refuse_nonpositive_features(cls, features):
-  with pytest.raises(ValueError, match=rf"{cls.__name__}: features must be a positive int.*got {re.escape(repr(features))}"):
+  got = re.escape(repr(features))
+  with pytest.raises(ValueError, match=rf"{cls.__name__}: features must be a positive int.*got {got}"):
     cls(features)
 
 

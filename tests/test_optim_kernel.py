@@ -15,8 +15,8 @@ from jaxlowbit import optim, qstate
 from jaxlowbit.qstate import BlockFormat, BlockQuantized
 from jaxlowbit_numerics.adam import adam_coefficients
 from optim_kernel_common import (FORMATS, assert_kernel_matches_reference, assert_moments_agree,
-                                 assert_nonfinite_gradients_reach_the_state_as_nan, assert_overflowing_gradients_stay_finite,
-                                 assert_step_matches_reference,
+                                 assert_nonfinite_gradients_reach_the_state_as_nan,
+                                 assert_overflowing_gradients_stay_finite, assert_step_matches_reference,
                                  assert_update_agrees, random_case, reference)
 from pallas_kernels import adam as ak
 from pallas_kernels import dispatch, policy
