@@ -278,7 +278,7 @@ def test_mesh_shape_resolves_and_rejects(corpus):
     shape(processes=2, mesh__fsdp=4)
   with pytest.raises(ValueError, match="mesh.data=3 does not divide the 8 visible devices"):
     shape(mesh__data=3, **auto)
-  with pytest.raises(ValueError, match="mesh.data=0 must be >= 1"):
+  with pytest.raises(ValueError, match=r"config.mesh.data must be an integer in \[1, inf\), got 0"):
     shape(mesh__data=0)
 
 
