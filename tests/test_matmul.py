@@ -7,10 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxlowbit
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
+from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
+from jaxlowbit.recipes import bitnet
+from pallas_kernels import dispatch
 from helpers import fresh_key, rel_err, sqnr_db
 
 M, K, N = 256, 512, 384
@@ -100,6 +104,66 @@ def test_bitnet_default_backward_is_high_precision():
   near_tie = np.abs(np.abs(x64 * xs - np.floor(x64 * xs)) - 0.5) < 1e-4
   flips = np.sum(near_tie * (np.linalg.norm(g64, axis=1, keepdims=True) / xs))
   assert rel_err(dw, rdw) <= 1e-5 + flips / np.linalg.norm(np.asarray(rdw, np.float64)), (rel_err(dw, rdw), flips)
+
+
+BITNET_PRESETS = [BitNet(), BitNet(grad_input=True), BitNet(grad_input=True, grad_weight=True)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bitnet_quantizing_twice(x, w, recipe):
+  """The BitNet linear as it was before the backward reused the forward's codes: the backward
+  quantized the float32 W again by rows (handed to the recipe as a low-bit operand of those rows)."""
+  return recipe.forward(x, w)[0]
+
+
+def _twice_fwd(x, w, recipe):
+  y, (x_rows, x_t, _) = recipe.forward(x, w)
+  return y, (x_rows, x_t, w)
+
+
+def _twice_bwd(recipe, residuals, g):
+  x_rows, x_t, w = residuals
+  w_rows = QuantizedMatrix(*dispatch.quantize_rows(w, bitnet.TERNARY), bitnet.TERNARY)
+  return recipe.backward((x_rows, x_t, LowBitOperand(w_rows, None, w)), g, w.dtype)
+
+
+_bitnet_quantizing_twice.defvjp(_twice_fwd, _twice_bwd)
+
+
+def _ternary_rounds(jaxpr, shape) -> int:
+  """``round`` equations on an operand of ``shape`` in ``jaxpr`` and the jaxprs nested in it."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "round" and tuple(eqn.invars[0].aval.shape) == shape
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        count += _ternary_rounds(sub.jaxpr, shape) if isinstance(sub, jax_core.ClosedJaxpr) else 0
+        count += _ternary_rounds(sub, shape) if isinstance(sub, jax_core.Jaxpr) else 0
+  return count
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+@pytest.mark.parametrize("recipe", BITNET_PRESETS, ids=str)
+def test_bitnet_backward_reuses_the_forward_codes_bit_for_bit(recipe, dtype):
+  # The backward derives Wq from the forward's int8 codes instead of quantizing W again: the
+  # forward, jax.grad's dx and dW must be exactly those of the path that quantized twice, and W
+  # (float32 master weight, x and g in the compute dtype as in training) is rounded once.
+  x, w, g = _inputs(64, 128, 96, dtype)
+
+  def loss(x, w, linear):
+    return jnp.sum(linear(x, w).astype(jnp.float32) * g.astype(jnp.float32))
+
+  once = functools.partial(quantized_matmul, recipe=recipe)
+  twice = functools.partial(_bitnet_quantizing_twice, recipe=recipe)
+  for a, b in zip(jax.jit(once)(x, w), jax.jit(twice)(x, w)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+  for name, a, b in zip(("dx", "dw"), grads(x, w, once), grads(x, w, twice)):
+    assert a.dtype == b.dtype and not np.all(np.asarray(a, np.float32) == 0), name
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+  assert _ternary_rounds(jaxpr(x, w, once).jaxpr, w.shape) == 1
+  assert _ternary_rounds(jaxpr(x, w, twice).jaxpr, w.shape) == 2  # the count tells the two apart
 
 
 @pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3)), ids=str)

@@ -96,14 +96,14 @@ def test_each_bitnet_form_trains_checkpoints_and_reloads(placement, activation, 
 # Ternary weight quantization per optimizer step, counted in the train step's jaxpr.
 #
 # A BitNet weight W [K, N] is quantized as ``round(W / mean|W|)`` (jaxlowbit_numerics.ternary), so
-# each quantization is one ``round`` whose operand has W's shape. Today's count per forward use of a
-# weight is 2: the forward quantizes W for Wq^T (BitNet.forward) and the backward quantizes it again
-# for grad_input's rows (BitNet.backward); nothing is reused between the two passes. The jaxpr holds
-# the layer scan's body and the gradient-accumulation scan's body once, so each BitNet projection's
-# weights are quantized 2 x n_layers x grad_accum_steps times per optimizer step. Issue 26 asks for
-# once per optimizer step (shared by every microbatch and both passes); when that lands, this count
-# (and the test's assertion) becomes 1 outside the scans.
-TERNARY_QUANTIZATIONS_PER_USE = 2
+# each quantization is one ``round`` whose operand has W's shape. The count per forward use of a
+# weight is 1: the forward quantizes W for Wq^T and keeps those int8 codes for the backward, whose
+# grad_input reads their transpose (BitNet.forward/backward; it was 2 when the backward quantized W
+# again). The jaxpr holds the layer scan's body and the gradient-accumulation scan's body once, so
+# each BitNet projection's weights are still quantized n_layers x grad_accum_steps times per optimizer
+# step; issue 26's once per optimizer step (shared by every microbatch) would make this 1 outside the
+# accumulation scan.
+TERNARY_QUANTIZATIONS_PER_USE = 1
 
 
 def _rounds_by_shape(jaxpr, counts=None) -> collections.Counter:

@@ -3,7 +3,13 @@
 - W ternary: ``s = mean(|W|)`` (float32, >= 1e-5), ``Wq = clip(round(W / s), -1, 1)``.
 - x int8 per row (absmax, eps 1e-5); forward on int8 tensor cores.
 - backward straight-through: the gradient flows as if quantization were identity.
-- the model puts an RMSNorm before each BitNet linear (:attr:`BitNet.norm_before_linear`).
+- W is quantized once per forward use: the forward keeps its codes ``Wq^T [N, K]`` (int8, 1 byte
+  per value) and one scale as the residual, and grad_input reads ``Wq`` as their transpose, instead
+  of quantizing the float32 W a second time (two more reads of 4 bytes per value).
+- model side (:attr:`BitNet.norm_before_linear`): BitNet projections read RMSNorm outputs, placed as
+  the model says (``train.model.ModelConfig.bitnet_norm_placement``): ``"sub"``, the published
+  BitNet b1.58 (the pre-norms plus a sub-norm before the attention output and down projections;
+  ``configs/bitnet_*.py``), or ``"every_projection"``, torchao's surgery (an RMSNorm before each).
 """
 
 from __future__ import annotations
@@ -78,11 +84,13 @@ class BitNet(Recipe):
         out_dtype = x.dtype
       if is_low_bit(w):
         w_t = provided(w, "transposed", TERNARY, self, "weight")
+        w_kept = w  # a producer's operand (FSDP's gather) brings grad_input's layout too
       else:
         w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY), TERNARY)  # Wq^T [N, K], one scale
+        w_kept = w_t  # the backward derives Wq from these codes: W is quantized once per use
       y = gemm(x_rows, w_t, out_dtype)
     # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
-    return y, (x_rows, x_t, w)
+    return y, (x_rows, x_t, w_kept)
 
   def backward(self, residuals, g, w_dtype):
     x_rows, x_t, w = residuals
@@ -90,7 +98,9 @@ class BitNet(Recipe):
       if is_low_bit(w):
         w_rows = provided(w, "rows", TERNARY, self, "weight")
       else:
-        w_rows = QuantizedMatrix(*dispatch.quantize_rows(w, TERNARY), TERNARY)
+        # Wq [K, N] K-major for the GEMM: an int8 transpose of the forward's codes (one scale for
+        # the tensor, so the rows' scale is the same), bit-identical to quantizing W again by rows.
+        w_rows = QuantizedMatrix(w.data.T, w.scale, TERNARY)
       if self.grad_input:
         g_rows, _ = quantize_operand(g, OperandQuantization(GRADIENTS))
         dx = gemm(g_rows, w_rows, g.dtype)  # Wq is exact in int8
