@@ -13,9 +13,11 @@ from flax import traverse_util
 
 from helpers import fresh_key, rel_err
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision
+from jaxlowbit.parallel.tensor import COLUMN, ROW, TensorParallel
+from jaxlowbit_numerics.stats import Split
 from train import config as train_config
-from train.model import (BITNET_NORM_PLACEMENTS, MLP_ACTIVATIONS, ModelConfig, Transformer, param_count,
-                         projection_paths, rope, tensor_parallel_rules, train_flops_per_token)
+from train.model import (BITNET_NORM_PLACEMENTS, MLP_ACTIVATIONS, Mlp, ModelConfig, ProjectionLayout, Transformer,
+                         param_count, projection_paths, rope, tensor_parallel_rules, train_flops_per_token)
 
 SMALL = ModelConfig(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, dtype=jnp.float32)
 
@@ -189,8 +191,6 @@ def _plain_mlp(x, kernels, activation):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_projections", "separate_projections"])
 def test_mlp_activation_equals_a_plain_jnp_reference(activation, fused):
   """Forward and gradients (the fused op's own backward) of the model's MLP against jnp autodiff, float32."""
-  from train.model import Mlp  # noqa: PLC0415  (the block's MLP module; not public API)
-
   config = dataclasses.replace(SMALL, mlp_activation=activation, fused_projections=fused)
   mlp = Mlp(config)
   x = jax.random.normal(fresh_key(), (3, 10, SMALL.d_model))
@@ -244,6 +244,29 @@ def test_sub_model_fused_quantizers_equal_the_unfused_path(activation):
   (_, plain_int8), _ = loss_and_grads(recipe=BitNet(grad_input=True), fused_quantizers=False)
   for a, b, exact in zip(jax.tree.leaves(fused_int8), jax.tree.leaves(plain_int8), jax.tree.leaves(fused_grads)):
     assert rel_err(a, exact) <= 1.25 * rel_err(b, exact) + 1e-3
+
+
+def test_projection_concerns_decide_alone():
+  """Norm placement, quantizer choice and parallel layout of a projection, each from its own function."""
+  sub = dataclasses.replace(SMALL, recipe=BitNet(), bitnet_norm_placement="sub", fused_projections=False)
+  assert [sub.norm_before(p) for p in ("layers.attn.q", "layers.attn.out", "layers.mlp.up", "layers.mlp.down")] == [
+      False, True, False, True]
+  assert sub.own_norm_recipe("layers.mlp.down") == BitNet()
+  assert dataclasses.replace(sub, fused_quantizers=False).own_norm_recipe("layers.mlp.down") is None
+  assert sub.fused_input_recipe("layers.attn.q", "layers.attn.k", "layers.attn.v") == BitNet()  # the pre-norm's
+  assert sub.fused_input_recipe("layers.mlp.down") is None  # its sub-norm quantizes instead of the activation
+  assert sub.gather_recipe("layers.attn.q", "layers.attn.k") == BitNet()
+  mixed = dataclasses.replace(sub, filter_fqns=("attn.k",))
+  assert mixed.gather_recipe("layers.attn.q", "layers.attn.k") is None  # no common recipe: dtype travels
+
+  tp = TensorParallel("tensor", 2)
+  assert ProjectionLayout(tp, ROW).input_split == Split(cols=("tensor",))
+  assert ProjectionLayout(tp, COLUMN).input_split == Split(rows=("tensor",))
+  assert ProjectionLayout(tp, COLUMN, gathered=True).input_split is None
+  assert ProjectionLayout(None, None).input_split is None
+  x = jnp.ones((4, 8))
+  assert ProjectionLayout(None, None).gather(x, BitNet()) is x
+  assert ProjectionLayout.of("layers.attn.q") == ProjectionLayout(None, None)  # outside tensor parallelism
 
 
 def test_scan_and_loop_compute_the_same_function():

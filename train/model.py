@@ -36,6 +36,12 @@ placed by ``bitnet_norm_placement``, each named ``<projection>_norm``:
 
 It is done here, where a reader sees it (:meth:`ModelConfig.norm_before`), not hidden in the layer.
 
+A projection is composed of one small function per concern (see the section above
+:func:`projection`): norm placement (:meth:`ModelConfig.norm_before`, :func:`own_norm`), quantizer
+choice (what the op producing its input quantizes for: :meth:`ModelConfig.own_norm_recipe`,
+:meth:`ModelConfig.fused_input_recipe`, :meth:`ModelConfig.gather_recipe`), parallel layout
+(:class:`ProjectionLayout`) and the layer (:func:`dense`).
+
 Layers are stacked with ``nn.scan`` (one compiled block for all layers: a 1B model compiles
 in seconds) and optionally rematerialized with ``nn.remat`` under a named policy. Parameters
 of the scanned stack carry a leading ``[n_layers]`` axis: ``params["layers"]["attn"]["qkv"]
@@ -63,9 +69,10 @@ import jax.numpy as jnp
 
 import jaxlowbit
 import jaxlowbit.fused
-from jaxlowbit.fsdp import COLUMN, FEATURES, ROW, tensor_parallel
 from jaxlowbit.interception import LayerFilter
 from jaxlowbit.operand import is_low_bit
+from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, TensorParallel, TensorSplit, tensor_parallel
+from jaxlowbit_numerics.stats import Split
 from pallas_kernels.quantize import GATE_ACTIVATIONS
 
 # Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
@@ -215,6 +222,17 @@ class ModelConfig:
       return None
     recipe = recipes.pop()
     return recipe if recipe is not None and recipe.input_quantization() is not None else None
+
+  def own_norm_recipe(self, path: str):
+    """What the projection's own norm (:meth:`norm_before`) quantizes its output for: the projection's
+    recipe when the model fuses quantizers, else None (the norm writes ``dtype``, the Dense quantizes)."""
+    return self.recipe_for(path) if self.fused_quantizers else None
+
+  def gather_recipe(self, *paths: str):
+    """How a column-parallel group's shared input travels in its tensor-parallel gather: the recipe
+    ``paths`` have in common (8-bit where it arrives quantized for it), else None (``dtype``)."""
+    recipes = {self.recipe_for(path) for path in paths}
+    return recipes.pop() if len(recipes) == 1 else None
 
   def norm_before(self, path: str) -> bool:
     """Whether the projection at ``path`` gets its own RMSNorm ``<name>_norm`` (the BitNet norms).
@@ -395,34 +413,72 @@ def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
   return RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
 
 
-def _split_role(path: str):
-  """The projection's tensor-parallel role while the model runs tensor-parallel (else None)."""
-  return TENSOR_PARALLEL.get(path.split(".")[-1]) if tensor_parallel() is not None else None
+# ---------------------------------------------------------------------------------------------
+# A projection, one concern per function (projection() and group_projections() compose them):
+#
+#   norm placement    ModelConfig.norm_before      which RMSNorm, if any, sits right before it
+#                     own_norm                     applies it
+#   quantizer choice  ModelConfig.own_norm_recipe  what its own norm quantizes for
+#                     ModelConfig.fused_input_recipe  what a shared producer (pre-norm, activation) does
+#                     ModelConfig.gather_recipe    how a column-parallel group's input travels
+#   parallel layout   ProjectionLayout             its split role, the gather, how its producer is split
+#   layer             dense                        the jaxlowbit Dense of its recipe
 
 
-def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False) -> jax.Array:
-  """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``.
+def _tensor_parallel() -> TensorParallel | None:
+  """The tensor-parallel context the model is traced under, or None: the model's one read of it."""
+  return tensor_parallel()
 
-  ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (the output is then ``[M,
-  features]``). Must be called inside a compact method (the layers attach to that module).
-  Applies the BitNet model surgery: with a BitNet recipe, ``x`` is first RMS-normalized by its
-  own norm (which quantizes its output for the projection when the model fuses quantizers).
 
-  Tensor parallelism: a column-parallel projection reads the whole sequence; unless the caller
-  ``gathered`` x for its group, it gathers it here (after its own norm) and returns this device's
-  ``features / n`` for all tokens. A row-parallel one reads ``[M, K / n]`` (its norm over the split
-  features) and returns this device's ``[M / n, features]`` token rows.
+@dataclasses.dataclass(frozen=True)
+class ProjectionLayout:
+  """How one projection's input is laid out over the tensor axis (all no-ops when ``tp`` is None).
+
+  Attributes:
+    tp: the tensor-parallel context, or None.
+    role: ``COLUMN`` (reads the whole sequence, computes this device's heads or hidden units), ``ROW``
+      (reads this device's features ``[M, K / n]``, reduce-scatters to its token rows) or None (not
+      split, e.g. the LM head).
+    gathered: the caller gathered the input already (a column-parallel group shares one gather).
   """
+
+  tp: TensorParallel | None
+  role: TensorSplit | None
+  gathered: bool = False
+
+  @classmethod
+  def of(cls, path: str, gathered: bool = False) -> ProjectionLayout:
+    tp = _tensor_parallel()
+    return cls(tp, TENSOR_PARALLEL.get(path.split(".")[-1]) if tp is not None else None, gathered)
+
+  @property
+  def input_split(self) -> Split | None:
+    """How the op producing the input holds its rows (its quantizer reduces over the split): this
+    device's features before a row-parallel projection, its tokens before a gather, else None."""
+    if self.role is ROW:
+      return self.tp.feature_split
+    return self.tp.token_split if self.role is COLUMN and not self.gathered else None
+
+  def gather(self, x, recipe):
+    """A column-parallel projection's input gathered to the whole sequence (8-bit where ``recipe``
+    reads it so) unless the caller did; anything else unchanged."""
+    return self.tp.gather(x, recipe) if self.role is COLUMN and not self.gathered else x
+
+
+def own_norm(config: ModelConfig, x, path: str, layout: ProjectionLayout):
+  """``x`` through the projection's own RMSNorm ``<name>_norm`` where :meth:`ModelConfig.norm_before`
+  places one (quantized for the projection per :meth:`ModelConfig.own_norm_recipe`), else ``x``."""
+  if not config.norm_before(path):
+    return x
+  norm = rms_norm(config, f"{path.split('.')[-1]}_norm")
+  return norm(x, quantize_for=config.own_norm_recipe(path), split=layout.input_split)
+
+
+def dense(config: ModelConfig, path: str, features: int, std: float) -> nn.Module:
+  """The jaxlowbit Dense of the projection at ``path`` (its recipe's, or high precision), named by its last part."""
   name = path.split(".")[-1]
-  recipe = config.recipe_for(path)
-  role, tp = _split_role(path), tensor_parallel()
-  if config.norm_before(path):
-    split = tp.feature_split if role is ROW else tp.token_split if role is COLUMN and not gathered else None
-    x = rms_norm(config, f"{name}_norm")(x, quantize_for=recipe if config.fused_quantizers else None, split=split)
-  if role is COLUMN and not gathered:
-    x = tp.gather(x, recipe)
-  dense = jaxlowbit.dense_for(
-      recipe,
+  return jaxlowbit.dense_for(
+      config.recipe_for(path),
       features=features,
       use_bias=config.attention_bias and name in ATTENTION_INPUTS,
       dtype=config.dtype,
@@ -430,28 +486,43 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, gat
       kernel_init=nn.initializers.normal(std),
       name=name,
   )
-  return dense(x)
+
+
+def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False) -> jax.Array:
+  """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``: its own norm (BitNet),
+  the tensor-parallel gather, the Dense.
+
+  ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (the output is then ``[M,
+  features]``). Must be called inside a compact method (the layers attach to that module).
+
+  Tensor parallelism: a column-parallel projection reads the whole sequence; unless the caller
+  ``gathered`` x for its group, it gathers it here (after its own norm) and returns this device's
+  ``features / n`` for all tokens. A row-parallel one reads ``[M, K / n]`` (its norm over the split
+  features) and returns this device's ``[M / n, features]`` token rows.
+  """
+  layout = ProjectionLayout.of(path, gathered)
+  x = own_norm(config, x, path, layout)
+  x = layout.gather(x, config.recipe_for(path))
+  return dense(config, path, features, std)(x)
 
 
 def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float) -> list[jax.Array]:
   """The projections ``{path: features}`` that read one input ``x`` (q, k, v; gate, up), in order.
 
   Under tensor parallelism x holds this device's token rows and the group is column-parallel: x
-  is gathered to the whole sequence once for the projections without a norm of their own (8-bit
-  when it arrives quantized, else as their common recipe reads it); BitNet's projections
-  normalize their own input and gather it each (``projection``).
+  is gathered to the whole sequence once for the projections without a norm of their own
+  (:meth:`ModelConfig.gather_recipe`); those with one normalize their own input and gather it each.
   """
-  tp = tensor_parallel()
+  tp = _tensor_parallel()
   shared = [p for p in paths if not config.norm_before(p)] if tp is not None else []
   if shared:
-    recipes = {config.recipe_for(p) for p in shared}
-    x_whole = tp.gather(x, recipes.pop() if len(recipes) == 1 else None)
+    x_whole = tp.gather(x, config.gather_recipe(*shared))
   return [projection(config, x_whole if path in shared else x, path, n, std, gathered=path in shared)
           for path, n in paths.items()]
 
 
 def _check_unfused(config: ModelConfig) -> None:
-  if config.fused_projections and tensor_parallel() is not None:
+  if config.fused_projections and _tensor_parallel() is not None:
     tensor_parallel_rules(config)  # raises: the error that says what to change
 
 
@@ -531,9 +602,9 @@ class Mlp(nn.Module):
     else:
       gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std)
       gate_up = jnp.concatenate([gate, up], axis=-1)
-    tp = tensor_parallel()
     h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"),
-                                   split=tp.feature_split if tp is not None else None, activation=c.mlp_activation)
+                                   split=ProjectionLayout.of("layers.mlp.down").input_split,
+                                   activation=c.mlp_activation)
     return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), "layers.mlp.down", c.d_model,
                       _residual_std(c))
 
@@ -555,11 +626,13 @@ class Block(nn.Module):
     dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
     attn_paths = ("layers.attn.qkv",) if c.fused_projections else ("layers.attn.q", "layers.attn.k", "layers.attn.v")
     mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
-    tp = tensor_parallel()
-    split = tp.token_split if tp is not None else None  # the norms quantize this device's tokens for a gather
-    h = rms_norm(c, "attn_norm")(x, quantize_for=c.fused_input_recipe(*attn_paths), split=split)
+    _check_unfused(c)  # before the norms: their split is that of q, k, v and gate, up
+    # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
+    h = rms_norm(c, "attn_norm")(x, quantize_for=c.fused_input_recipe(*attn_paths),
+                                 split=ProjectionLayout.of(attn_paths[0]).input_split)
     x = x + dropout(Attention(c, self.decode, name="attn")(h, positions).reshape(x.shape))
-    h = rms_norm(c, "mlp_norm")(x, quantize_for=c.fused_input_recipe(*mlp_paths), split=split)
+    h = rms_norm(c, "mlp_norm")(x, quantize_for=c.fused_input_recipe(*mlp_paths),
+                                split=ProjectionLayout.of(mlp_paths[0]).input_split)
     x = x + dropout(Mlp(c, name="mlp")(h).reshape(x.shape))
     return x, None
 
@@ -580,7 +653,7 @@ class Transformer(nn.Module):
     """``tokens [B, T]`` -> ``[B, T, vocab_size]`` float32; tensor-parallel (``jaxlowbit.fsdp.apply`` on a
     mesh with a tensor axis): the logits of this device's ``B T / n`` token rows, ``[B T / n, vocab_size]``."""
     c = self.config
-    tp = tensor_parallel()
+    tp = _tensor_parallel()
     if tp is not None and self.decode:
       raise ValueError("Transformer: decoding with a KV cache runs on one device, not tensor-parallel")
     embed = nn.Embed(
