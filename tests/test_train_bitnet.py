@@ -139,3 +139,26 @@ def test_ternary_weight_quantizations_per_step(placement, accum):
   assert not set(kernels.values()) & {shape for shape in rounds if shape[0] == tokens}
   for path, shape in kernels.items():
     assert rounds[shape] == TERNARY_QUANTIZATIONS_PER_USE, (path, shape, rounds)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a few trainer steps per form on the 1B shape (configs/bitnet_1b.py), fused kernels on.
+
+GPU_STEPS = 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement, activation, tied", FORMS, ids=str)
+def test_1b_shape_trains_a_few_steps_per_form_on_gpu(placement, activation, tied, tmp_path):
+  """Loss finite and falling on synthetic data, a checkpoint written, for each norm placement at d 2048 x 16
+  layers (short sequences so each form compiles and steps in about a minute)."""
+  config = train_config.load_file(CONFIGS / "bitnet_1b.py")
+  config.model.update(bitnet_norm_placement=placement, mlp_activation=activation, tie_embeddings=tied)
+  config.data.source = "synthetic"
+  config.update(steps=GPU_STEPS, batch_size=4, seq_len=512, lr=1e-3, warmup_steps=1, log_every=1,
+                eval_every=GPU_STEPS, eval_batches=1, checkpoint_every=GPU_STEPS, tensorboard=False)
+  result = loop.train(config, tmp_path / placement)
+  assert result.status == "completed" and result.step == GPU_STEPS
+  losses = train_losses(tmp_path / placement)
+  assert all(np.isfinite(list(losses.values()))) and losses[GPU_STEPS] < losses[1], losses
+  assert generate.load_run(tmp_path / placement)[1] == train_config.model_config(config)
