@@ -1,4 +1,4 @@
-"""~122M Llama-style model: for convergence runs (benchmarks/convergence.py); same model and data for every recipe.
+"""~122M Llama-style model: for convergence runs (benchmarks/convergence.py); the trunk and data of every recipe's 125M.
 
 Recipe bitnet. BitNet b1.58: ternary weights x int8 activations in the forward, a straight-through
 backward whose grad_input runs on int8 tensor cores (the ternary weight is exact in int8) and whose
