@@ -38,9 +38,9 @@ until the outlier decays, as after any gradient that dwarfs its block.
 
 Each state is of its formats' class (:func:`state_class`; ``state.format_name`` says
 ``adamw_8bit`` etc.): ``update`` refuses another optimizer's state, naming both, and a state
-restored without a target (orbax's dicts). ``optax.adamw``'s own ``update`` cannot tell our state
-from its own (the fields are named ``mu`` and ``nu`` in both; renaming them would change every
-checkpoint's layout), so keep each state with the optimizer that made it.
+restored without a target (orbax's dicts); so does :func:`adamw` (``make("adamw")``: ``optax.adamw``
+given a low-bit state). ``optax.adamw``'s own ``update`` cannot tell our state from its own (the
+fields are named ``mu`` and ``nu`` in both; renaming them would change every checkpoint's layout).
 
 Sharding: every state leaf is one array with its parameter's rank and leading shape (the
 state's ``mu``/``nu`` hold codes ``[*lead, N]``, ``mu_scale``/``nu_scale`` block scales
@@ -737,8 +737,38 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
 
 # ----------------------------------------------------------------------------- factory
 
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any | None = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    nesterov: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.adamw`` (same arguments, state and arithmetic) whose ``update`` refuses a low-bit state.
+
+  optax's own ``update`` reads a low-bit state's codes as moments without a word (both name them
+  ``mu`` and ``nu``); this one, :data:`OPTIMIZERS`' ``adamw``, says whose state it got instead.
+  """
+  tx = optax.adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    first = state[0] if isinstance(state, tuple) and state else state
+    if isinstance(first, ScaleByAdamQuantizedState):
+      raise TypeError(f"adamw.update: got {_describe_state(first)}, not a state of optax.adamw; an optimizer "
+                      "updates only the state its own init made (call adamw(...).init(params))")
+    return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "adamw": optax.adamw,
+    "adamw": adamw,
     "adamw_8bit": adamw_8bit,
     "adamw_4bit": adamw_4bit,
     "adamw_fp8": adamw_fp8,
@@ -749,7 +779,8 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
 def make(
     name: str, learning_rate: optax.ScalarOrSchedule, *, stochastic_rounding_seed: int | None = None, **kwargs
 ) -> optax.GradientTransformation:
-  """An AdamW by name: ``adamw`` (optax), ``adamw_8bit``, ``adamw_4bit``, ``adamw_fp8``, ``adamw_fp8_o2``.
+  """An AdamW by name: ``adamw`` (optax's, see :func:`adamw`), ``adamw_8bit``, ``adamw_4bit``, ``adamw_fp8``,
+  ``adamw_fp8_o2``.
 
   Args:
     name: one of :data:`OPTIMIZERS`.
@@ -780,6 +811,7 @@ __all__ = [
     "OPTIMIZERS",
     "ScaleByAdamQuantizedState",
     "StochasticRoundingState",
+    "adamw",
     "adamw_4bit",
     "adamw_8bit",
     "adamw_fp8",

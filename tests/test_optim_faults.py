@@ -92,6 +92,21 @@ def test_another_optimizers_state_is_refused_naming_both(name, given):
     jax.jit(lambda g, s, p: optim.apply_step(tx, g, s, p))(params, foreign, params)
 
 
+@pytest.mark.parametrize("given", LOW_BIT)
+def test_the_registrys_adamw_refuses_a_low_bit_state(given):
+  """optax.adamw's own update would read the codes as moments; the registry's adamw (the trainer's) says no."""
+  params = {"w": jnp.zeros((8, 1024))}
+  tx = optim.make("adamw", LR)
+  u, _ = jax.jit(tx.update)(params, tx.init(params), params)  # its own state: optax.adamw's arithmetic
+  np.testing.assert_array_equal(u["w"], optax.adamw(LR).update(params, optax.adamw(LR).init(params), params)[0]["w"])
+  with pytest.raises(TypeError, match=rf"adamw\.update: got the state of {given}, not a state of optax.adamw"):
+    jax.jit(tx.update)(params, optim.make(given, LR).init(params), params)
+  chained = optim.chain(optax.clip_by_global_norm(1.0), optim.make("adamw", LR))
+  foreign = optim.chain(optax.clip_by_global_norm(1.0), optim.make(given, LR)).init(params)
+  with pytest.raises(TypeError, match=rf"got the state of {given}"):
+    optim.apply_step(chained, params, foreign, params)
+
+
 def test_a_state_carries_its_format_through_tree_maps_pickle_and_a_targeted_restore(tmp_path):
   tx = optim.adamw_4bit(LR)
   params = {"w": jnp.zeros((8, 1024))}
