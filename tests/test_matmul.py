@@ -145,22 +145,28 @@ def _ternary_rounds(jaxpr, shape) -> int:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
 @pytest.mark.parametrize("recipe", BITNET_PRESETS, ids=str)
 def test_bitnet_backward_reuses_the_forward_codes_bit_for_bit(recipe, dtype):
-  # The backward derives Wq from the forward's int8 codes instead of quantizing W again: the
-  # forward, jax.grad's dx and dW must be exactly those of the path that quantized twice, and W
-  # (float32 master weight, x and g in the compute dtype as in training) is rounded once.
+  # The backward derives Wq from the forward's int8 codes instead of quantizing W again, also when W
+  # arrives as a low-bit operand holding only W^T's codes: the forward, jax.grad's dx and dW must be
+  # exactly those of the path that quantized twice (float32 master weight, x and g in the compute
+  # dtype as in training), and W is rounded once.
   x, w, g = _inputs(64, 128, 96, dtype)
 
   def loss(x, w, linear):
     return jnp.sum(linear(x, w).astype(jnp.float32) * g.astype(jnp.float32))
 
+  def step_operand(x, w):  # quantized ahead (train.steps' step weights): W^T's codes only, W the carrier
+    codes = jax.lax.stop_gradient(dispatch.quantize_cols_t(w, bitnet.TERNARY))
+    return quantized_matmul(x, LowBitOperand(None, QuantizedMatrix(*codes, bitnet.TERNARY), w), recipe)
+
   once = functools.partial(quantized_matmul, recipe=recipe)
   twice = functools.partial(_bitnet_quantizing_twice, recipe=recipe)
-  for a, b in zip(jax.jit(once)(x, w), jax.jit(twice)(x, w)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
-  for name, a, b in zip(("dx", "dw"), grads(x, w, once), grads(x, w, twice)):
-    assert a.dtype == b.dtype and not np.all(np.asarray(a, np.float32) == 0), name
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+  for linear in (once, step_operand):
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w), np.float32),
+                                  np.asarray(jax.jit(twice)(x, w), np.float32))
+    for name, a, b in zip(("dx", "dw"), grads(x, w, linear), grads(x, w, twice)):
+      assert a.dtype == b.dtype and not np.all(np.asarray(a, np.float32) == 0), name
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
   assert _ternary_rounds(jaxpr(x, w, once).jaxpr, w.shape) == 1
   assert _ternary_rounds(jaxpr(x, w, twice).jaxpr, w.shape) == 2  # the count tells the two apart

@@ -96,14 +96,13 @@ def test_each_bitnet_form_trains_checkpoints_and_reloads(placement, activation, 
 # Ternary weight quantization per optimizer step, counted in the train step's jaxpr.
 #
 # A BitNet weight W [K, N] is quantized as ``round(W / mean|W|)`` (jaxlowbit_numerics.ternary), so
-# each quantization is one ``round`` whose operand has W's shape. The count per forward use of a
-# weight is 1: the forward quantizes W for Wq^T and keeps those int8 codes for the backward, whose
-# grad_input reads their transpose (BitNet.forward/backward; it was 2 when the backward quantized W
-# again). The jaxpr holds the layer scan's body and the gradient-accumulation scan's body once, so
-# each BitNet projection's weights are still quantized n_layers x grad_accum_steps times per optimizer
-# step; issue 26's once per optimizer step (shared by every microbatch) would make this 1 outside the
-# accumulation scan.
-TERNARY_QUANTIZATIONS_PER_USE = 1
+# each quantization is one ``round`` whose operand has W's shape. Each weight is quantized once per
+# optimizer step: the forward keeps its int8 codes Wq^T for the backward, whose grad_input reads their
+# transpose (BitNet.forward/backward; the backward used to quantize W again: 2 per use), and with
+# gradient accumulation the step quantizes every BitNet weight before the microbatch scan and each
+# microbatch reads those codes (Unsharded.step_weights; it used to quantize in every microbatch).
+# The jaxpr holds the layer scan's body (or the stacked weights' quantizing map) once.
+TERNARY_QUANTIZATIONS_PER_STEP = 1
 
 
 def _rounds_by_shape(jaxpr, counts=None) -> collections.Counter:
@@ -124,10 +123,12 @@ def _rounds_by_shape(jaxpr, counts=None) -> collections.Counter:
 @pytest.mark.parametrize("placement", ["sub", "every_projection"])
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ternary_weight_quantizations_per_step(placement, accum):
-  # Widths chosen so that no weight [K, N] has the shape of an activation [tokens, K] that is rounded too.
-  config = micro_config("unused", recipe="bitnet", grad_accum_steps=accum, model__n_layers=2, model__d_model=40,
+  # Widths chosen so that no weight [K, N] has the shape of an activation [tokens, K] that is rounded too;
+  # 3 layers so that the accumulation scan (length accum) is told from the stacked weights' map (length 3).
+  config = micro_config("unused", recipe="bitnet", grad_accum_steps=accum, model__n_layers=3, model__d_model=40,
                         model__d_ff=72, model__bitnet_norm_placement=placement)
   model_config = train_config.model_config(config)
+  assert model_config.scan_layers
   model, optimizer = Transformer(model_config), make_optimizer(config)
   state = jax.eval_shape(steps.make_init(Unsharded(model), optimizer, config))
   batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
@@ -138,7 +139,31 @@ def test_ternary_weight_quantizations_per_step(placement, accum):
   tokens = config.batch_size // accum * config.seq_len
   assert not set(kernels.values()) & {shape for shape in rounds if shape[0] == tokens}
   for path, shape in kernels.items():
-    assert rounds[shape] == TERNARY_QUANTIZATIONS_PER_USE, (path, shape, rounds)
+    assert rounds[shape] == TERNARY_QUANTIZATIONS_PER_STEP, (path, shape, rounds)
+  if accum > 1:  # and none of them inside the microbatch loop
+    (microbatch_scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan" and eqn.params["length"] == accum]
+    in_loop = _rounds_by_shape(microbatch_scan.params["jaxpr"].jaxpr)
+    assert not any(in_loop[shape] for shape in kernels.values()), in_loop
+
+
+@pytest.mark.parametrize("scan_layers,dtype", [(True, "float32"), (False, "bfloat16")])
+def test_step_weights_give_the_per_microbatch_numbers(scan_layers, dtype):
+  # A microbatch reading the step's quantized BitNet weights computes exactly the loss and gradients
+  # of one that quantizes them itself (same codes and scales), whether the layers are scanned or not.
+  config = micro_config("unused", recipe="bitnet", grad_accum_steps=2, model__n_layers=2,
+                        model__scan_layers=scan_layers, model__dtype=dtype)
+  runtime = Unsharded(Transformer(train_config.model_config(config)))
+  params = jax.jit(steps.make_init(runtime, make_optimizer(config), config))().params
+  tokens = jax.random.randint(jax.random.key(1), (config.batch_size // 2, config.seq_len + 1), 0, 256)
+  rng = jax.random.key(2)
+  weights = jax.jit(runtime.step_weights)(params)
+  assert weights and all(path[-1] in ("ternary_codes_t", "ternary_scale") for path in weights)
+  own = jax.jit(runtime.loss_and_grads)(params, None, tokens, rng)
+  shared = jax.jit(runtime.loss_and_grads)(params, None, tokens, rng, weights)
+  assert jax.tree.structure(own) == jax.tree.structure(shared)
+  for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(shared)):
+    np.testing.assert_array_equal(a, b)
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ the two, so they contain no sharding branches:
                                                             computing the loss of its share of the tokens
 ``scales``          None                                    every quantized weight's global scale for the
                                                             next step (one all-reduce)
+``step_weights``    BitNet weights quantized once for all   None (the gather quantizes each microbatch's
+                    the step's microbatches                 shards)
 ``apply_update``    ``optax`` update                        the same, sharded, then the next scales
 ``shard_*_batch``   the host batch                          the global batch placed over the mesh, each
                                                             process reading only its devices' rows
@@ -30,7 +32,10 @@ Numerics: parameters and optimizer state are float32 master copies; the model co
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -39,7 +44,12 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlowbit import fsdp, optim
+from jaxlowbit import BitNet, fsdp, optim, quantized_matmul
+from jaxlowbit.interception import PASS, dense_interceptor
+from jaxlowbit.layers import dense_general
+from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
+from jaxlowbit.recipes import bitnet
+from pallas_kernels import dispatch
 from train import config as train_config
 from train import data
 from train.model import Transformer, tensor_parallel_rules
@@ -55,6 +65,37 @@ def _dropout_rngs(model: Transformer, rng: jax.Array | None) -> dict:
   if rng is None or model.config.dropout_rate == 0:
     return {}
   return {"dropout": rng}
+
+
+# Leaves that :meth:`Unsharded.step_weights` sets beside a BitNet kernel in the parameters a
+# microbatch's model reads (never in the TrainState): its ternary codes Wq^T [N, K] and scale [1, 1].
+TERNARY_CODES = "ternary_codes_t"
+TERNARY_SCALE = "ternary_scale"
+
+
+def _ternary_t(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A BitNet kernel ``[K, N]`` (or the layer scan's ``[L, K, N]``) -> ``(Wq^T int8, scale float32)``
+  as BitNet.forward quantizes it; a stack layer by layer (each its own abs-mean, as in the scan)."""
+  def quantize(w):
+    return dispatch.quantize_cols_t(w, bitnet.TERNARY)
+
+  return quantize(kernel) if kernel.ndim == 2 else jax.lax.map(quantize, kernel)
+
+
+def _run_with_step_weights(module, inputs, path):
+  """Interceptor handler: a Dense with step weights (:data:`TERNARY_CODES`) reads them as its
+  low-bit weight; the kernel is the operand's gradient carrier (its value is never read)."""
+  del path
+  if not module.has_variable("params", TERNARY_CODES):
+    return PASS
+  codes = QuantizedMatrix(module.get_variable("params", TERNARY_CODES), module.get_variable("params", TERNARY_SCALE),
+                          bitnet.TERNARY)
+
+  def matmul(call, inputs, kernel):
+    w = LowBitOperand(None, codes, kernel.reshape(-1, call.kn[1]))
+    return call.unflat_outputs(quantized_matmul(call.flat_inputs(inputs), w, module.recipe))
+
+  return dense_general(module, inputs, matmul)
 
 
 class Unsharded:
@@ -73,14 +114,36 @@ class Unsharded:
   def init_optimizer(self, optimizer: optax.GradientTransformation, params):
     return optimizer.init(params)
 
-  def _loss(self, params, tokens: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-    logits = self.model.apply({"params": params}, tokens[:, :-1], rngs=_dropout_rngs(self.model, rng))
+  def _loss(self, params, tokens: jax.Array, rng: jax.Array | None = None, weights=None) -> jax.Array:
+    rngs = _dropout_rngs(self.model, rng)
+    if weights:  # closed over, not differentiated: the gradient reaches each kernel through its carrier
+      with nn.intercept_methods(dense_interceptor(_run_with_step_weights)):
+        merged = traverse_util.unflatten_dict({**traverse_util.flatten_dict(params), **weights})
+        logits = self.model.apply({"params": merged}, tokens[:, :-1], rngs=rngs)
+    else:
+      logits = self.model.apply({"params": params}, tokens[:, :-1], rngs=rngs)
     return cross_entropy(logits, tokens[:, 1:])
 
-  def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array):
-    """``(loss, grads)`` of one microbatch ``tokens [b, T + 1]`` (``scales`` is None here)."""
+  def step_weights(self, params) -> dict | None:
+    """Every BitNet weight quantized once for an optimizer step (ternary codes and scale, flat by
+    parameter path), for all its microbatches (``loss_and_grads(weights=...)``); None without any.
+
+    Each microbatch would otherwise quantize each float32 weight again (an abs-mean pass and a
+    rounding pass over W). Same codes and scales as the per-microbatch path, so the same numbers.
+    """
+    weights = {}
+    for path, leaf in traverse_util.flatten_dict(params).items():
+      projection = re.sub(r"^layers_\d+", "layers", ".".join(path[:-1]))  # unrolled layers: layers_<i>
+      if path[-1] == "kernel" and isinstance(self.model.config.recipe_for(projection), BitNet):
+        codes, scale = _ternary_t(leaf)
+        weights[path[:-1] + (TERNARY_CODES,)], weights[path[:-1] + (TERNARY_SCALE,)] = codes, scale
+    return weights or None
+
+  def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array, weights=None):
+    """``(loss, grads)`` of one microbatch ``tokens [b, T + 1]`` (``scales`` is None here); ``weights``:
+    the step's quantized BitNet weights (:meth:`step_weights`), or None to quantize them here."""
     del scales
-    return jax.value_and_grad(self._loss)(params, tokens, rng)
+    return jax.value_and_grad(self._loss)(params, tokens, rng, weights)
 
   def loss(self, params, scales, tokens: jax.Array) -> jax.Array:
     """Evaluation loss (no dropout) of ``tokens [b, T + 1]``."""
@@ -160,8 +223,14 @@ class Fsdp:
     targets, tp = tokens[:, 1:], self.plan.tensor_parallel
     return cross_entropy(logits, targets if tp is None else tp.local_tokens(targets))  # tensor: this device's tokens
 
-  def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array):
+  def step_weights(self, params) -> None:
+    """None: each microbatch's low-bit gather quantizes its weight shards (holding every weight
+    whole for the step would undo FSDP's memory saving)."""
+    del params
+
+  def loss_and_grads(self, params, scales, tokens: jax.Array, rng: jax.Array, weights=None):
     """``(loss, grads)`` of one microbatch: mean over devices, gradients sharded like the params."""
+    del weights  # always None (step_weights)
     grad_fn = fsdp.value_and_grad(lambda p, s, t, r: self._device_loss(p, s, t, r), self.plan)
     return grad_fn(params, traverse_util.flatten_dict(scales), tokens, rng)
 

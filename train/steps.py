@@ -109,9 +109,13 @@ def make_train_step(runtime: Runtime, optimizer: optax.GradientTransformation, c
     if accum == 1:
       loss, grads = runtime.loss_and_grads(state.params, state.scales, batch, rng)
     else:
+      # BitNet weights quantized once for the step, read by every microbatch (one device; FSDP gathers).
+      weights = runtime.step_weights(state.params)
+
       def add_microbatch(carry, xs):
         index, tokens = xs
-        loss, grads = runtime.loss_and_grads(state.params, state.scales, tokens, jax.random.fold_in(rng, index))
+        loss, grads = runtime.loss_and_grads(state.params, state.scales, tokens, jax.random.fold_in(rng, index),
+                                             weights)
         with jax.named_scope("grad_accum"):
           return jax.tree.map(jnp.add, carry, (loss, grads)), None
 

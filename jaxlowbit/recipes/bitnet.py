@@ -84,7 +84,7 @@ class BitNet(Recipe):
         out_dtype = x.dtype
       if is_low_bit(w):
         w_t = provided(w, "transposed", TERNARY, self, "weight")
-        w_kept = w  # a producer's operand (FSDP's gather) brings grad_input's layout too
+        w_kept = w  # a producer's operand: FSDP's gather brings grad_input's rows too, train.steps' not
       else:
         w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY), TERNARY)  # Wq^T [N, K], one scale
         w_kept = w_t  # the backward derives Wq from these codes: W is quantized once per use
@@ -95,12 +95,13 @@ class BitNet(Recipe):
   def backward(self, residuals, g, w_dtype):
     x_rows, x_t, w = residuals
     with jax.named_scope(GRAD_INPUT_SCOPE):
-      if is_low_bit(w):
+      if is_low_bit(w) and w.rows is not None:
         w_rows = provided(w, "rows", TERNARY, self, "weight")
       else:
         # Wq [K, N] K-major for the GEMM: an int8 transpose of the forward's codes (one scale for
         # the tensor, so the rows' scale is the same), bit-identical to quantizing W again by rows.
-        w_rows = QuantizedMatrix(w.data.T, w.scale, TERNARY)
+        w_t = provided(w, "transposed", TERNARY, self, "weight") if is_low_bit(w) else w
+        w_rows = QuantizedMatrix(w_t.data.T, w_t.scale, TERNARY)
       if self.grad_input:
         g_rows, _ = quantize_operand(g, OperandQuantization(GRADIENTS))
         dx = gemm(g_rows, w_rows, g.dtype)  # Wq is exact in int8
