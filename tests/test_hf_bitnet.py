@@ -185,3 +185,26 @@ def test_transformers_loads_it_with_our_logits(tmp_path):
   with torch.no_grad():
     theirs = model(torch.as_tensor(tokens).to(model.device)).logits.float().cpu().numpy()
   assert rel_err(theirs, ternary_logits(CONFIG, params, tokens)) < LOGITS_RTOL
+
+
+def test_finetune_from_a_bitnet_folder_keeps_its_forward(tmp_path, capsys):
+  """``train.main --config.init_from=<BitNetForCausalLM folder>``: the run becomes a BitNet model with
+  sub-norms and the folder's activation, and (lr 1e-30) its checkpoint computes what the folder did."""
+  from test_train_loop import micro_config
+
+  from train import loop, runs
+
+  config = dataclasses.replace(CONFIG, vocab_size=384, mlp_activation="relu2", fused_projections=False)
+  params = random_params(config, fresh_key())
+  folder = hf_bitnet.save_pretrained(tmp_path / "hf", config, params)
+  run = micro_config("", init_from=str(folder), steps=2, lr=1e-30, checkpoint_every=2, eval_every=100,
+                     data__source="synthetic", seq_len=16, model__fused_projections=False)
+  assert loop.train(run, tmp_path / "run").status == "completed"
+  out = capsys.readouterr().out
+  assert "config.recipe: bf16 -> bitnet" in out and "config.model.bitnet_norm_placement: 'every_projection' -> 'sub'" \
+      in out and "config.model.mlp_activation: 'silu' -> 'relu2'" in out, out
+  _, model_config, tuned, _ = runs.load_run(tmp_path / "run")
+  assert model_config.bitnet_norm_placement == "sub" and model_config.mlp_activation == "relu2"
+  tokens = np.random.default_rng(2).integers(0, 259, (1, 12))
+  tuned_logits = ternary_logits(dataclasses.replace(model_config, dtype=jnp.float32), tuned, tokens)
+  assert rel_err(tuned_logits, ternary_logits(config, params, tokens)) < 1e-5

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from jaxlowbit import fsdp
+from jaxlowbit import BitNet, fsdp
 from jaxlowbit.recipes import named_recipes
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 from train.io.hf_config import model_config_from_hf, read_config
@@ -403,13 +403,19 @@ def adjust(config: ml_collections.ConfigDict) -> list[str]:
 
 # ModelConfig fields that a Hugging Face config.json decides (train.io.hf_config.model_config_from_hf).
 PRETRAINED_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
-                     "rope_scaling", "attention_bias", "norm_eps", "tie_embeddings")
+                     "rope_scaling", "attention_bias", "norm_eps", "tie_embeddings", "mlp_activation")
+# A BitNetForCausalLM folder also decides these (its BitNet b1.58 graph: the sub-norms).
+PRETRAINED_BITNET_FIELDS = ("bitnet_norms", "bitnet_norm_placement")
 
 
 def _adopt_pretrained(config: ml_collections.ConfigDict) -> list[str]:
   pretrained = model_config_from_hf(read_config(config.init_from))
   notes = []
-  for field in PRETRAINED_FIELDS:
+  bitnet = isinstance(pretrained.recipe, BitNet)
+  if bitnet and not isinstance(recipe_from_name(config.recipe), BitNet):
+    notes.append(f"config.recipe: {config.recipe} -> bitnet (a BitNetForCausalLM checkpoint)")
+    config.recipe = "bitnet"
+  for field in PRETRAINED_FIELDS + (PRETRAINED_BITNET_FIELDS if bitnet else ()):
     value, old = getattr(pretrained, field), config.model[field]
     to_config = _MODEL_FIELD_FORMS.get(field, (lambda v: v, None))[0]
     value = to_config(value)
