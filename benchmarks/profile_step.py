@@ -60,6 +60,7 @@ from benchmarks.train_throughput import parse_overrides  # noqa: E402
 from train import config as train_config  # noqa: E402
 from train import data, metrics  # noqa: E402
 from train.model import train_flops_per_token  # noqa: E402
+from train.spec import resolve  # noqa: E402
 from train.steps import step_functions  # noqa: E402
 
 CATEGORIES = (
@@ -197,7 +198,8 @@ def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int, step
 
 def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float | None) -> dict:
   """Compile, time and trace the trainer's step for ``config``."""
-  functions = step_functions(config)
+  spec = resolve(config)
+  functions = step_functions(spec)
   stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
   batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps + trace_steps)]
   state = functions.init()
@@ -227,7 +229,7 @@ def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float |
   result = breakdown(device_kernels(profile), op_names, shapes, micro_tokens, trace_steps)
 
   tokens_per_step = config.batch_size * config.seq_len
-  flops = train_flops_per_token(train_config.model_config(config), config.seq_len) * tokens_per_step
+  flops = train_flops_per_token(spec.model, config.seq_len) * tokens_per_step
   devices = functions.runtime.num_devices
   result.update(
       recipe=config.recipe,

@@ -39,6 +39,7 @@ from jaxlowbit.parallel.hlo import collectives, summarize
 from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
+from train.spec import resolve
 from train.steps import step_functions
 
 DEFAULT_CONFIGS = ("configs/bf16_1b.py", "configs/int8_1b.py", "configs/fp8_1b.py", "configs/bitnet_1b.py")
@@ -70,8 +71,9 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
   """Time the trainer's step for ``config``; returns one table row."""
-  model_config = train_config.model_config(config)
-  functions = step_functions(config)
+  spec = resolve(config)
+  model_config = spec.model
+  functions = step_functions(spec)
   stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
   batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps)]
 

@@ -445,16 +445,18 @@ def test_init_from_places_each_pretrained_leaf_on_the_inits_fsdp_sharding(tmp_pa
 
   from train import steps
   from train import config as train_config
+  from train.spec import resolve
 
   cfg = CASES["qwen2"]
   tensors = random_tensors(cfg, np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
   folder = write_checkpoint(tmp_path / "qwen2", cfg, tensors)
   config = micro_config(str(tmp_path), init_from=str(folder), mesh__fsdp=8, batch_size=8)
   train_config.adjust(config)  # the checkpoint's shape, as the trainer does
-  functions = steps.step_functions(config)
+  spec = resolve(config)
+  functions = steps.step_functions(spec)
   state = functions.init()
   calls = record_reads(monkeypatch)
-  loaded = functions.with_pretrained(state, config)
+  loaded = functions.with_pretrained(state, spec)
   monkeypatch.undo()
 
   _, expected = hf.load_pretrained(folder, scan_layers=True, fused_projections=True)

@@ -28,6 +28,7 @@ from train import generate, loop, steps
 from train.model import Transformer, projection_paths
 from train.optimizer import make_optimizer
 from train.runtime import Unsharded
+from train.spec import UNSHARDED, build
 
 corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -77,7 +78,8 @@ def test_each_bitnet_form_trains_checkpoints_and_reloads(placement, activation, 
       placement, activation, tied)
   _, model_config, params, step = generate.load_run(tmp_path / "full")
   assert step == FORM_STEPS and model_config == train_config.model_config(config)
-  abstract = jax.eval_shape(steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config))
+  spec = build(config, UNSHARDED)
+  abstract = jax.eval_shape(steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(spec), spec))
   assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(lambda x: (x.shape, x.dtype),
                                                                             abstract.params)
   norms = {name for name in params["layers"]["attn"] | params["layers"]["mlp"] if name.endswith("_norm")}
@@ -129,10 +131,11 @@ def test_ternary_weight_quantizations_per_step(placement, accum):
                         model__d_ff=72, model__bitnet_norm_placement=placement)
   model_config = train_config.model_config(config)
   assert model_config.scan_layers
-  model, optimizer = Transformer(model_config), make_optimizer(config)
-  state = jax.eval_shape(steps.make_init(Unsharded(model), optimizer, config))
+  spec = build(config, UNSHARDED)
+  model, optimizer = Transformer(model_config), make_optimizer(spec)
+  state = jax.eval_shape(steps.make_init(Unsharded(model), optimizer, spec))
   batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
-  jaxpr = jax.make_jaxpr(steps.make_train_step(Unsharded(model), optimizer, config))(state, batch).jaxpr
+  jaxpr = jax.make_jaxpr(steps.make_train_step(Unsharded(model), optimizer, spec))(state, batch).jaxpr
   rounds = _rounds_by_shape(jaxpr)
   kernels = {path: shape for path, shape in projection_paths(model_config).items() if model_config.recipe_for(path)}
   assert kernels and len(set(kernels.values())) == len(kernels)
@@ -152,8 +155,9 @@ def test_step_weights_give_the_per_microbatch_numbers(scan_layers, dtype):
   # of one that quantizes them itself (same codes and scales), whether the layers are scanned or not.
   config = micro_config("unused", recipe="bitnet", grad_accum_steps=2, model__n_layers=2,
                         model__scan_layers=scan_layers, model__dtype=dtype)
-  runtime = Unsharded(Transformer(train_config.model_config(config)))
-  params = jax.jit(steps.make_init(runtime, make_optimizer(config), config))().params
+  spec = build(config, UNSHARDED)
+  runtime = Unsharded(Transformer(spec.model))
+  params = jax.jit(steps.make_init(runtime, make_optimizer(spec), spec))().params
   tokens = jax.random.randint(jax.random.key(1), (config.batch_size // 2, config.seq_len + 1), 0, 256)
   rng = jax.random.key(2)
   weights = jax.jit(runtime.step_weights)(params)

@@ -15,6 +15,7 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision
 from train import config as train_config
 from train import optimizer as train_optimizer
 from train.model import param_count
+from train.spec import UNSHARDED, build
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RECIPE_FILES = {"bf16": "bf16", "int8": "int8", "fp8": "fp8_tensorwise", "bitnet": "bitnet"}
@@ -111,14 +112,14 @@ def test_config_json_round_trips():
 def test_optimizer_schedule_mask_and_clipping():
   config = train_config.base_config()
   config.update(lr=1e-3, warmup_steps=10, steps=110, min_lr_ratio=0.1)
-  schedule = train_optimizer.learning_rate_schedule(config)
+  schedule = train_optimizer.learning_rate_schedule(build(config, UNSHARDED))
   np.testing.assert_allclose(float(schedule(0)), 1e-4, rtol=1e-6)  # the first step moves: lr / warmup
   np.testing.assert_allclose(float(schedule(5)), 5.5e-4, rtol=1e-5)
   np.testing.assert_allclose(float(schedule(10)), 1e-3, rtol=1e-6)
   np.testing.assert_allclose(float(schedule(60)), 0.55e-3, rtol=1e-5)  # half-way down the cosine
   np.testing.assert_allclose(float(schedule(110)), 1e-4, rtol=1e-5)
   config.update(warmup_steps=110)  # warm-up over the whole run: no cosine phase (optax refuses an empty one)
-  warm_only = train_optimizer.learning_rate_schedule(config)
+  warm_only = train_optimizer.learning_rate_schedule(build(config, UNSHARDED))
   for step in (0, 55, 109):  # the same ramp as with a cosine phase: lr / warmup + (lr - lr / warmup) * step / warmup
     np.testing.assert_allclose(float(warm_only(step)), 1e-3 / 110 + (1e-3 - 1e-3 / 110) * step / 110, rtol=1e-5)
 
@@ -129,7 +130,7 @@ def test_optimizer_schedule_mask_and_clipping():
 
   # Only weight decay moves parameters when gradients are zero: norm scales must not move.
   config.update(lr=1.0, warmup_steps=0, weight_decay=0.5, grad_clip=1.0)
-  opt = train_optimizer.make_optimizer(config)
+  opt = train_optimizer.make_optimizer(build(config, UNSHARDED))
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = opt.update(zeros, opt.init(params), params)
   assert float(jnp.abs(updates["layers"]["attn_norm"]["scale"]).max()) == 0.0
@@ -144,20 +145,20 @@ def test_optimizer_names_come_from_the_jaxlowbit_optim_registry(monkeypatch):
   config = train_config.base_config()
   calls = []
 
-  def adamw_8bit(**kwargs):
-    calls.append(kwargs)
-    return optax.adamw(**kwargs)
+  def adamw_8bit(learning_rate, **kwargs):
+    calls.append({"learning_rate": learning_rate, **kwargs})
+    return optax.adamw(learning_rate, **kwargs)
 
-  assert set(train_optimizer.OPTIMIZERS) == set(train_optimizer.optim.OPTIMIZERS)
+  assert train_optimizer.OPTIMIZERS is train_optimizer.optim.OPTIMIZERS  # one place for the names
   monkeypatch.setitem(train_optimizer.OPTIMIZERS, "adamw_8bit", adamw_8bit)
   config.optimizer = "adamw_8bit"
-  train_optimizer.make_optimizer(config)
+  train_optimizer.make_optimizer(build(config, UNSHARDED))
   assert calls and set(calls[0]) == {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"}
   # Functions of jaxlowbit.optim that are not optimizers, and unknown names: refused by the check, naming the list.
   for name in ("lion", "chain", "stochastic_rounding", "apply_step", "make"):
     config.optimizer = name
     with pytest.raises(ValueError, match=name):
-      train_optimizer.make_optimizer(config)
+      train_optimizer.make_optimizer(build(config, UNSHARDED))
     with pytest.raises(train_config.ConfigError, match=f"config.optimizer={name!r} is not an optimizer.*adamw_8bit"):
       train_config.check(config)
 
@@ -243,12 +244,12 @@ SMALL = {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.py")), ids=lambda p: p.stem)
 def test_every_config_loads_and_its_step_compiles_at_small_width(path):
-  from train import data, steps
+  from train import data, spec, steps
 
   config = train_config.load_file(path)
   train_config.check(config)
   config = train_config.load_file(path, {**SMALL, "batch_size": 2 * config.grad_accum_steps})
-  functions = steps.step_functions(config)
+  functions = steps.step_functions(spec.resolve(config))
   state = jax.eval_shape(functions.init)
   batch = functions.shard_train_batch(data.SyntheticBatches(config.seq_len, config.batch_size, 0).next())
   compiled = functions.train_step.lower(state, batch).compile()

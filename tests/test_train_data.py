@@ -18,8 +18,8 @@ from train import data, runtime
 
 def _data_config(**overrides):
   config = ml_collections.ConfigDict(
-      dict(source="text", path="", suffixes=".py", val_path="", val_fraction=0.05, hf_name="", hf_config="",
-           hf_split="train", hf_text_field="text", hf_max_docs=0)
+      dict(source="text", tokenizer="byte", path="", suffixes=".py", val_path="", val_fraction=0.05, hf_name="",
+           hf_config="", hf_split="train", hf_text_field="text", hf_max_docs=0)
   )
   config.update(overrides)
   return config

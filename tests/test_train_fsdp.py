@@ -33,6 +33,7 @@ from helpers import fresh_key
 from test_train_loop import REPO, TINY, micro_config, train_losses, val_losses
 from train import checkpoint, loop, metrics, steps
 from train import config as train_config
+from train.spec import resolve
 
 corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
 
@@ -169,7 +170,7 @@ def test_fsdp_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus
   # It really ran FSDP: the mesh in the log, parameters and optimizer state sharded.
   assert start_record(run_dir)["devices"] == data * fsdp
   assert start_record(run_dir)["mesh"] == {"data": data, "fsdp": fsdp}
-  functions = steps.step_functions(run_config(corpus, seed, recipe, fsdp, data))  # cached by the run
+  functions = steps.step_functions(resolve(run_config(corpus, seed, recipe, fsdp, data)))  # cached by the run
   assert functions.runtime.plan.fsdp_size == fsdp
   for tree in (functions.state_shardings.params, functions.state_shardings.opt_state):
     assert any(not s.is_fully_replicated for s in jax.tree.leaves(tree))
@@ -235,7 +236,7 @@ def test_nonfinite_loss_under_fsdp_keeps_last_good_checkpoint(corpus, seed, tmp_
   checkpointer = checkpoint.Checkpointer(run_dir, keep=5, async_save=False)
   try:
     assert checkpointer.all_steps() == [2] and checkpointer.has_scales(2)
-    state, data_state = checkpointer.restore(2, steps.step_functions(config).restore_target())
+    state, data_state = checkpointer.restore(2, steps.step_functions(resolve(config)).restore_target())
   finally:
     checkpointer.close()
   assert int(state.step) == 2 and data_state["position"] == 2 * BATCH
@@ -259,7 +260,7 @@ def test_gradient_accumulation_under_fsdp(run):
 
 def test_mesh_shape_resolves_and_rejects(corpus):
   def shape(devices: int = 8, processes: int = 1, **overrides):
-    return train_config.mesh_shape(micro_config(corpus, **overrides), device_count=devices, process_count=processes)
+    return resolve(micro_config(corpus, **overrides), device_count=devices, process_count=processes).mesh
 
   auto = {"mesh__fsdp": train_config.MESH_AUTO, "batch_size": 16}
   assert shape(**auto) == (1, 8, 1)

@@ -26,6 +26,7 @@ from train import config as train_config
 from train.model import Transformer
 from train.optimizer import make_optimizer
 from train.runtime import Unsharded
+from train.spec import UNSHARDED, build, resolve
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.py"
@@ -67,8 +68,8 @@ def val_losses(run_dir) -> dict[int, float]:
 
 
 def restore(run_dir, config):
-  model = Transformer(train_config.model_config(config))
-  init = steps.make_init(Unsharded(model), make_optimizer(config), config)
+  spec = build(config, UNSHARDED)
+  init = steps.make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
   return checkpoint.restore_latest(run_dir, abstract)
 
@@ -209,14 +210,15 @@ _INITIAL_STATES = {}  # one init per parameter tree (BitNet adds norms), shared 
 @pytest.mark.parametrize("recipe", list(train_config.RECIPES))
 def test_each_recipe_builds_and_steps(recipe, corpus):
   config = micro_config(corpus, recipe=recipe)
-  model = Transformer(train_config.model_config(config))
-  optimizer = make_optimizer(config)
+  spec = build(config, UNSHARDED)
+  model = Transformer(spec.model)
+  optimizer = make_optimizer(spec)
   tree_kind = isinstance(train_config.recipe_from_name(recipe), BitNet)
   if tree_kind not in _INITIAL_STATES:
-    _INITIAL_STATES[tree_kind] = jax.device_get(jax.jit(steps.make_init(Unsharded(model), optimizer, config))())
+    _INITIAL_STATES[tree_kind] = jax.device_get(jax.jit(steps.make_init(Unsharded(model), optimizer, spec))())
   before = _INITIAL_STATES[tree_kind]
   batch = np.random.default_rng(0).integers(0, 259, (config.batch_size, config.seq_len + 1)).astype(np.int32)
-  step = jax.jit(steps.make_train_step(Unsharded(model), optimizer, config))
+  step = jax.jit(steps.make_train_step(Unsharded(model), optimizer, spec))
   state, step_metrics = step(jax.device_put(before), batch)
   assert np.isfinite(float(step_metrics["loss"])) and 4.0 < float(step_metrics["loss"]) < 7.0
   assert float(step_metrics["grad_norm"]) > 0 and int(state.step) == 1
@@ -227,12 +229,11 @@ def test_each_recipe_builds_and_steps(recipe, corpus):
 def test_gradient_accumulation_matches_one_big_batch(corpus):
   """Two microbatches of 2 give the same step as one batch of 4 (Adam with a large eps is ~linear in g)."""
   batch = np.random.default_rng(1).integers(0, 259, (4, 33)).astype(np.int32)
-  state = jax.device_get(steps.step_functions(micro_config(corpus)).init())  # same tree; compiled above
+  state = jax.device_get(steps.step_functions(resolve(micro_config(corpus))).init())  # same tree; compiled above
   results = []
   for accum in (1, 2):
-    config = micro_config(corpus, grad_accum_steps=accum, eps=1.0, weight_decay=0.0)
-    model = Transformer(train_config.model_config(config))
-    step = jax.jit(steps.make_train_step(Unsharded(model), make_optimizer(config), config))
+    spec = build(micro_config(corpus, grad_accum_steps=accum, eps=1.0, weight_decay=0.0), UNSHARDED)
+    step = jax.jit(steps.make_train_step(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec))
     new_state, step_metrics = step(jax.device_put(state), batch)
     results.append((new_state.params, step_metrics))
   (p1, m1), (p2, m2) = results

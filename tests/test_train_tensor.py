@@ -31,6 +31,7 @@ from jaxlowbit import fsdp
 from jaxlowbit.parallel.hlo import collectives
 from train import config as train_config
 from train import loop, steps
+from train.spec import resolve
 from train.model import ModelConfig, Transformer, tensor_parallel_rules
 
 corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
@@ -99,7 +100,7 @@ def test_tensor_parallel_run_equals_unsharded_run(recipe, mesh, reference_mesh, 
 
   data, fsdp_size, tensor = mesh
   assert start_record(run_dir)["mesh"] == {"data": data, "fsdp": fsdp_size, "tensor": tensor}
-  plan = steps.step_functions(tp_config(corpus, seed, recipe, *mesh)).runtime.plan  # cached by the run
+  plan = steps.step_functions(resolve(tp_config(corpus, seed, recipe, *mesh))).runtime.plan  # cached by the run
   assert plan.tensor_size == tensor
   # The scanned stack's kernels [layers, K, N]: q's K over fsdp and its heads over tensor; down's
   # K over both, tensor-major (each tensor device's hidden units, FSDP-sharded within them).
@@ -207,7 +208,7 @@ def test_activations_gather_8_bit_and_outputs_reduce_scatter_bf16(recipe):
 def test_mesh_shape_with_tensor_resolves_and_rejects(corpus):
   def shape(devices: int = 8, **overrides):
     config = micro_config(corpus, **{**TP_MODEL, "batch_size": 16, **overrides})
-    return train_config.mesh_shape(config, device_count=devices, process_count=1)
+    return resolve(config, device_count=devices, process_count=1).mesh
 
   auto = {"mesh__fsdp": train_config.MESH_AUTO}
   assert shape(mesh__tensor=2, **auto) == (1, 4, 2)

@@ -7,6 +7,8 @@ the command line: ``--config.recipe=int8 --config.model.n_layers=8 --config.step
 Recipe names (``config.recipe``) map to jaxlowbit recipes in :data:`RECIPES`.
 Devices: ``config.mesh`` lays the run over a ``(data, fsdp, tensor)`` mesh (:func:`mesh_shape`)
 and ``config.fsdp`` holds the options of ``jaxlowbit.fsdp`` (:func:`fsdp_config`).
+``train.spec.resolve`` checks a config once and turns it into the frozen ``RunSpec`` the rest of
+the trainer reads; this module is the only one that reads the ConfigDict's fields.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from ml_collections import config_dict
 
 from jaxlowbit import BitNet, fsdp
 from jaxlowbit.recipes import named_recipes
+from jaxlowbit.optim import OPTIMIZERS
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 from train.io.hf_config import model_config_from_hf, read_config
 from train.model import ModelConfig
-from train.optimizer import OPTIMIZERS
 
 # config.recipe names: "bf16" (high precision: every matmul in config.model.dtype) and every
 # preset a jaxlowbit recipe declares (jaxlowbit/recipes/: int8, fp8_tensorwise, bitnet, ...).
@@ -440,17 +442,16 @@ def mesh_shape(
   multi-process run uses all of them.
 
   Args:
-    config: the training config.
+    config: a training config that passed :func:`check` (``train.spec.resolve`` runs both, once).
     device_count, process_count: default ``jax.device_count()``, ``jax.process_count()``.
 
   Raises:
-    ValueError: sizes that do not fit the devices, a microbatch (``batch_size /
+    ConfigError: sizes that do not fit the devices, a microbatch (``batch_size /
       grad_accum_steps`` sequences) that does not split evenly over the ``data x fsdp`` groups,
       or a group's tokens that do not split over its ``tensor`` devices.
   """
   devices = jax.device_count() if device_count is None else device_count
   processes = jax.process_count() if process_count is None else process_count
-  check(config)
   data, size, tensor = config.mesh.data, config.mesh.fsdp, config.mesh.tensor
   names = f"data={data} x fsdp={{}}" + (f" x tensor={tensor}" if tensor > 1 else "")
   if size == MESH_AUTO:

@@ -497,10 +497,10 @@ class Datasets:
 
 
 def load_corpus(data_config) -> Corpus:
-  """The corpus named by ``config.data`` (``source``, ``path``, ``suffixes``, ...)."""
+  """The corpus named by ``data_config`` (``train.spec.DataSpec``, or ``config.data``: ``source``, ``path``, ...)."""
   source = data_config.source
   paths = [p for p in data_config.path.split(",") if p]
-  tokenizer = tokenizer_for(data_config.get("tokenizer", "byte"))
+  tokenizer = tokenizer_for(data_config.tokenizer)
   if source == "text":
     suffixes = [s for s in data_config.suffixes.split(",") if s]
     return load_text_corpus(paths, suffixes, data_config.val_fraction, tokenizer)
@@ -533,7 +533,7 @@ def _split_advice(corpus: Corpus) -> str:
 
 
 def build(data_config, seq_len: int, batch_size: int, eval_batches: int, seed: int) -> Datasets:
-  """Training stream (at position 0) and validation batches for ``config.data``."""
+  """Training stream (at position 0) and validation batches for ``data_config`` (``train.spec.DataSpec``)."""
   if data_config.source == "synthetic":
     validation = [SyntheticBatches(seq_len, batch_size, seed + 1).next() for _ in range(max(eval_batches, 1))]
     return Datasets(SyntheticBatches(seq_len, batch_size, seed), validation, NUM_BYTES, "synthetic byte sequences")

@@ -228,19 +228,19 @@ def main(argv: list[str] | None = None) -> int:
   if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0 or args.top_k < 0:
     print("error: --max_new_tokens and --batch_size must be >= 1, --temperature and --top_k >= 0", file=sys.stderr)
     return 2
-  config, model_config, params, step = load_run(args.checkpoint, args.step)
-  note = scheme_note(args.scheme, config.recipe)
+  spec, model_config, params, step = load_run(args.checkpoint, args.step)
+  note = scheme_note(args.scheme, spec.recipe)
   if note:
     print(note, file=sys.stderr)
   linear_bytes = inference.weight_bytes(params)
   filter_fqns = tuple(f.strip() for f in args.filter_fqns.split(",") if f.strip())
   model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers)
-  tokenizer = data.tokenizer_for(config.data.get("tokenizer", "byte"))  # the run's own
+  tokenizer = data.tokenizer_for(spec.data.tokenizer)  # the run's own
   prompt = np.tile(tokenizer.encode_prompt(args.prompt), (args.batch_size, 1))
   result = generate(model, params, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
   print(args.prompt + tokenizer.decode(until_eos(result.tokens[0], tokenizer.eos_id)))
   print(
-      f"\n[{args.scheme}] step {step}, recipe {config.recipe}: parameters {inference.weight_bytes(params) / 2**20:.1f} "
+      f"\n[{args.scheme}] step {step}, recipe {spec.recipe}: parameters {inference.weight_bytes(params) / 2**20:.1f} "
       f"MiB (checkpoint float32 {linear_bytes / 2**20:.1f} MiB); prompt {prompt.shape[1]} tokens, prefill "
       f"{result.prefill_s * 1e3:.1f} ms; {result.tokens.shape[1]} new tokens x {args.batch_size}: decode "
       f"{result.decode_tokens_per_s:.1f} tokens/s (compile {result.compile_s:.1f} s, {jax.devices()[0].device_kind})",

@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     raise cli.UserError(f"--dtype {args.dtype}: choose one of {', '.join(EXPORT_DTYPES)}; for int8 weights (with "
                         "per-channel scales) use --scheme w8a16 or w8a8")
   step = _verified_step(args.checkpoint, args.step)
-  config, model_config, params, step = load_run(args.checkpoint, step)
+  spec, model_config, params, step = load_run(args.checkpoint, step)
   cli.check_output_dir(args.out, "--out")  # a file in the way, a read-only folder: one line, before any work
-  tokenizer_name = config.data.get("tokenizer", "byte") or "byte"
+  tokenizer_name = spec.data.tokenizer or "byte"
   tokenizer_json = None if tokenizer_name == "byte" else data.HFTokenizer(tokenizer_name).name
   out = pathlib.Path(args.out)
   try:
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                   eos_id=data.EOS_ID if tokenizer_json is None else None)
         return f"{hf_bitnet.ARCHITECTURE}, {args.bitnet_weights} weights"
       architecture = args.architecture
-      if not architecture and config.get("init_from"):
-        architecture = (read_config(config.init_from).get("architectures") or ["LlamaForCausalLM"])[0]
+      if not architecture and spec.init_from:
+        architecture = (read_config(spec.init_from).get("architectures") or ["LlamaForCausalLM"])[0]
       save_pretrained(folder, model_config, params, architecture or "LlamaForCausalLM", jnp.dtype(args.dtype),
                       tokenizer=tokenizer_json, scheme=args.scheme)
       return architecture or "LlamaForCausalLM"

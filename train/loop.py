@@ -61,6 +61,7 @@ from train.run_control import (
     field_change,
     finite,
 )
+from train.spec import resolve
 from train.steps import step_functions
 
 
@@ -111,14 +112,14 @@ def train(
     NonFiniteLossError: the loss or gradient norm became NaN/inf (see the module docstring).
   """
   notes = train_config.adjust(config)  # e.g. a warmup longer than a short run
-  train_config.mesh_shape(config)  # every field, and that it fits the devices: before any output or work
+  spec = resolve(config)  # every field, and that it fits the devices: before any output or work
   for note in notes:
     say(note)
   run_dir = cli.check_output_dir(workdir, "--workdir")  # a file in the way or a read-only folder: one line
 
   # 1. Data.
-  datasets = data.build(config.data, config.seq_len, config.batch_size, config.eval_batches, config.seed)
-  model_config = train_config.model_config(config)
+  datasets = data.build(spec.data, spec.seq_len, spec.batch_size, spec.eval_batches, spec.seed)
+  model_config = spec.model
   if datasets.vocab_size > model_config.vocab_size:
     raise train_config.ConfigError(
         f"data has {datasets.vocab_size} token ids but config.model.vocab_size={model_config.vocab_size}; raise it"
@@ -126,30 +127,30 @@ def train(
   say(f"data: {datasets.description}")
 
   # 2. Model, optimizer and the jitted pure functions, on the runtime config.mesh asks for.
-  functions = step_functions(config)
+  functions = step_functions(spec)
   init, train_step, eval_step = functions.init, functions.train_step, functions.eval_step
   runtime = functions.runtime
-  schedule = learning_rate_schedule(config)
+  schedule = learning_rate_schedule(spec)
   main_process = jax.process_index() == 0  # the one that writes metrics and config.json
   num_devices = runtime.num_devices
 
   counts = param_count(model_config)
-  tokens_per_step = config.batch_size * config.seq_len
-  flops_per_step = train_flops_per_token(model_config, config.seq_len) * tokens_per_step
-  peak = config.peak_tflops or metrics.peak_tflops()
+  tokens_per_step = spec.batch_size * spec.seq_len
+  flops_per_step = train_flops_per_token(model_config, spec.seq_len) * tokens_per_step
+  peak = spec.peak_tflops or metrics.peak_tflops()
   say(
       f"model: {counts['total'] / 1e6:.1f}M parameters ({counts['matmul'] / 1e6:.1f}M in matmuls), "
-      f"recipe {config.recipe}, compute {config.model.dtype}, optimizer {config.optimizer}, "
+      f"recipe {spec.recipe}, compute {jnp.dtype(spec.model.dtype).name}, optimizer {spec.optimizer.name}, "
       f"{flops_per_step / tokens_per_step / 1e9:.2f} GFLOP/token, {jax.devices()[0].device_kind}"
   )
   say(f"devices: {runtime.describe()}")
 
   # 3. State: the latest checkpoint when resuming, else a fresh init.
-  checkpointer = checkpoint.Checkpointer(run_dir, config.keep_checkpoints, config.async_checkpointing)
+  checkpointer = checkpoint.Checkpointer(run_dir, spec.keep_checkpoints, spec.async_checkpointing)
   for path in checkpointer.leftovers:
     say(f"removed {path}: the leftover of a save that did not finish")
   latest = checkpointer.latest_step()
-  if latest is not None and not config.resume:
+  if latest is not None and not spec.resume:
     checkpointer.close()
     raise FileExistsError(
         f"{run_dir} already holds checkpoints (latest step {latest}); pass --resume to continue that run "
@@ -184,15 +185,15 @@ def train(
     if main_process:
       metrics.truncate_after(run_dir, latest)
     say(f"resumed from {checkpointer.directory / str(latest)} (data position {datasets.train.position})")
-    if latest >= config.steps:
-      say(f"this run already finished: its checkpoint is at step {latest} and config.steps={config.steps}; "
+    if latest >= spec.steps:
+      say(f"this run already finished: its checkpoint is at step {latest} and config.steps={spec.steps}; "
           "raise --config.steps to train further")
   else:
-    if config.resume:
+    if spec.resume:
       say(f"no checkpoint in {checkpointer.directory}: starting from step 0")
     state = init()
-    if config.init_from:  # a Hugging Face checkpoint's weights (train.hf)
-      state = functions.with_pretrained(state, config)
+    if spec.init_from:  # a Hugging Face checkpoint's weights (train.hf)
+      state = functions.with_pretrained(state, spec)
     if main_process:
       metrics.truncate_after(run_dir, -1)  # a fresh run starts a fresh metrics file
   if main_process:
@@ -204,12 +205,12 @@ def train(
   def data_state_at(step: int) -> dict[str, Any]:
     """The stream's state after ``step`` (derived from the step, so it always matches the state), and the
     losses logged since the last log line, so a resumed run logs the same interval means."""
-    return {**datasets.train.state(), "position": start_position + (step - start_step) * config.batch_size,
+    return {**datasets.train.state(), "position": start_position + (step - start_step) * spec.batch_size,
             LOG_LOSSES: list(losses)}
 
-  writer = metrics.MetricsWriter(run_dir, config.tensorboard, enabled=main_process)
+  writer = metrics.MetricsWriter(run_dir, spec.tensorboard, enabled=main_process)
   writer.write({"step": start_step, "event": "start", "params": counts["total"], "matmul_params": counts["matmul"],
-                "flops_per_token": flops_per_step / tokens_per_step, "recipe": config.recipe,
+                "flops_per_token": flops_per_step / tokens_per_step, "recipe": spec.recipe,
                 "device": jax.devices()[0].device_kind, "peak_tflops": peak, "devices": num_devices,
                 "processes": jax.process_count(), "mesh": runtime.mesh_shape})
 
@@ -260,15 +261,15 @@ def train(
   stop = StopRequest()
   with stop.installed():  # until the last save is on disk: a repeated signal must not cut it short
     try:
-      while step < config.steps:
+      while step < spec.steps:
         wants_stop = stop.requested or (should_stop is not None and should_stop(step))
         if jax.process_count() > 1:  # all processes must stop after the same step: agree at log boundaries
-          wants_stop = step % config.log_every == 0 and any_process(wants_stop)
+          wants_stop = step % spec.log_every == 0 and any_process(wants_stop)
         if wants_stop:
           status = "interrupted"
           break
         batch = functions.shard_train_batch(datasets.train.next_global())  # each process reads its devices' rows
-        if step + 1 == config.inject_nan_at_step:  # fault injection (tests, drills): the model diverges here
+        if step + 1 == spec.inject_nan_at_step:  # fault injection (tests, drills): the model diverges here
           state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
         state, step_metrics = train_step(state, batch)
         if runtime.sync_each_step:
@@ -285,7 +286,7 @@ def train(
         else:
           timed_steps += 1
 
-        if step % config.log_every == 0 or step == config.steps:
+        if step % spec.log_every == 0 or step == spec.steps:
           flush()
           elapsed = time.perf_counter() - timer - excluded_s
           step_time = elapsed / timed_steps if timed_steps else None  # None: only the compiling step ran
@@ -301,12 +302,12 @@ def train(
               "compile_s": compile_s,
           }
           writer.write(record)
-          say(metrics.progress_line(record, config.steps))
+          say(metrics.progress_line(record, spec.steps))
           losses.clear()
           timer, timed_steps, excluded_s = time.perf_counter(), 0, 0.0
 
-        eval_due = step % config.eval_every == 0 or step == config.steps
-        save_due = step % config.checkpoint_every == 0 or step == config.steps
+        eval_due = step % spec.eval_every == 0 or step == spec.steps
+        save_due = step % spec.checkpoint_every == 0 or step == spec.steps
         if eval_due or save_due:
           flush()  # waiting for the training steps still counts as training time
           paused = time.perf_counter()
@@ -340,8 +341,8 @@ def train(
     writer.close()
     checkpointer.close()  # a save that fails only now raises CheckpointSaveError here
   last_checkpoint = checkpointer.latest_step() if saved_step is None else saved_step
-  export_args = "--scheme tq2_0" if config.recipe.startswith("bitnet") else ""  # BitNet norms: GGUF, not Llama HF
-  for line in metrics.run_summary(run_dir, status, step, config.steps, None if last_checkpoint is None else
+  export_args = "--scheme tq2_0" if spec.recipe.startswith("bitnet") else ""  # BitNet norms: GGUF, not Llama HF
+  for line in metrics.run_summary(run_dir, status, step, spec.steps, None if last_checkpoint is None else
                                   checkpointer.directory / str(last_checkpoint), export_args):
     say(line)
   return TrainResult(status, step, last_loss, val_loss, last_checkpoint, stop.signal)

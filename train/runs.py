@@ -1,6 +1,6 @@
 """A finished (or running) ``train.main`` run read back: its config, model config and newest checkpoint.
 
-    config, model_config, params, step = train.runs.load_run("runs/tiny")
+    spec, model_config, params, step = train.runs.load_run("runs/tiny")
 
 What a run directory holds is in ``train/checkpoint.py``; the command lines that start from a
 run (``python -m train.generate``, ``python -m train.hf export``) load it here.
@@ -19,17 +19,24 @@ from train import config as train_config
 from train.model import ModelConfig, Transformer
 from train.optimizer import make_optimizer
 from train.runtime import Unsharded
+from train.spec import UNSHARDED, RunSpec, build
 
 
-def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any, ModelConfig, Any, int]:
-  """``(config, model_config, params, step)`` of a ``train.main`` run directory (latest step by default)."""
+def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[RunSpec, ModelConfig, Any, int]:
+  """``(spec, spec.model, params, step)`` of a ``train.main`` run directory (latest verified step by default).
+
+  The spec is the run's saved ``config.json`` over :func:`train.config.base_config` (a field added
+  since the run takes its default), built unchecked on one device: the checkpoint is restored
+  unsharded, whatever mesh wrote it.
+  """
   run_dir = pathlib.Path(run_dir)
   config_file = run_dir / checkpoint.CONFIG_FILE
   if not config_file.exists():
     raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
-  config = ml_collections.ConfigDict(cli.read_json(config_file, "run config"))
-  model_config = train_config.model_config(config)
-  init = steps.make_init(Unsharded(Transformer(model_config)), make_optimizer(config), config)
+  config = train_config.base_config()
+  config.update(ml_collections.ConfigDict(cli.read_json(config_file, "run config")))
+  spec = build(config, UNSHARDED)
+  init = steps.make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
   step = checkpoint.verified_step(run_dir, step)  # verified checkpoints only (the rule of every reader)
   checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False, read_only=True)
@@ -37,7 +44,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any,
     state, _ = checkpointer.restore(step, abstract)
   finally:
     checkpointer.close()
-  return config, model_config, state.params, step  # the optimizer state is dropped here
+  return spec, spec.model, state.params, step  # the optimizer state is dropped here
 
 
 __all__ = ["load_run"]

@@ -1,7 +1,7 @@
 """Where a run's step executes: one device, or FSDP (and tensor parallelism) over a ``(data, fsdp, tensor)`` mesh.
 
-The trainer picks a runtime once (:func:`make_runtime`, from ``config.mesh`` and the visible
-devices) and the step functions (``train/steps.py``) ask it for everything that differs between
+The trainer picks a runtime once (:func:`make_runtime`, from the run's resolved mesh,
+``train.spec.RunSpec.mesh``) and the step functions (``train/steps.py``) ask it for everything that differs between
 the two, so they contain no sharding branches:
 
 ==================  ======================================  =============================================
@@ -27,7 +27,7 @@ the two, so they contain no sharding branches:
 ==================  ======================================  =============================================
 
 Numerics: parameters and optimizer state are float32 master copies; the model computes in
-``config.model.dtype`` and its linears follow ``config.recipe``.
+``spec.model.dtype`` and its linears follow ``spec.model.recipe``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from collections.abc import Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import traverse_util
@@ -50,9 +49,9 @@ from jaxlowbit.layers import dense_general
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.recipes import bitnet
 from pallas_kernels import dispatch
-from train import config as train_config
 from train import data
 from train.model import Transformer, tensor_parallel_rules
+from train.spec import RunSpec
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -99,7 +98,7 @@ def _run_with_step_weights(module, inputs, path):
 
 
 class Unsharded:
-  """One device: the plain jitted step (``config.mesh`` resolves to ``data x fsdp x tensor = 1``)."""
+  """One device: the plain jitted step (the mesh resolves to ``data x fsdp x tensor = 1``)."""
 
   num_devices = 1
   mesh_shape = None
@@ -176,7 +175,7 @@ class Unsharded:
 
 
 class Fsdp:
-  """FSDP over a ``(data, fsdp, tensor)`` mesh through ``jaxlowbit.fsdp`` (see ``train/config.py``'s ``mesh``).
+  """FSDP over a ``(data, fsdp, tensor)`` mesh through ``jaxlowbit.fsdp`` (the run's ``spec.mesh``).
 
   Parameters and optimizer state are sharded by an :class:`~jaxlowbit.fsdp.FsdpPlan`; every
   ``data x fsdp`` group runs the model on its slice of each microbatch; quantized linears
@@ -189,12 +188,12 @@ class Fsdp:
   reads only its devices' rows of every batch.
   """
 
-  def __init__(self, model: Transformer, config: ml_collections.ConfigDict, data: int, size: int, tensor: int = 1):
+  def __init__(self, model: Transformer, spec: RunSpec):
     self.model = model
-    fsdp_config = train_config.fsdp_config(config)
-    devices = jax.devices()[: data * size * tensor]
+    fsdp_config, (data, size, tensor) = spec.fsdp, spec.mesh
+    devices = jax.devices()[: spec.mesh.devices]
     mesh = fsdp.make_mesh(fsdp=size, data=data, tensor=tensor, devices=devices, config=fsdp_config)
-    example = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    example = jax.ShapeDtypeStruct((1, spec.seq_len), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), example)["params"]
     rules = tensor_parallel_rules(model.config) if tensor > 1 else {}
     self.plan = fsdp.plan_for_model(model, params, example, mesh=mesh, config=fsdp_config, tensor_parallel=rules)
@@ -301,13 +300,12 @@ def place_global_batch(batch: data.GlobalBatch, sharding: jax.sharding.Sharding,
   return jax.make_array_from_callback((*rows.shape, batch.shape[1]), sharding, shard)
 
 
-def make_runtime(config: ml_collections.ConfigDict, mesh: Mapping[str, int] | None = None) -> Runtime:
-  """The runtime ``config.mesh`` asks for on the visible devices (``mesh``: an already resolved shape)."""
-  model = Transformer(train_config.model_config(config))
-  data, size, tensor = (mesh["data"], mesh["fsdp"], mesh.get("tensor", 1)) if mesh else train_config.mesh_shape(config)
-  if data * size * tensor == 1:
+def make_runtime(spec: RunSpec) -> Runtime:
+  """The runtime of ``spec.mesh``: :class:`Unsharded` on one device, else :class:`Fsdp`."""
+  model = Transformer(spec.model)
+  if spec.mesh.devices == 1:
     return Unsharded(model)
-  return Fsdp(model, config, data, size, tensor)
+  return Fsdp(model, spec)
 
 
 __all__ = ["Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime", "place_global_batch", "placed_rows"]

@@ -10,25 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable
 from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
 from train import checkpoint, data
-from train import config as train_config
 from train.io.hf_config import describe
 from train.io.hf_reader import load_pretrained, merge_into
 from train.metrics import say
 from train.model import Transformer
 from train.optimizer import make_optimizer
 from train.runtime import Runtime, Unsharded, make_runtime
+from train.spec import RUNTIME_ONLY_FIELDS, UNSHARDED, RunSpec, build
 
 
 @flax.struct.dataclass
@@ -52,16 +50,16 @@ class TrainState:
   scales: Any = None
 
 
-def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config) -> Callable[[], TrainState]:
-  """``init() -> TrainState`` at step 0, seeded by ``config.seed``, placed by the runtime.
+def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, spec: RunSpec) -> Callable[[], TrainState]:
+  """``init() -> TrainState`` at step 0, seeded by ``spec.seed``, placed by the runtime.
 
   FSDP gives the same values as one device (JAX's random bits do not depend on sharding),
   sharded by its plan and with the first step's scales.
   """
 
   def init() -> TrainState:
-    params_key, dropout_key = jax.random.split(jax.random.key(config.seed))
-    params = runtime.model.init(params_key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+    params_key, dropout_key = jax.random.split(jax.random.key(spec.seed))
+    params = runtime.model.init(params_key, jnp.zeros((1, spec.seq_len), jnp.int32))["params"]
     params = runtime.place(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -74,35 +72,39 @@ def make_init(runtime: Runtime, optimizer: optax.GradientTransformation, config)
   return init
 
 
-def pretrained_params(config: ml_collections.ConfigDict, params: dict) -> dict:
-  """``params`` (device arrays) with every leaf a Hugging Face checkpoint (``config.init_from``)
+def pretrained_params(spec: RunSpec, params: dict) -> dict:
+  """``params`` (device arrays) with every leaf a Hugging Face checkpoint (``spec.init_from``)
   has replaced by its weights (``train.hf``), each loaded onto the old leaf's sharding: every
   process reads from the files only its devices' blocks, one at a time (never a whole model in
   host memory nor on one device); the others (a BitNet recipe's extra norms) keep their init."""
-  model = train_config.model_config(config)
-  _, pretrained = load_pretrained(config.init_from, param_dtype=model.param_dtype,
+  model = spec.model
+  _, pretrained = load_pretrained(spec.init_from, param_dtype=model.param_dtype,
                                   shardings=jax.tree.map(lambda x: x.sharding, params),
                                   scan_layers=model.scan_layers, fused_projections=model.fused_projections)
   params = jax.tree.map(lambda x: x, params)  # a copy of the tree: merge_into fills it in place
   kept = merge_into(params, pretrained)
-  say(f"init_from {config.init_from}: {describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
+  say(f"init_from {spec.init_from}: {describe(model)}" + (f"; kept the init of {', '.join(kept)}" if kept else ""))
   return params
 
 
-def abstract_state(config: ml_collections.ConfigDict) -> TrainState:
-  """The shapes and dtypes of ``config``'s state (``jax.ShapeDtypeStruct`` leaves; sharding aside)."""
-  runtime = Unsharded(Transformer(train_config.model_config(config)))
-  return jax.eval_shape(make_init(runtime, make_optimizer(config), config))
+def abstract_state(spec: RunSpec | Any) -> TrainState:
+  """The shapes and dtypes of ``spec``'s state (``jax.ShapeDtypeStruct`` leaves; sharding aside).
+
+  ``spec`` may also be a config (a ConfigDict, built unchecked: ``train.run_control`` compares
+  the state of a checkpoint's saved config with this run's).
+  """
+  spec = spec if isinstance(spec, RunSpec) else build(spec, UNSHARDED)
+  return jax.eval_shape(make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec))
 
 
-def make_train_step(runtime: Runtime, optimizer: optax.GradientTransformation, config):
+def make_train_step(runtime: Runtime, optimizer: optax.GradientTransformation, spec: RunSpec):
   """``train_step(state, batch) -> (state, {"loss", "grad_norm"})``; batch as ``runtime.shard_train_batch`` places it.
 
   The batch is split into ``grad_accum_steps`` microbatches whose gradients are averaged
   (a ``lax.scan``, so memory holds one microbatch's activations). ``grad_norm`` is the
   global norm before clipping. The step ends with the next step's scales (FSDP).
   """
-  accum = config.grad_accum_steps
+  accum = spec.grad_accum_steps
 
   def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -137,18 +139,9 @@ def make_eval_step(runtime: Runtime):
   return runtime.loss
 
 
-# Config fields that change nothing inside the jitted functions. Runs in one process whose
-# configs differ only in these reuse the functions compiled for an earlier run (a resume in a
-# notebook, tests, benchmarks); any other difference compiles afresh, so the cache is never stale.
-RUNTIME_ONLY_FIELDS = frozenset({
-    "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-    "async_checkpointing", "tensorboard", "peak_tflops", "data", "inject_nan_at_step",
-})
-
-
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-  """The runtime and the jitted functions of a config.
+  """The runtime and the jitted functions of a run.
 
   Attributes:
     runtime: :class:`~train.runtime.Unsharded` or :class:`~train.runtime.Fsdp`.
@@ -184,10 +177,10 @@ class StepFunctions:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
                         self.state_shardings)
 
-  def with_pretrained(self, state: TrainState, config) -> TrainState:
-    """A fresh ``state`` whose parameters ``config.init_from`` replaces (:func:`pretrained_params`),
+  def with_pretrained(self, state: TrainState, spec: RunSpec) -> TrainState:
+    """A fresh ``state`` whose parameters ``spec.init_from`` replaces (:func:`pretrained_params`),
     each placed like the init's, with their scales; the optimizer state is the init's (zeros)."""
-    state = state.replace(params=pretrained_params(config, state.params))
+    state = state.replace(params=pretrained_params(spec, state.params))
     return self.with_scales(state) if state.scales is not None else state
 
   def with_scales(self, state: TrainState) -> TrainState:
@@ -195,26 +188,22 @@ class StepFunctions:
     return state.replace(scales=jax.jit(self.runtime.scales)(state.params))
 
 
-def step_functions(config: ml_collections.ConfigDict) -> StepFunctions:
-  """:class:`StepFunctions` for ``config`` (cached on every field not in :data:`RUNTIME_ONLY_FIELDS`)."""
-  compiled = {k: v for k, v in config.to_dict().items() if k not in RUNTIME_ONLY_FIELDS}
-  data_size, fsdp_size, tensor_size = train_config.mesh_shape(config)
-  # auto resolved: the key names the devices used
-  compiled["mesh"] = {"data": data_size, "fsdp": fsdp_size, "tensor": tensor_size}
-  return _step_functions(json.dumps(compiled, sort_keys=True))
+def step_functions(spec: RunSpec) -> StepFunctions:
+  """:class:`StepFunctions` for ``spec``, cached on ``spec.compiled`` (every field not in
+  :data:`~train.spec.RUNTIME_ONLY_FIELDS`, the mesh as resolved: the key names the devices used)."""
+  return _step_functions(spec.compiled)
 
 
 @functools.lru_cache(maxsize=4)
-def _step_functions(key: str) -> StepFunctions:
-  config = ml_collections.ConfigDict(json.loads(key))
-  runtime = make_runtime(config, config.mesh)
-  optimizer = make_optimizer(config)
-  init = jax.jit(make_init(runtime, optimizer, config))
-  train_step = make_train_step(runtime, optimizer, config)
+def _step_functions(spec: RunSpec) -> StepFunctions:
+  runtime = make_runtime(spec)
+  optimizer = make_optimizer(spec)
+  init = jax.jit(make_init(runtime, optimizer, spec))
+  train_step = make_train_step(runtime, optimizer, spec)
   eval_step = make_eval_step(runtime)
   if runtime.mesh_shape is None:
     return StepFunctions(runtime, init, jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), None,
-                         config.grad_accum_steps)
+                         spec.grad_accum_steps)
   # Sharded: the init is compiled first so that its output shardings (parameters and optimizer
   # state per the plan, the rest replicated) pin the step's.
   init = init.lower().compile()
@@ -224,7 +213,7 @@ def _step_functions(key: str) -> StepFunctions:
       train_step=jax.jit(train_step, donate_argnums=0, out_shardings=(init.output_shardings, runtime.replicated)),
       eval_step=jax.jit(eval_step, out_shardings=runtime.replicated),
       state_shardings=init.output_shardings,
-      grad_accum_steps=config.grad_accum_steps,
+      grad_accum_steps=spec.grad_accum_steps,
   )
 
 
