@@ -243,3 +243,16 @@ def test_tokenizer_errors(tmp_path):
   assert gguf_tokenizer.hf_vocab(path, 416, pre="gpt-2").pre == "gpt-2"
   with pytest.raises(ValueError, match="the tokenizer has id 258 but the model only 200"):
     gguf_tokenizer.byte_vocab(200)
+
+
+def test_a_byte_runs_exported_tokenizer_json_gives_the_same_ids_in_llama_cpp(tmp_path):
+  """The tokenizer.json a byte-level run's export writes (train/io/byte_tokenizer.py, no merges) goes to GGUF too."""
+  from train.io import byte_tokenizer
+
+  path = byte_tokenizer.write(tmp_path / "tok")
+  vocab = gguf_tokenizer.hf_vocab(path, 384)
+  assert vocab.pre == gguf_tokenizer.BYTE_PRE and vocab.bos_id == data.BOS_ID and vocab.add_bos
+  config, params = tiny_llama(384)
+  llm = vocab_only(gguf_export.save_gguf(tmp_path, config, params, "f32", tokenizer=str(path)))
+  for text in TEXTS:
+    assert llm.tokenize(text.encode(), add_bos=True) == data.ByteTokenizer().encode_prompt(text).tolist(), text
