@@ -51,7 +51,7 @@ def weight_decay_mask(params) -> object:
 
 
 def make_optimizer(spec: RunSpec) -> optax.GradientTransformation:
-  """``clip_by_global_norm(grad_clip)`` then the AdamW ``spec.optimizer.name`` (``jaxlowbit.optim.make``) on the schedule.
+  """``clip_by_global_norm(grad_clip)``, then AdamW ``spec.optimizer.name`` (``jaxlowbit.optim.make``) on the schedule.
 
   Raises:
     ValueError: a name not in :data:`OPTIMIZERS` (``train.config.check`` refuses it first).
