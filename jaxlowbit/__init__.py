@@ -12,6 +12,7 @@ NNX layers live in ``jaxlowbit.nnx`` (imported with the package).
 
 from jaxlowbit import fsdp, inference, nnx, optim, parallel, qstate, quantized_training
 from jaxlowbit.convert import conversion_report, convert, worth_quantizing
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit_numerics.fp8 import dequantize_fp8, quantize_fp8
 from jaxlowbit_numerics.int8 import dequantize_int8, quantize_int8
 from jaxlowbit.layers import BitNetDense, Fp8Dense, Int8Dense, LowBitDense, dense_for
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BitNet",
     "BitNetDense",
+    "ExecutionOptions",
     "Float8",
     "Fp8Dense",
     "Int8Dense",

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.interception import PASS, LayerFilter, as_filter, dense_interceptor, intercepted_copy, module_path
-from jaxlowbit.layers import LowBitDense, dense_general, resolve
+from jaxlowbit.layers import LowBitDense, dense_general, recipe_matmul, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
 
 
@@ -73,6 +74,7 @@ class _Rules:
   recipe: Recipe
   layer_filter: LayerFilter
   auto_filter_small_kn: bool
+  execution: ExecutionOptions | None = None
 
   def decide(self, module: nn.Module, inputs, path: str) -> ConvertedLayer:
     """What this layer runs (the one rule shared by the interceptor and the report)."""
@@ -91,7 +93,7 @@ def _handler(rules: _Rules, record: Callable[[ConvertedLayer], None] | None = No
     layer = rules.decide(module, inputs, path)
     if record is not None:
       record(layer)
-    return PASS if layer.recipe is None else dense_general(module, inputs, layer.recipe)
+    return PASS if layer.recipe is None else dense_general(module, inputs, recipe_matmul(layer.recipe, rules.execution))
 
   return handle
 
@@ -143,6 +145,7 @@ def convert(
     filter_fqns: Sequence[str] = (),
     auto_filter_small_kn: bool = False,
     filter_fn: Callable[[str, nn.Module], bool] | None = None,
+    execution: ExecutionOptions | None = None,
 ) -> nn.Module:
   """A copy of ``module`` whose ``nn.Dense``/``nn.DenseGeneral`` layers run with ``recipe``.
 
@@ -156,6 +159,8 @@ def convert(
     auto_filter_small_kn: also leave layers too small to gain in high precision
       (``recipe.worth_quantizing``).
     filter_fn: ``filter_fn(path, module) -> bool``; True keeps that layer high precision.
+    execution: how the converted layers' kernels run (:class:`jaxlowbit.ExecutionOptions`; None:
+      the defaults, the backend from ``$JAXLOWBIT_BACKEND``).
 
   Returns:
     An instance of a subclass of ``type(module)`` with the same attributes and the same
@@ -168,7 +173,7 @@ def convert(
   check_recipe(recipe, "convert")
   if recipe is None:
     raise TypeError("convert: recipe must be Int8MixedPrecision, Float8 or BitNet (None converts nothing)")
-  rules = _Rules(recipe, as_filter(filter_fqns, filter_fn), auto_filter_small_kn)
+  rules = _Rules(recipe, as_filter(filter_fqns, filter_fn), auto_filter_small_kn, execution)
   check = _FilterCheck(rules.layer_filter.fqns, type(module).__name__)
   return intercepted_copy(module, dense_interceptor(_handler(rules, check.see)), "convert", context=check,
                           jaxlowbit_convert_rules=rules, jaxlowbit_recipe=recipe)

@@ -18,7 +18,11 @@ dtype exactly as ``flax.linen.RMSNorm`` / ``nn.silu(gate) * up`` do, then quanti
 Shapes: inputs ``[..., C]`` come back as a 2-D operand ``[M, C]`` (``M`` = the leading dims'
 product); the consuming Dense's output is ``[M, N]``.
 
-Tensor parallelism (``jaxlowbit.fsdp.tensor``): ``split`` says how this device's ``[M, C]`` is
+How they run is explicit: ``options`` (:class:`jaxlowbit.ExecutionOptions`) gives the backend of
+their kernels and ``fused_quantizers`` (off: the producers return the op's high-precision output,
+as a model converted for inference needs).
+
+Tensor parallelism (``jaxlowbit.parallel.tensor``): ``split`` says how this device's ``[M, C]`` is
 split over mesh axes. ``Split(rows=...)``: the device holds some of the tokens (the residual
 stream before a column-parallel gather); amaxes over tokens are reduced over the devices.
 ``Split(cols=...)``: it holds some of the features (a row-parallel linear's input); the RMSNorm's
@@ -35,20 +39,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, vary_over, varying_axes
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
+from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, check_gate_activation, round_to
 
 
-# Off while a model converted for inference runs: its linears no longer run the training recipe.
+# Compatibility, until every model takes ExecutionOptions: off while a model converted for inference
+# runs (its linears no longer run the training recipe). New code passes fused_quantizers=False.
 _ENABLED = contextvars.ContextVar("jaxlowbit_fused_quantizers", default=True)
 
 
 @contextlib.contextmanager
 def unfused():
-  """Within this context the producers return their op's high-precision output (never an operand)."""
+  """Within this context the producers return their op's high-precision output (never an operand).
+
+  Compatibility for models whose producers get no options; pass ``ExecutionOptions(fused_quantizers=False)``.
+  """
   token = _ENABLED.set(False)
   try:
     yield
@@ -56,9 +66,9 @@ def unfused():
     _ENABLED.reset(token)
 
 
-def fused_quantization(recipe: Recipe | None) -> OperandQuantization | None:
-  """What a producer delivers for ``recipe``'s linear, or None where it feeds it high precision."""
-  if recipe is None or not _ENABLED.get():
+def fused_quantization(recipe: Recipe | None, options: ExecutionOptions | None = None) -> OperandQuantization | None:
+  """What a producer delivers for ``recipe``'s linear under ``options``, or None where it feeds it high precision."""
+  if recipe is None or not _ENABLED.get() or not (options or ExecutionOptions()).fused_quantizers:
     return None
   return recipe.input_quantization()
 
@@ -103,17 +113,20 @@ def _rms_norm_backward(dy, x, scale, rstd, split: Split = NO_SPLIT):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _rms_norm_quantized(x, scale, eps: float, how: OperandQuantization, dtype, split: Split) -> LowBitOperand:
-  return _rms_norm_quantized_fwd(x, scale, eps, how, dtype, split)[0]
+def _rms_norm_quantized(x, scale, eps: float, how: OperandQuantization, dtype,
+                        options: DispatchOptions) -> LowBitOperand:
+  return _rms_norm_quantized_fwd(x, scale, eps, how, dtype, options)[0]
 
 
-def _produce(inputs, prologue, how: OperandQuantization, dtype, sources=None):
+def _produce(inputs, prologue, how: OperandQuantization, dtype, options: DispatchOptions, sources=None):
   """The prologue's output quantized as ``how`` says (one fused kernel on a GPU): ``(operand, row stat)``.
 
-  ``sources``: the arrays the operand's gradient reaches (default ``inputs``; their varying axes).
+  ``options``: the backend and how the inputs are split; ``sources``: the arrays the operand's
+  gradient reaches (default ``inputs``; their varying axes).
   """
   rows, transposed, stat = dispatch.fused_quantize(
-      inputs, prologue, how.rows, None if how.transposed_from_rows else how.transposed, how.transposed_from_rows)
+      inputs, prologue, how.rows, None if how.transposed_from_rows else how.transposed, how.transposed_from_rows,
+      options)
   as_matrix = lambda part, spec: None if part is None else QuantizedMatrix(*part, spec)  # noqa: E731
   shape = (inputs[0].shape[0], prologue.width(inputs))
   operand = LowBitOperand(as_matrix(rows, how.rows), as_matrix(transposed, how.transposed or how.rows),
@@ -121,20 +134,19 @@ def _produce(inputs, prologue, how: OperandQuantization, dtype, sources=None):
   return operand, stat
 
 
-def _rms_norm_quantized_fwd(x, scale, eps, how, dtype, split):
-  with dispatch.split_operands(split):
-    if split.cols:  # the norm over all devices' features first (XLA), then its output quantized
-      y, rstd = _rms_norm_split(x, scale, eps, dtype, split)
-      operand, _ = _produce((y,), Identity(), how, dtype, (x, scale))
-      return operand, (x, scale, rstd)
-    operand, rstd = _produce((x, scale), RmsNorm(eps, dtype), how, dtype)
+def _rms_norm_quantized_fwd(x, scale, eps, how, dtype, options):
+  if options.split.cols:  # the norm over all devices' features first (XLA), then its output quantized
+    y, rstd = _rms_norm_split(x, scale, eps, dtype, options.split)
+    operand, _ = _produce((y,), Identity(), how, dtype, options, (x, scale))
+    return operand, (x, scale, rstd)
+  operand, rstd = _produce((x, scale), RmsNorm(eps, dtype), how, dtype, options)
   return operand, (x, scale, rstd[:, None])
 
 
-def _rms_norm_quantized_bwd(eps, how, dtype, split, residuals, ct):
+def _rms_norm_quantized_bwd(eps, how, dtype, options, residuals, ct):
   del eps, how, dtype
   x, scale, rstd = residuals
-  dx, dscale = _rms_norm_backward(ct.carrier, x, scale, rstd, split)
+  dx, dscale = _rms_norm_backward(ct.carrier, x, scale, rstd, options.split)
   return dx.astype(x.dtype), dscale.astype(scale.dtype)
 
 
@@ -142,11 +154,12 @@ _rms_norm_quantized.defvjp(_rms_norm_quantized_fwd, _rms_norm_quantized_bwd)
 
 
 def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
-                 split: Split | None = None) -> jax.Array | LowBitOperand:
+                 split: Split | None = None, *, options: ExecutionOptions | None = None) -> jax.Array | LowBitOperand:
   """RMSNorm of ``x [..., C]`` (``scale [C]``), quantized for the linear that reads it when ``recipe`` allows.
 
   ``split`` (tensor parallelism, inside ``shard_map``): how this device's x is split (module
   docstring); with ``Split(cols=...)``, x and scale hold this device's ``C / n`` features.
+  ``options``: the kernels' backend and ``fused_quantizers`` (off: the normed array, never an operand).
 
   Returns:
     a :class:`LowBitOperand` ``[M, C]`` when ``recipe.input_quantization()`` says how (the norm's
@@ -154,24 +167,26 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
-  how = fused_quantization(recipe)
+  how = fused_quantization(recipe, options)
   if how is None:
     return rms_norm(x, scale, eps, dtype, split)
   # Inside shard_map the scale's gradient varies with the tokens: autodiff of this cast sums it.
   scale = vary_over(scale, varying_axes(x))
-  return _rms_norm_quantized(x.reshape(-1, x.shape[-1]), scale, eps, how, jnp.dtype(dtype), split)
+  return _rms_norm_quantized(x.reshape(-1, x.shape[-1]), scale, eps, how, jnp.dtype(dtype),
+                             resolve(options).dispatch(split))
 
 
 # ---------------------------------------------------------------------------------------------
 # SwiGLU (and the other gated activations: ``activation`` names one of GATE_ACTIVATIONS)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def swiglu(gate_up: jax.Array, activation: str = "silu") -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def swiglu(gate_up: jax.Array, activation: str = "silu", options: DispatchOptions | None = None) -> jax.Array:
   """``act(gate) * up`` of ``gate_up [..., 2H]`` (``[gate | up]``) in float32, cast back: ``[..., H]``.
 
   ``activation``: ``"silu"`` (SwiGLU) or ``"relu2"`` (squared ReLU ``max(gate, 0)^2``, BitNet b1.58
-  2B4T); :data:`pallas_kernels.quantize.GATE_ACTIVATIONS`.
+  2B4T); :data:`pallas_kernels.quantize.GATE_ACTIVATIONS`. ``options``: the backend of its backward
+  (None: the environment's).
 
   Its gradient ``d gate_up [..., 2H]`` is one elementwise pass (:func:`_swiglu_backward`); autodiff
   of the split wrote the two halves' gradients and concatenated them in a separate copy (bf16 1B
@@ -180,60 +195,60 @@ def swiglu(gate_up: jax.Array, activation: str = "silu") -> jax.Array:
   return SwiGLU(activation).reference((gate_up,))
 
 
-def _swiglu_fwd(gate_up, activation):
-  return swiglu(gate_up, activation), gate_up
+def _swiglu_fwd(gate_up, activation, options):
+  return swiglu(gate_up, activation, options), gate_up
 
 
-def _swiglu_bwd(activation, gate_up, dh):
-  return (_swiglu_backward(dh, gate_up, activation),)
+def _swiglu_bwd(activation, options, gate_up, dh):
+  return (_swiglu_backward(dh, gate_up, activation, options),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def _swiglu_backward(dh, gate_up, activation: str):
+def _swiglu_backward(dh, gate_up, activation: str, options: DispatchOptions | None):
   """``d gate_up [..., 2H]`` of ``h = act(gate) * up`` given ``dh [..., H]``, in ``gate_up``'s dtype.
 
   One pass on a GPU (the values kernel of :class:`SwiGLUGrad`): XLA wrote it as a concatenate
   fusion of the two halves' expressions that it did not fuse into the gradient GEMMs reading it (bf16
   1B step on an H200: 8.0 ms for the concatenate plus 4.3 ms converting its halves).
   """
-  return dispatch.prologue_values((dh, gate_up), SwiGLUGrad(activation))
+  return dispatch.prologue_values((dh, gate_up), SwiGLUGrad(activation), options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _swiglu_quantized(gate_up, how: OperandQuantization, split: Split, activation: str) -> LowBitOperand:
-  return _swiglu_quantized_fwd(gate_up, how, split, activation)[0]
+def _swiglu_quantized(gate_up, how: OperandQuantization, options: DispatchOptions, activation: str) -> LowBitOperand:
+  return _swiglu_quantized_fwd(gate_up, how, options, activation)[0]
 
 
-def _swiglu_quantized_fwd(gate_up, how, split, activation):
-  with dispatch.split_operands(split):
-    return _produce((gate_up,), SwiGLU(activation), how, gate_up.dtype)[0], gate_up
+def _swiglu_quantized_fwd(gate_up, how, options, activation):
+  return _produce((gate_up,), SwiGLU(activation), how, gate_up.dtype, options)[0], gate_up
 
 
-def _swiglu_quantized_bwd(how, split, activation, gate_up, ct):
-  del how, split
-  return (_swiglu_backward(ct.carrier, gate_up, activation),)
+def _swiglu_quantized_bwd(how, options, activation, gate_up, ct):
+  del how
+  return (_swiglu_backward(ct.carrier, gate_up, activation, options.splitting(None)),)
 
 
 _swiglu_quantized.defvjp(_swiglu_quantized_fwd, _swiglu_quantized_bwd)
 
 
 def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = None,
-               activation: str = "silu") -> jax.Array | LowBitOperand:
+               activation: str = "silu", *, options: ExecutionOptions | None = None) -> jax.Array | LowBitOperand:
   """``act(gate) * up`` of ``gate_up [..., 2H]``, quantized for the linear that reads it when ``recipe`` allows.
 
   ``split``: how this device's values are split (tensor parallelism: ``Split(cols=...)`` when it
   holds ``H / n`` hidden units, ``[gate | up]`` of its own; the per-token amaxes span all of H).
   ``activation``: ``"silu"`` (SwiGLU, the default) or ``"relu2"`` (:func:`swiglu`).
+  ``options``: as for :func:`rms_norm_for`.
 
   Returns a :class:`LowBitOperand` ``[M, H]`` or the ``[..., H]`` array (as :func:`swiglu`).
   """
   check_gate_activation(activation)
-  how = fused_quantization(recipe)
+  how = fused_quantization(recipe, options)
   if how is None:
-    return swiglu(gate_up, activation)
-  return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, split or NO_SPLIT, activation)
+    return swiglu(gate_up, activation, resolve(options).dispatch())
+  return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, resolve(options).dispatch(split), activation)
 
 
 __all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "unfused"]

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
@@ -171,8 +172,9 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   Args:
     module: the bound Dense-family module.
     inputs: ``[..., *contracted]`` floating array.
-    matmul: a recipe (or None: high precision) for the recipe's ``quantized_dot_general``, or
-      a function ``matmul(call, inputs, kernel)`` (FSDP, inference, weight-only training).
+    matmul: a recipe (or None: high precision) for the recipe's ``quantized_dot_general``, run
+      with the module's ``execution`` options where it has them (:class:`LowBitDense`), or a
+      function ``matmul(call, inputs, kernel)`` (FSDP, inference, weight-only training).
     kernel: the kernel to use instead of creating the ``kernel`` parameter (a local shard,
       converted leaves, an ``Int8Weight``).
     bias: the bias to use instead of the ``bias`` parameter (a tensor-parallel layer's share of
@@ -195,7 +197,7 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   if bias is not None:
     bias = jnp.asarray(bias, call.dtype)
   if not callable(matmul):
-    matmul = recipe_matmul(matmul)
+    matmul = recipe_matmul(matmul, getattr(module, "execution", None))
   out = matmul(call, inputs if is_low_bit(inputs) else jnp.asarray(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
@@ -204,16 +206,17 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   return out
 
 
-def recipe_matmul(recipe: Recipe | None) -> Matmul:
-  """The Dense body's matmul for ``recipe``: the quantized dot of the stored kernel (None: DenseGeneral's dot)."""
+def recipe_matmul(recipe: Recipe | None, options: ExecutionOptions | None = None) -> Matmul:
+  """The Dense body's matmul for ``recipe``: the quantized dot of the stored kernel (None: DenseGeneral's dot),
+  its kernels run as ``options`` say."""
   check_recipe(recipe, "dense_general")
 
   def matmul(call: DenseCall, inputs: jax.Array, kernel: jax.Array) -> jax.Array:
     if is_low_bit(inputs):  # [M, K] from a fused producer
-      return call.unflat_outputs(quantized_matmul(inputs, kernel.reshape(-1, call.kn[1]), recipe))
+      return call.unflat_outputs(quantized_matmul(inputs, kernel.reshape(-1, call.kn[1]), recipe, options=options))
     kernel = kernel if recipe is not None else jnp.asarray(kernel, call.dtype)  # low-bit: from the master weight
     return quantized_dot_general(inputs, kernel, call.dimension_numbers, precision=call.module.precision,
-                                 recipe=recipe)
+                                 recipe=recipe, options=options)
 
   return matmul
 
@@ -233,6 +236,8 @@ class LowBitDense(nn.DenseGeneral):
       precision, promote_dtype: as in ``flax.linen.DenseGeneral`` (``dot_general`` and
       ``dot_general_cls`` must stay None: the recipe decides the dot).
     recipe: any recipe (``jaxlowbit.recipes``), or None for high precision.
+    execution: how its kernels run (:class:`jaxlowbit.ExecutionOptions`: the backend); None: the
+      defaults, the backend from ``$JAXLOWBIT_BACKEND``.
     recipe_types: class-level: the recipe classes a subclass accepts (empty: any).
 
   Example::
@@ -244,6 +249,7 @@ class LowBitDense(nn.DenseGeneral):
   """
 
   recipe: Any = None
+  execution: ExecutionOptions | None = None
   recipe_types: ClassVar[tuple[type, ...]] = ()
 
   def __post_init__(self):
@@ -324,17 +330,18 @@ class BitNetDense(LowBitDense):
   recipe_types: ClassVar[tuple[type, ...]] = (BitNet,)
 
 
-def dense_for(recipe: Recipe | None, **kwargs) -> nn.Module:
+def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = None, **kwargs) -> nn.Module:
   """The layer that runs ``recipe``, built with ``kwargs`` (``DenseGeneral``'s attributes).
 
-  None gives ``nn.DenseGeneral``; a recipe gives the named layer of its family (``Int8Dense``,
-  ``Fp8Dense``, ``BitNetDense``: each declares its ``recipe_types``), or :class:`LowBitDense` itself.
+  None gives ``nn.DenseGeneral`` (high precision: ``execution`` has nothing to say); a recipe gives
+  the named layer of its family (``Int8Dense``, ``Fp8Dense``, ``BitNetDense``: each declares its
+  ``recipe_types``), or :class:`LowBitDense` itself, with ``execution`` as its options.
   """
   check_recipe(recipe, "dense_for")
   if recipe is None:
     return nn.DenseGeneral(**kwargs)
   named = [cls for cls in (Int8Dense, Fp8Dense, BitNetDense) if isinstance(recipe, cls.recipe_types)]
-  return (named[0] if named else LowBitDense)(recipe=recipe, **kwargs)
+  return (named[0] if named else LowBitDense)(recipe=recipe, execution=execution, **kwargs)
 
 
 __all__ = ["BitNetDense", "DenseCall", "Fp8Dense", "Int8Dense", "LowBitDense", "dense_for", "dense_general", "resolve"]

@@ -11,12 +11,16 @@ operand reaches its producer (straight through the quantization).
 ``quantized_dot_general`` is the same for ``lax.dot_general``'s interface (Flax's
 ``dot_general=`` hook).
 
-Tensor parallelism (``jaxlowbit.fsdp.tensor``) runs the same custom_vjp with a *collective*: a
+Tensor parallelism (``jaxlowbit.parallel.tensor``) runs the same custom_vjp with a *collective*: a
 static object that says how the linear's operands are split over a mesh axis and moves data
 around the recipe's matmuls (a row-parallel linear reduce-scatters its output, and gathers its
-output gradient before the backward). The recipe's forward and backward run unchanged, inside
-``pallas_kernels.dispatch.split_operands`` so that their quantizations see the whole split
-matrix (:class:`Collective`).
+output gradient before the backward). The recipe's forward and backward run unchanged, with
+dispatch options that say how their operands are split, so that their quantizations see the
+whole split matrix (:class:`Collective`).
+
+How the kernels run is the ``options`` argument (:class:`jaxlowbit.ExecutionOptions`: the
+backend), resolved once here and handed to the recipe, which hands it to every quantization and
+GEMM (``pallas_kernels.dispatch.DispatchOptions``).
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.operand import LowBitOperand, is_low_bit, vary_over, varying_axes
 from jaxlowbit.recipes import Recipe, check_recipe
 from jaxlowbit_numerics.stats import Split
-from pallas_kernels import dispatch
 
 
 class Collective(Protocol):
@@ -51,7 +55,7 @@ class Collective(Protocol):
   def scatter(self, y: jax.Array) -> jax.Array:
     """The forward's output ``[M, N]`` as this device keeps it (e.g. reduce-scattered rows)."""
 
-  def gather_gradient(self, g: jax.Array, recipe: Recipe) -> Any:
+  def gather_gradient(self, g: jax.Array, recipe: Recipe, options: ExecutionOptions) -> Any:
     """This device's output gradient -> the ``g`` the recipe's backward reads (array or low-bit operand)."""
 
 
@@ -102,6 +106,14 @@ class _Operands:
   w_low_bit: bool
   w_dtype: jnp.dtype  # dW comes back in the weight's dtype (a low-bit weight's: its carrier's)
   collective: Collective | None = None
+  options: ExecutionOptions = ExecutionOptions()  # resolved: a concrete backend
+
+  def dispatch(self, forward: bool):
+    """The dispatch options of the forward's (or backward's) operands: the backend, and their split."""
+    collective = self.collective
+    if collective is None:
+      return self.options.dispatch()
+    return self.options.dispatch(collective.forward_split if forward else collective.backward_split)
 
   def cotangents(self, dx: jax.Array, dw: jax.Array):
     """The gradients as the primal operands' types: a low-bit operand's reaches its carrier."""
@@ -115,21 +127,16 @@ def _linear(x, w, recipe: Recipe, operands: _Operands) -> jax.Array:
 
 
 def _linear_fwd(x, w, recipe, operands):
+  y, residuals = recipe.forward(x, w, operands.dispatch(forward=True))
   collective = operands.collective
-  if collective is None:
-    return recipe.forward(x, w)
-  with dispatch.split_operands(collective.forward_split):
-    y, residuals = recipe.forward(x, w)
-  return collective.scatter(y), residuals
+  return (y if collective is None else collective.scatter(y)), residuals
 
 
 def _linear_bwd(recipe, operands, residuals, g):
   collective = operands.collective
-  if collective is None:
-    return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype))
-  g = collective.gather_gradient(g, recipe)
-  with dispatch.split_operands(collective.backward_split):
-    return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype))
+  if collective is not None:
+    g = collective.gather_gradient(g, recipe, operands.options)
+  return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype, operands.dispatch(forward=False)))
 
 
 # optimize_remat: under jax.checkpoint the residuals are recomputed by running the forward rule
@@ -137,18 +144,21 @@ def _linear_bwd(recipe, operands, residuals, g):
 _linear.defvjp(_linear_fwd, _linear_bwd, optimize_remat=True)
 
 
-def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective | None = None) -> jax.Array:
+def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective | None = None, *,
+                     options: ExecutionOptions | None = None) -> jax.Array:
   """Linear ``x @ w`` whose forward and backward matmuls follow ``recipe``.
 
   Args:
     x: ``[..., K]`` float32, bfloat16 or float16 activations, or a ``[M, K]``
       :class:`~jaxlowbit.operand.LowBitOperand` quantized as ``recipe.input_quantization()`` says.
     w: ``[K, N]`` floating weights (usually float32 master weights), or a low-bit weight
-      (``jaxlowbit.fsdp.gather_weight``).
+      (``jaxlowbit.parallel.gather_weight``).
     recipe: a recipe (:class:`Int8MixedPrecision`, :class:`Float8`, :class:`BitNet`), or None for
       the plain high-precision matmul.
     collective: inside ``shard_map``, a tensor-parallel linear's :class:`Collective`
-      (``jaxlowbit.fsdp.tensor``); x must then be 2-D ``[M, K]``.
+      (``jaxlowbit.parallel.tensor``); x must then be 2-D ``[M, K]``.
+    options: how the kernels run (:class:`jaxlowbit.ExecutionOptions`; None: the defaults, the
+      backend from ``$JAXLOWBIT_BACKEND``).
 
   Returns:
     ``[..., N]`` in ``x``'s dtype (with a collective: what its ``scatter`` keeps, e.g. ``[M / n,
@@ -163,6 +173,7 @@ def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective 
   """
   check_recipe(recipe, "quantized_matmul")
   check_linear_operands(x, w, "quantized_matmul")
+  options = resolve(options)
   if collective is not None and x.ndim != 2:
     raise ValueError(f"quantized_matmul: a tensor-parallel linear takes x as [M, K], got shape {x.shape}")
   scatter = (lambda y: y) if collective is None else collective.scatter  # noqa: E731  (autodiff transposes it)
@@ -177,7 +188,7 @@ def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective 
   x, w = match_varying_axes(x, w)
   batch_shape, k = x.shape[:-1], x.shape[-1]
   x2 = x if is_low_bit(x) else x.reshape(math.prod(batch_shape), k)
-  y = _linear(x2, w, recipe, _Operands(is_low_bit(x), is_low_bit(w), jnp.dtype(w.dtype), collective))
+  y = _linear(x2, w, recipe, _Operands(is_low_bit(x), is_low_bit(w), jnp.dtype(w.dtype), collective, options))
   return y if collective is not None else y.reshape(*batch_shape, w.shape[1])
 
 
@@ -213,6 +224,7 @@ def quantized_dot_general(
     preferred_element_type=None,
     *,
     recipe: Recipe | None,
+    options: ExecutionOptions | None = None,
 ) -> jax.Array:
   """Drop-in for ``lax.dot_general`` where ``rhs`` is a weight: runs ``quantized_matmul``.
 
@@ -220,7 +232,7 @@ def quantized_dot_general(
   (rhs); batch dimensions are mapped with ``vmap``. The output layout is dot_general's:
   ``batch + lhs free + rhs free``. Pass it as a Flax ``dot_general=`` with
   ``functools.partial(quantized_dot_general, recipe=...)``.
-  ``precision`` applies to the high-precision path only.
+  ``precision`` applies to the high-precision path only; ``options`` as for ``quantized_matmul``.
 
   Raises:
     ValueError: malformed or out-of-range dimension numbers, repeated axes, or sizes of
@@ -245,7 +257,7 @@ def quantized_dot_general(
   k = math.prod(lhs.shape[a] for a in lc)
   left = jnp.transpose(lhs, lb + lf + lc).reshape(*batch_shape, math.prod(lf_shape), k)
   right = jnp.transpose(rhs, rb + rc + rf).reshape(*batch_shape, k, math.prod(rf_shape))
-  fn = functools.partial(quantized_matmul, recipe=recipe)
+  fn = functools.partial(quantized_matmul, recipe=recipe, options=options)
   for _ in batch_shape:
     fn = jax.vmap(fn)
   out = fn(left, right)

@@ -4,6 +4,7 @@ Subclasses of ``flax.nnx.Linear`` with its signature plus ``recipe``: same ``ker
 ``[in_features, out_features]`` and ``bias`` ``[out_features]`` parameters and the same
 initialization, so state moves between them and ``nnx.Linear``. The kernel is quantized
 from its stored ``param_dtype``; ``recipe=None`` computes what ``nnx.Linear`` computes.
+``execution`` (a ``jaxlowbit.ExecutionOptions``) says how its kernels run, as for the Linen layers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.layers import check_sizes
 from jaxlowbit.matmul import quantized_matmul
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, check_recipe
@@ -27,10 +29,11 @@ class _LowBitLinear(nnx.Linear):
   recipe_types: ClassVar[tuple[type, ...]] = ()
   default_recipe: ClassVar[Any] = None
 
-  def __init__(self, in_features: int, out_features: int, *, recipe: Any = _DEFAULT, rngs: nnx.Rngs, **kwargs):
+  def __init__(self, in_features: int, out_features: int, *, recipe: Any = _DEFAULT, rngs: nnx.Rngs,
+               execution: ExecutionOptions | None = None, **kwargs):
     """Args: as ``nnx.Linear`` (``use_bias``, ``dtype``, ``param_dtype``, ``precision``,
     ``kernel_init``, ``bias_init``, ``promote_dtype``, ``rngs``), plus ``recipe`` (the class's
-    default recipe when omitted; None for high precision)."""
+    default recipe when omitted; None for high precision) and ``execution`` (None: the defaults)."""
     name = type(self).__name__
     check_sizes(name, in_features=in_features, out_features=out_features)
     if "dot_general" in kwargs:
@@ -42,6 +45,7 @@ class _LowBitLinear(nnx.Linear):
       raise TypeError(f"{name}: recipe must be {allowed} (or None), got {recipe!r}")
     super().__init__(in_features, out_features, rngs=rngs, **kwargs)
     self.recipe = recipe
+    self.execution = execution
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """``[..., in_features]`` floating inputs -> ``[..., out_features]`` in the compute dtype."""
@@ -55,7 +59,7 @@ class _LowBitLinear(nnx.Linear):
           inputs, promoted_kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
       )
     else:
-      y = quantized_matmul(inputs, kernel, self.recipe)
+      y = quantized_matmul(inputs, kernel, self.recipe, options=self.execution)
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y

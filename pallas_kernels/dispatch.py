@@ -19,21 +19,24 @@ Backends:
 - ``"pallas"``: the Pallas GPU kernels (Hopper wgmma GEMM, Triton-backend quantizers and
   fused optimizer update).
 
-Which backend runs is :mod:`pallas_kernels.policy`'s decision (``JAXLOWBIT_BACKEND=xla|pallas|auto``
-and every threshold); which kernel configuration runs a shape is :mod:`pallas_kernels.tuning`'s.
+Every function takes a :class:`DispatchOptions`: the backend (``auto`` / ``xla`` / ``pallas``) that
+:mod:`pallas_kernels.policy` decides under, and the operand split. They are plain arguments, read
+when the function is traced; nothing here is global. A caller that passes none gets
+``DispatchOptions.from_environment()`` (``$JAXLOWBIT_BACKEND``, read in ``policy.requested_backend``
+and nowhere else); ``jaxlowbit`` always passes its own (``jaxlowbit.ExecutionOptions``). Which kernel
+configuration runs a shape is :mod:`pallas_kernels.tuning`'s.
 
-Split operands (tensor parallelism, inside ``jax.shard_map``): within :func:`split_operands`,
-every quantization treats its 2-D input as one tile of a matrix split over mesh axes
+Split operands (tensor parallelism, inside ``jax.shard_map``): with ``options.split`` set, every
+quantization treats its 2-D input as one tile of a matrix split over mesh axes
 (:class:`~jaxlowbit_numerics.stats.Split`) and reduces its amaxes over the tiles, so each device
-quantizes with the scale of the whole matrix. Tensor-parallel linears set it around the parts of
+quantizes with the scale of the whole matrix. Tensor-parallel linears pass it for the parts of
 their recipe whose operands are split (a recipe's code does not change); producers that quantize
-on a device's share of an activation set it around their quantization.
+on a device's share of an activation pass it for their quantization.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import functools
 
 import jax
@@ -51,29 +54,41 @@ from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["adam_step", "adam_update", "current_split", "fused_quantize", "prologue_values", "quantize_cols_t",
-           "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "split_operands"]
-
-_SPLIT = contextvars.ContextVar("jaxlowbit_split_operands", default=NO_SPLIT)
+__all__ = ["DispatchOptions", "adam_step", "adam_update", "fused_quantize", "prologue_values", "quantize_cols_t",
+           "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend"]
 
 
-@contextlib.contextmanager
-def split_operands(split: Split | None):
-  """Within this context every quantization's input is a tile of a matrix split as ``split`` says.
+@dataclasses.dataclass(frozen=True)
+class DispatchOptions:
+  """How a quantization or low-bit GEMM runs (frozen, hashable: a static argument under ``jit``).
 
-  Set it while tracing (the quantizations read it when they are traced); None or an empty
-  ``Split`` leaves quantization local.
+  Attributes:
+    backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (:data:`pallas_kernels.policy.BACKENDS`).
+    split: how the operand being quantized is split over mesh axes (module docstring);
+      ``NO_SPLIT``: the quantization is local.
   """
-  token = _SPLIT.set(split or NO_SPLIT)
-  try:
-    yield
-  finally:
-    _SPLIT.reset(token)
+
+  backend: str = "auto"
+  split: Split = NO_SPLIT
+
+  def __post_init__(self):
+    policy.check_backend(self.backend)
+    if not isinstance(self.split, Split):
+      raise TypeError(f"DispatchOptions.split must be a jaxlowbit_numerics.stats.Split, got {self.split!r}")
+
+  @classmethod
+  def from_environment(cls) -> DispatchOptions:
+    """The options of a caller that chose none: the backend ``$JAXLOWBIT_BACKEND`` names, no split."""
+    return cls(backend=policy.requested_backend())
+
+  def splitting(self, split: Split | None) -> DispatchOptions:
+    """These options with the operand split as ``split`` says (None: local)."""
+    return dataclasses.replace(self, split=split or NO_SPLIT)
 
 
-def current_split() -> Split:
-  """The :class:`Split` quantizations traced now use (empty outside :func:`split_operands`)."""
-  return _SPLIT.get()
+def _resolve(options: DispatchOptions | None) -> DispatchOptions:
+  """``options``, or the environment's where a caller passed none (the module's one edge)."""
+  return DispatchOptions.from_environment() if options is None else options
 
 
 # Every quantization and low-bit GEMM runs inside one of these scopes, so profiles
@@ -89,6 +104,7 @@ def fused_quantize(
     rows_spec: QuantSpec | None,
     cols_spec: QuantSpec | None = None,
     rows_t: bool = False,
+    options: DispatchOptions | None = None,
 ):
   """``prologue(*inputs)`` quantized per row and/or per column (transposed), without writing it.
 
@@ -99,19 +115,21 @@ def fused_quantize(
     rows_spec: per-row quantization ``(q [R, C'], float32 scale [R, 1] or [1, 1])``, or None.
     cols_spec: per-column quantization written transposed ``(q^T [C', R], scale [C', 1] or [1, 1])``.
     rows_t: the rows' int8 codes written transposed instead (``(q^T [C', R], scale [1, R])``).
+    options: backend and operand split (:class:`DispatchOptions`).
 
   Returns:
     ``(rows or None, transposed or None, stat or None)`` (``stat``: the prologue's float32 row
     statistic ``[R]``, RmsNorm's ``rstd``). The kernel on a GPU where it takes the shape, the
-    XLA reference elsewhere; the same numbers up to rounding ties. Inside
-    :func:`split_operands`, amaxes span the whole split matrix (columns split: XLA, whose
-    reductions can wait for the collective; rows split: the kernel reduces between its passes).
+    XLA reference elsewhere; the same numbers up to rounding ties. With ``options.split``, amaxes
+    span the whole split matrix (columns split: XLA, whose reductions can wait for the collective;
+    rows split: the kernel reduces between its passes).
   """
+  options = _resolve(options)
   spec = rows_spec or cols_spec
   r, c = inputs[0].shape[0], prologue.width(inputs)
-  split = current_split()
+  split = options.split
   with jax.named_scope(QUANTIZE_SCOPE):
-    if not policy.quantize_on_kernel() or inputs[0].ndim != 2 or split.cols:
+    if not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2 or split.cols:
       return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
     stat = None
     if not isinstance(prologue, Identity) and not policy.fuse_prologue(type(prologue).__name__):
@@ -124,7 +142,7 @@ def fused_quantize(
                                            rows_t=rows_t, split=split)
     elif (transposing and rows_spec is not None and not rows_spec.per_tensor
           and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue)):
-      _refuse_forced_fallback(cols_spec or rows_spec, r, c, True, prologue)
+      _refuse_forced_fallback(cols_spec or rows_spec, r, c, True, prologue, options.backend)
       # A shape the transposing kernel does not take but the rows kernel does: the rows come from
       # the rows kernel, exactly as a rows-only request gets them (a layer's codes then do not
       # depend on whether its backward needs a transposed copy: training and an inference
@@ -136,23 +154,25 @@ def fused_quantize(
       else:
         transposed = quantize_kernels.fused_quantize_reference(inputs, prologue, None, cols_spec, split=split)[1]
     else:
-      _refuse_forced_fallback(spec, r, c, transposing, prologue)
+      _refuse_forced_fallback(spec, r, c, transposing, prologue, options.backend)
       rows, transposed, own_stat = quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec,
                                                                              rows_t, split)
     return rows, transposed, own_stat if stat is None else stat
 
 
-def _refuse_forced_fallback(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prologue) -> None:
-  """Under ``JAXLOWBIT_BACKEND=pallas``, ValueError where a quantize kernel exists for ``spec`` but
+def _refuse_forced_fallback(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prologue,
+                            backend: str) -> None:
+  """Under the ``pallas`` backend, ValueError where a quantize kernel exists for ``spec`` but
   cannot take this ``[R, C]`` shape: forcing the kernels must not run XLA in their place unseen.
   (Ternary weights and a bare per-tensor row copy have no kernel on purpose: XLA is their path.)"""
   bare_per_tensor = spec.per_tensor and not transposed and isinstance(prologue, Identity)
-  if policy.requested_backend() != "pallas" or spec.ternary or bare_per_tensor:
+  if backend != "pallas" or spec.ternary or bare_per_tensor:
     return
   raise ValueError(
-      f"{policy.BACKEND_ENV}=pallas: the {spec.dtype} quantize kernel cannot take a [{r}, {c}] operand"
+      f"backend pallas: the {spec.dtype} quantize kernel cannot take a [{r}, {c}] operand"
       f"{' with its transposed copy' if transposed else ''} (columns must be a multiple of 16 and rows and "
-      f"columns divide its tiles); pad the operand, or unset {policy.BACKEND_ENV} so XLA takes this shape"
+      f"columns divide its tiles); pad the operand, or use auto (unset {policy.BACKEND_ENV}) so XLA takes "
+      "this shape"
   )
 
 
@@ -164,7 +184,8 @@ def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split):
   return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split=split)
 
 
-def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue) -> jax.Array:
+def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue,
+                    options: DispatchOptions | None = None) -> jax.Array:
   """``prologue(*inputs)`` written in its dtype: ``[..., C]`` for inputs ``[..., C_i]``.
 
   The values kernel (:func:`pallas_kernels.quantize.prologue_kernel`, one read, one write) on a GPU
@@ -173,7 +194,7 @@ def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue) -> jax.Ar
   """
   flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
   r, c = flat[0].shape[0], prologue.width(flat)
-  if policy.quantize_on_kernel() and quantize_kernels.prologue_supported(r, c, prologue):
+  if policy.quantize_on_kernel(_resolve(options).backend) and quantize_kernels.prologue_supported(r, c, prologue):
     return _values(flat, prologue).reshape(*inputs[0].shape[:-1], c)
   return prologue.reference(inputs)
 
@@ -184,24 +205,26 @@ def _values(inputs, prologue):
   return quantize_kernels.prologue_kernel(inputs, prologue)
 
 
-def quantize_rows(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [R, C]`` of ``spec.dtype``, float32 dequant scale ``[R, 1]`` or ``[1, 1]``)."""
-  return fused_quantize((x,), Identity(), spec)[0]
+  return fused_quantize((x,), Identity(), spec, options=options)[0]
 
 
-def quantize_cols_t(x: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+def quantize_cols_t(x: jax.Array, spec: QuantSpec,
+                    options: DispatchOptions | None = None) -> tuple[jax.Array, jax.Array]:
   """``x [R, C]`` -> (``q [C, R]``: per-column quantization written transposed, scale ``[C, 1]`` or ``[1, 1]``)."""
-  return fused_quantize((x,), Identity(), None, spec)[1]
+  return fused_quantize((x,), Identity(), None, spec, options=options)[1]
 
 
-def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec):
+def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None):
   """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can."""
-  rows, transposed, _ = fused_quantize((x,), Identity(), spec, spec)
+  rows, transposed, _ = fused_quantize((x,), Identity(), spec, spec, options=options)
   return rows, transposed
 
 
 def scaled_matmul(
-    a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, out_dtype=jnp.bfloat16
+    a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, out_dtype=jnp.bfloat16,
+    options: DispatchOptions | None = None,
 ) -> jax.Array:
   """``(a @ b.T) * a_scale[:, None] * b_scale[None, :]`` on the selected backend.
 
@@ -209,12 +232,14 @@ def scaled_matmul(
     a: ``[M, K]`` int8 or fp8. b: ``[N, K]`` (K-major, as tensor cores want it).
     a_scale, b_scale: float32 dequantization scales, one per row or one in all.
     out_dtype: dtype of the ``[M, N]`` result.
+    options: the backend (:class:`DispatchOptions`; its split does not apply to a GEMM).
   """
   check_operands(a, a_scale, b, b_scale)
   m, k = a.shape
   per_tensor = a_scale.size == 1 and b_scale.size == 1
+  backend = _resolve(options).backend
   with jax.named_scope(GEMM_SCOPE):
-    if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor) == "pallas":
+    if select_backend(a.dtype, m, b.shape[0], k, per_tensor=per_tensor, backend=backend) == "pallas":
       from pallas_kernels import tuning  # imports Mosaic GPU lazily
       from pallas_kernels.hopper_gemm import scaled_matmul_hopper
 
@@ -231,13 +256,14 @@ def adam_update(
     m_format: BlockFormat,
     v_format: BlockFormat,
     nesterov: bool = False,
+    options: DispatchOptions | None = None,
 ) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
   """One Adam step of a block-wise quantized tensor on the selected backend.
 
   Args:
     g: gradient ``[*lead, N]``; m, v: its moments (codes and float32 block scales) stored in
       ``m_format`` / ``v_format``; coefficients: the step's scalars
-      (:func:`jaxlowbit_numerics.adam.adam_coefficients`); nesterov: as in optax.
+      (:func:`jaxlowbit_numerics.adam.adam_coefficients`); nesterov: as in optax; options: the backend.
 
   Returns:
     ``(u, m_new, v_new)``: the float32 update ``[*lead, N]`` and the new moments. The fused
@@ -245,25 +271,25 @@ def adam_update(
     reference; the same codes up to ties of the nearest-code search.
   """
   with jax.named_scope(ADAM_SCOPE):
-    if _adam_on_kernel(g, m, v, m_format, v_format):
+    if _adam_on_kernel(g, m, v, m_format, v_format, _resolve(options).backend):
       config = tuning.adam_config(m_format, v_format)
       return adam_kernels.adam_update_kernel(g, m, v, coefficients, m_format, v_format, nesterov, config)
     return adam_kernels.adam_update_reference(g, m, v, coefficients, m_format, v_format, nesterov)
 
 
-def _adam_on_kernel(g, m, v, m_format, v_format) -> bool:
+def _adam_on_kernel(g, m, v, m_format, v_format, backend: str) -> bool:
   """The one choice of :func:`adam_update` and :func:`adam_step`: the policy, then the tensor."""
   explicit = any(axis is not None for axis in jax.typeof(g).sharding.spec)  # sharding in types: XLA's update
-  if explicit or not policy.adam_on_kernel((m_format.kind, v_format.kind)):
+  if explicit or not policy.adam_on_kernel((m_format.kind, v_format.kind), backend):
     return False
   if adam_kernels.supported(g, m, v, m_format, v_format):
     return True
-  if policy.requested_backend() == "pallas":  # forced: the kernel runs here, so not taking the shape is an error
+  if backend == "pallas":  # forced: the kernel runs here, so not taking the shape is an error
     raise ValueError(
-        f"{policy.BACKEND_ENV}=pallas: the fused Adam kernel cannot take a {g.dtype} tensor of shape {g.shape} "
+        f"backend pallas: the fused Adam kernel cannot take a {g.dtype} tensor of shape {g.shape} "
         f"with {m_format.kind}/{v_format.kind} moments of block {m_format.block} (it needs a last axis that is a "
-        f"multiple of the block and a power-of-two block; see pallas_kernels.adam.supported); unset "
-        f"{policy.BACKEND_ENV} so XLA's update takes it"
+        f"multiple of the block and a power-of-two block; see pallas_kernels.adam.supported); use auto "
+        f"(unset {policy.BACKEND_ENV}) so XLA's update takes it"
     )
   return False
 
@@ -280,6 +306,7 @@ def adam_step(
     m_format: BlockFormat,
     v_format: BlockFormat,
     nesterov: bool = False,
+    options: DispatchOptions | None = None,
 ) -> tuple[jax.Array, BlockQuantized, BlockQuantized]:
   """One AdamW step of a block-wise quantized tensor, written into its parameter ``p``.
 
@@ -295,7 +322,8 @@ def adam_step(
     kernel, else its XLA reference (:func:`pallas_kernels.adam.adam_step_reference`).
   """
   with jax.named_scope(ADAM_SCOPE):
-    if jnp.dtype(p.dtype) in adam_kernels.PARAM_DTYPES and _adam_on_kernel(g, m, v, m_format, v_format):
+    backend = _resolve(options).backend
+    if jnp.dtype(p.dtype) in adam_kernels.PARAM_DTYPES and _adam_on_kernel(g, m, v, m_format, v_format, backend):
       config = tuning.adam_config(m_format, v_format)
       return adam_kernels.adam_step_kernel(p, g, m, v, coefficients, neg_lr, weight_decay, seed, m_format, v_format,
                                            nesterov, config)

@@ -21,10 +21,10 @@ ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, 
 ============  ===========================================  ==========================================
 
 Everywhere else (CPU, GPUs older than sm80, shapes a kernel does not tile) the XLA
-references run, with the same numerics. ``JAXLOWBIT_BACKEND`` (see ``dispatch``) applies:
-``xla`` forces the references, ``pallas`` forces the kernels for every M (the GEMV kernels,
-then wgmma for w8a8/ternary above ``*_KERNEL_MAX_M``) and raises a clear error where they
-cannot run.
+references run, with the same numerics. The backend comes in ``options``
+(``dispatch.DispatchOptions``; none given: ``$JAXLOWBIT_BACKEND``, as in ``dispatch``): ``xla``
+forces the references, ``pallas`` forces the kernels for every M (the GEMV kernels, then wgmma for
+w8a8/ternary above ``*_KERNEL_MAX_M``) and raises a clear error where they cannot run.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxlowbit_numerics.ternary import unpack_2bit
 from pallas_kernels import dispatch, policy
+from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.int8_gemv import A8W2_BASE, A8W8_BASE, check_a8w2, check_a8w8
 from pallas_kernels.int8_gemv import config_for as gemv_config_for
 from pallas_kernels.int8_gemv import supports as gemv_supports
@@ -42,54 +43,63 @@ from pallas_kernels.w8a16 import ACTIVATION_DTYPES, check_operands, w8a16_matmul
 from pallas_kernels.w8a16 import config_for as w8a16_config_for
 from pallas_kernels.w8a16 import supports as w8a16_supports
 
-def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None) -> jax.Array:
+def _backend(options: DispatchOptions | None) -> str:
+  return (DispatchOptions.from_environment() if options is None else options).backend
+
+
+def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None,
+                 options: DispatchOptions | None = None) -> jax.Array:
   """``(x @ wq.T) * w_scale``: x ``[M, K]`` float, wq ``[N, K]`` int8, w_scale ``[N]`` float32 -> ``[M, N]``."""
   check_operands(x, wq, w_scale)
+  backend = _backend(options)
   m, k = x.shape
   n = wq.shape[0]
   fits = jnp.dtype(x.dtype) in ACTIVATION_DTYPES and w8a16_supports(n, k, w8a16_config_for(m, n, k))
-  if policy.use_inference_kernel("W8A16", policy.w8a16_kernel_wanted(m), fits):
+  if policy.use_inference_kernel("W8A16", policy.w8a16_kernel_wanted(m), fits, backend):
     from pallas_kernels.w8a16 import w8a16_matmul_kernel
 
     return w8a16_matmul_kernel(x, wq, w_scale, out_dtype)
   return w8a16_matmul_reference(x, wq, w_scale, out_dtype)
 
 
-def _use_gemv(who: str, m: int, n: int, k_bytes: int, kernel_max_m: int, base) -> bool:
+def _use_gemv(who: str, m: int, n: int, k_bytes: int, kernel_max_m: int, base, backend: str) -> bool:
   """Whether an int8-activation GEMV kernel (``pallas_kernels.int8_gemv``) takes ``[M, K] x [N, K_bytes]``.
 
   Under ``auto`` up to ``kernel_max_m`` rows; forced (``pallas``) up to ``policy.GEMV_MAX_M``,
   above which the wgmma GEMM takes over.
   """
-  if m > policy.gemv_max_m(kernel_max_m):
+  if m > policy.gemv_max_m(kernel_max_m, backend):
     return False
   fits = gemv_supports(n, k_bytes, gemv_config_for(m, n, k_bytes, base))
-  return policy.use_inference_kernel(who, m <= kernel_max_m, fits)
+  return policy.use_inference_kernel(who, m <= kernel_max_m, fits, backend)
 
 
-def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype) -> jax.Array:
+def _int8_gemm(xq, x_scale, wq, w_scale, out_dtype, backend: str) -> jax.Array:
   """Large-M int8 GEMM: wgmma (``dispatch.scaled_matmul``) when it fills the GPU or is forced, else XLA."""
-  if policy.requested_backend() == "pallas" or policy.wgmma_fills_gpu(xq.shape[0], wq.shape[0]):
-    return dispatch.scaled_matmul(xq, x_scale, wq, w_scale.reshape(-1), out_dtype)
+  if backend == "pallas" or policy.wgmma_fills_gpu(xq.shape[0], wq.shape[0]):
+    return dispatch.scaled_matmul(xq, x_scale, wq, w_scale.reshape(-1), out_dtype, DispatchOptions(backend))
   return scaled_matmul_reference(xq, x_scale, wq, w_scale.reshape(-1), out_dtype)
 
 
-def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: DispatchOptions | None = None) -> jax.Array:
   """``(xq @ wq.T) * x_scale * w_scale``: int8 ``[M, K]`` x int8 ``[N, K]`` -> ``[M, N]`` (int32 exact)."""
   check_a8w8(xq, x_scale, wq, w_scale)
-  if _use_gemv("W8A8", xq.shape[0], *wq.shape, policy.W8A8_KERNEL_MAX_M, A8W8_BASE):
+  backend = _backend(options)
+  if _use_gemv("W8A8", xq.shape[0], *wq.shape, policy.W8A8_KERNEL_MAX_M, A8W8_BASE, backend):
     from pallas_kernels.int8_gemv import a8w8_matmul_kernel
 
     return a8w8_matmul_kernel(xq, x_scale, wq, w_scale, out_dtype)
-  return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype)
+  return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype, backend)
 
 
-def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
+                   options: DispatchOptions | None = None) -> jax.Array:
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, policy.TERNARY_KERNEL_MAX_M, A8W2_BASE):
+  backend = _backend(options)
+  if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, policy.TERNARY_KERNEL_MAX_M, A8W2_BASE, backend):
     from pallas_kernels.int8_gemv import a8w2_matmul_kernel
 
     return a8w2_matmul_kernel(xq, x_scale, w_packed, w_scale, out_dtype)
   # Larger M is compute-bound: one unpack pass (N*K/4 bytes in, N*K out) buys int8 tensor-core speed.
-  return _int8_gemm(xq, x_scale, unpack_2bit(w_packed, axis=-1), w_scale, out_dtype)
+  return _int8_gemm(xq, x_scale, unpack_2bit(w_packed, axis=-1), w_scale, out_dtype, backend)

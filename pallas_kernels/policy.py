@@ -5,11 +5,14 @@ GEMMs) ask this module and nothing else; kernel *configurations* (tile shapes pe
 live in ``tuning``. Every number below comes from a recorded run on the GPU runner (H200, jax
 0.11.2; the JSON files in ``benchmarks/results/`` named beside each).
 
-Backends: ``$JAXLOWBIT_BACKEND`` is ``auto`` (default: a kernel where the device supports it and
-the numbers say it wins, XLA elsewhere), ``xla`` (the references everywhere) or ``pallas`` (the
-kernels for every shape they can take; a clear error where they cannot run: a GEMM off Hopper, and
-on a device with the kernels, a quantizer or fused Adam shape they do not tile. Ternary weights, a
-bare per-tensor cast and tiles of a column-split matrix have no kernel on purpose: XLA runs them).
+Backends (:data:`BACKENDS`): ``auto`` (default: a kernel where the device supports it and the numbers
+say it wins, XLA elsewhere), ``xla`` (the references everywhere) or ``pallas`` (the kernels for every
+shape they can take; a clear error where they cannot run: a GEMM off Hopper, and on a device with the
+kernels, a quantizer or fused Adam shape they do not tile. Ternary weights, a bare per-tensor cast and
+tiles of a column-split matrix have no kernel on purpose: XLA runs them). Every decision below takes
+the backend as an argument: callers hold it in ``dispatch.DispatchOptions`` (``jaxlowbit.ExecutionOptions``
+above that). ``$JAXLOWBIT_BACKEND`` is read in one place, :func:`requested_backend`, which the options'
+``from_environment()`` calls where a caller passed none.
 """
 
 from __future__ import annotations
@@ -73,11 +76,21 @@ WGMMA_MIN_TILES = 64
 
 
 def requested_backend() -> str:
-  """The backend named by ``$JAXLOWBIT_BACKEND`` (``auto`` when unset); ValueError if unknown."""
+  """The backend named by ``$JAXLOWBIT_BACKEND`` (``auto`` when unset); ValueError if unknown.
+
+  The only reader of the variable (module docstring).
+  """
   value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
   if value not in BACKENDS:
     raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {BACKENDS}")
   return value
+
+
+def check_backend(backend: str) -> str:
+  """``backend`` if it is one of :data:`BACKENDS`, else a ValueError naming them."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r} (or set ${BACKEND_ENV} and pass no options)")
+  return backend
 
 
 _warned_capabilities: set[str] = set()
@@ -118,16 +131,17 @@ def gemm_worth_it(m: int, n: int, k: int, per_tensor: bool) -> bool:
   return not (per_tensor and m * n * k < PER_TENSOR_MIN_OPS)
 
 
-def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: bool = False) -> str:
-  """``"pallas"`` or ``"xla"`` for a scaled 8-bit GEMM (see :func:`gemm_worth_it`)."""
-  requested = requested_backend()
+def select_backend(a_dtype, m: int, n: int, k: int, device=None, per_tensor: bool = False, *, backend: str) -> str:
+  """``"pallas"`` or ``"xla"`` for a scaled 8-bit GEMM (see :func:`gemm_worth_it`) under ``backend``."""
+  requested = check_backend(backend)
   major = compute_capability(device)
   check_fp8_support(a_dtype, major)
   if requested == "xla":
     return "xla"
   if major is None or major < HOPPER:
     if requested == "pallas":
-      raise NotImplementedError(f"{BACKEND_ENV}=pallas: the Pallas GEMM needs a Hopper GPU (sm90)")
+      raise NotImplementedError("backend pallas: the Pallas GEMM needs a Hopper GPU (sm90); use auto or xla "
+                                f"(${BACKEND_ENV} or ExecutionOptions.backend)")
     return "xla"
   if requested == "pallas" or gemm_worth_it(m, n, k, per_tensor):
     return "pallas"
@@ -139,10 +153,10 @@ def fuse_prologue(prologue_name: str) -> bool:
   return prologue_name in FUSED_PROLOGUES
 
 
-def quantize_on_kernel() -> bool:
-  """Whether quantization may run on the Triton-backend kernels (each also checks its shapes)."""
+def quantize_on_kernel(backend: str) -> bool:
+  """Whether quantization may run on the Triton-backend kernels under ``backend`` (each also checks its shapes)."""
   major = compute_capability()
-  return requested_backend() != "xla" and major is not None and major >= AMPERE
+  return check_backend(backend) != "xla" and major is not None and major >= AMPERE
 
 
 def adam_kernel_runs(kinds: tuple[str, ...]) -> bool:
@@ -154,25 +168,25 @@ def adam_kernel_runs(kinds: tuple[str, ...]) -> bool:
   return major >= HOPPER or not FP8_STATE_KINDS.intersection(kinds)
 
 
-def adam_on_kernel(kinds: tuple[str, ...]) -> bool:
-  """Whether the low-bit Adam update or fused step runs on the kernel for moments stored as
-  ``kinds`` (``(m kind, v kind)``); the kernel also checks each tensor's shape.
+def adam_on_kernel(kinds: tuple[str, ...], backend: str) -> bool:
+  """Whether the low-bit Adam update or fused step runs on the kernel under ``backend`` for moments
+  stored as ``kinds`` (``(m kind, v kind)``); the kernel also checks each tensor's shape.
 
   ``auto`` and ``pallas``: wherever it runs (:func:`adam_kernel_runs`; measured faster than XLA for
   every kind); ``xla``: never. Like the quantizers, a forced ``pallas`` on a device without the
   kernel falls back to XLA rather than failing (the two are one spec); on a device with it, a
   tensor it cannot take is an error under ``pallas`` (``dispatch``), as for the quantizers.
   """
-  return requested_backend() != "xla" and adam_kernel_runs(kinds)
+  return check_backend(backend) != "xla" and adam_kernel_runs(kinds)
 
 
 def w8a16_kernel_wanted(m: int) -> bool:
   return any(lo <= m <= hi for lo, hi in W8A16_KERNEL_M)
 
 
-def gemv_max_m(kernel_max_m: int) -> int:
+def gemv_max_m(kernel_max_m: int, backend: str) -> int:
   """Largest M a GEMV kernel takes: ``kernel_max_m`` under auto, :data:`GEMV_MAX_M` when forced."""
-  return max(kernel_max_m, GEMV_MAX_M if requested_backend() == "pallas" else 0)
+  return max(kernel_max_m, GEMV_MAX_M if check_backend(backend) == "pallas" else 0)
 
 
 def wgmma_fills_gpu(m: int, n: int) -> bool:
@@ -180,9 +194,10 @@ def wgmma_fills_gpu(m: int, n: int) -> bool:
   return (-(-m // WGMMA_TILE_M)) * (-(-n // WGMMA_TILE_N)) >= WGMMA_MIN_TILES
 
 
-def use_inference_kernel(who: str, wanted: bool, fits: bool) -> bool:
-  """True to run an inference kernel, False for its reference; raises where a forced kernel cannot run."""
-  requested = requested_backend()
+def use_inference_kernel(who: str, wanted: bool, fits: bool, backend: str) -> bool:
+  """True to run an inference kernel under ``backend``, False for its reference; raises where a forced
+  kernel cannot run."""
+  requested = check_backend(backend)
   if requested == "xla":
     return False
   major = compute_capability()
@@ -190,13 +205,13 @@ def use_inference_kernel(who: str, wanted: bool, fits: bool) -> bool:
     if requested == "pallas":
       where = "a CPU or non-NVIDIA device" if major is None else f"an sm{major}x GPU"
       raise NotImplementedError(
-          f"{BACKEND_ENV}=pallas: the {who} kernel needs an NVIDIA GPU with sm80+ (Ampere or newer), "
-          f"this is {where}; unset {BACKEND_ENV} (or set it to xla) to use the XLA path"
+          f"backend pallas: the {who} kernel needs an NVIDIA GPU with sm80+ (Ampere or newer), "
+          f"this is {where}; use auto or xla (unset {BACKEND_ENV}, or ExecutionOptions.backend) for the XLA path"
       )
     return False
   if not fits:
     if requested == "pallas":
-      raise ValueError(f"{BACKEND_ENV}=pallas: the {who} kernel cannot tile this weight (see its supports()); "
-                       "unset the variable to let the XLA path take it")
+      raise ValueError(f"backend pallas: the {who} kernel cannot tile this weight (see its supports()); "
+                       f"use auto (unset {BACKEND_ENV}) to let the XLA path take it")
     return False
   return requested == "pallas" or wanted

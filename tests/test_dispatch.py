@@ -58,6 +58,11 @@ class _FakeGpu:
     self.compute_capability = cc
 
 
+def _select(dtype, m: int, n: int, k: int, **kwargs) -> str:
+  """``select_backend`` under the backend ``$JAXLOWBIT_BACKEND`` names (what a caller without options gets)."""
+  return dispatch.select_backend(dtype, m, n, k, backend=dispatch.DispatchOptions.from_environment().backend, **kwargs)
+
+
 @pytest.mark.parametrize(
     "env,device,dtype,expected",
     [
@@ -80,20 +85,20 @@ def test_backend_selection(monkeypatch, env, device, dtype, expected):
     monkeypatch.setenv(policy.BACKEND_ENV, env)
   if isinstance(expected, type):
     with pytest.raises(expected):
-      dispatch.select_backend(dtype, 256, 256, 256, device=device)
+      _select(dtype, 256, 256, 256, device=device)
   else:
-    assert dispatch.select_backend(dtype, 256, 256, 256, device=device) == expected
+    assert _select(dtype, 256, 256, 256, device=device) == expected
 
 
 def test_auto_backend_follows_the_measured_crossovers(monkeypatch):
   monkeypatch.delenv(policy.BACKEND_ENV, raising=False)
   hopper = _FakeGpu("9.0")
-  assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "xla"  # mostly padding
-  assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper, per_tensor=True) == "xla"
-  assert dispatch.select_backend(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper) == "pallas"
-  assert dispatch.select_backend(jnp.float8_e4m3fn, 8192, 8192, 8192, device=hopper, per_tensor=True) == "pallas"
+  assert _select(jnp.int8, 16, 4096, 4096, device=hopper) == "xla"  # mostly padding
+  assert _select(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper, per_tensor=True) == "xla"
+  assert _select(jnp.float8_e4m3fn, 2048, 2048, 2048, device=hopper) == "pallas"
+  assert _select(jnp.float8_e4m3fn, 8192, 8192, 8192, device=hopper, per_tensor=True) == "pallas"
   monkeypatch.setenv(policy.BACKEND_ENV, "pallas")
-  assert dispatch.select_backend(jnp.int8, 16, 4096, 4096, device=hopper) == "pallas"
+  assert _select(jnp.int8, 16, 4096, 4096, device=hopper) == "pallas"
 
 
 def test_non_nvidia_gpu_falls_back_to_xla_with_a_warning(monkeypatch):
@@ -101,8 +106,8 @@ def test_non_nvidia_gpu_falls_back_to_xla_with_a_warning(monkeypatch):
   rocm = _FakeGpu("gfx942-unseen")  # a ROCm device reports its gfx target, not major.minor
   with pytest.warns(UserWarning, match="gfx942-unseen"):
     assert policy.compute_capability(rocm) is None
-  assert dispatch.select_backend(jnp.int8, 4096, 4096, 4096, device=rocm) == "xla"
-  assert dispatch.select_backend(jnp.float8_e4m3fn, 4096, 4096, 4096, device=rocm) == "xla"
+  assert _select(jnp.int8, 4096, 4096, 4096, device=rocm) == "xla"
+  assert _select(jnp.float8_e4m3fn, 4096, 4096, 4096, device=rocm) == "xla"
 
 
 def test_quantize_dispatch_matches_numerics():
@@ -133,7 +138,7 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
     calls.append((rows_spec is not None, cols_spec is not None or rows_t))
     return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
 
-  monkeypatch.setattr(policy, "quantize_on_kernel", lambda: True)
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
   monkeypatch.setattr(dispatch, "_kernel", recording)
   spec = QuantSpec("int8", eps=1e-5) if rows_t else QuantSpec("int8")
   x = jax.random.normal(fresh_key(), (m, 1024)).astype(jnp.bfloat16)
@@ -160,7 +165,7 @@ def test_prologue_values_use_the_kernel_where_it_tiles(monkeypatch):
     calls.append(tuple(a.shape for a in inputs))
     return qk.prologue_kernel(inputs, prologue, interpret=True)
 
-  monkeypatch.setattr(policy, "quantize_on_kernel", lambda: True)
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
   monkeypatch.setattr(dispatch, "_values", recording)
   for h, tiles in ((256, True), (96, False)):
     kd, kg = jax.random.split(fresh_key())

@@ -113,18 +113,19 @@ BITNET_PRESETS = [BitNet(), BitNet(grad_input=True), BitNet(grad_input=True, gra
 def _bitnet_quantizing_twice(x, w, recipe):
   """The BitNet linear as it was before the backward reused the forward's codes: the backward
   quantized the float32 W again by rows (handed to the recipe as a low-bit operand of those rows)."""
-  return recipe.forward(x, w)[0]
+  return recipe.forward(x, w, dispatch.DispatchOptions.from_environment())[0]
 
 
 def _twice_fwd(x, w, recipe):
-  y, (x_rows, x_t, _) = recipe.forward(x, w)
+  y, (x_rows, x_t, _) = recipe.forward(x, w, dispatch.DispatchOptions.from_environment())
   return y, (x_rows, x_t, w)
 
 
 def _twice_bwd(recipe, residuals, g):
   x_rows, x_t, w = residuals
   w_rows = QuantizedMatrix(*dispatch.quantize_rows(w, bitnet.TERNARY), bitnet.TERNARY)
-  return recipe.backward((x_rows, x_t, LowBitOperand(w_rows, None, w)), g, w.dtype)
+  return recipe.backward((x_rows, x_t, LowBitOperand(w_rows, None, w)), g, w.dtype,
+                         dispatch.DispatchOptions.from_environment())
 
 
 _bitnet_quantizing_twice.defvjp(_twice_fwd, _twice_bwd)

@@ -94,7 +94,7 @@ def test_policy(major, kinds, env, expected, monkeypatch):
     monkeypatch.delenv(policy.BACKEND_ENV, raising=False)
   else:
     monkeypatch.setenv(policy.BACKEND_ENV, env)
-  assert policy.adam_on_kernel(kinds) is expected
+  assert policy.adam_on_kernel(kinds, policy.requested_backend()) is expected
 
 
 def _params(key):
@@ -126,9 +126,9 @@ def test_optimizer_takes_the_kernel_where_it_fits(name, monkeypatch):
   for step in range(2):
     grads = jax.tree.map(lambda p, k=jax.random.fold_in(key, step): (jax.random.normal(k, p.shape) * 1e-3).astype(
         p.dtype), params)
-    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds: False)
+    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds, backend: False)
     want_u, want = tx.update(grads, state)
-    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds: True)
+    monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds, backend: True)
     monkeypatch.setattr(ak, "adam_update_kernel", recording)
     calls.clear()
     u, new = tx.update(grads, state)
@@ -245,7 +245,7 @@ def test_dispatch_runs_xla_on_cpu_and_for_explicit_shardings(monkeypatch):
   got = jax.jit(lambda g, m, v: dispatch.adam_update(g, m, v, c, m_format, v_format))(g, m, v)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
-  monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds: True)
+  monkeypatch.setattr(policy, "adam_on_kernel", lambda kinds, backend: True)
   mesh = _mesh(AxisType.Explicit)
   with jax.set_mesh(mesh):
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x")))  # noqa: E731

@@ -15,6 +15,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from jaxlowbit.execution import with_execution
 from jaxlowbit.fused import unfused
 from jaxlowbit.inference.weights import CONVERTED_NAMES, check_scheme, quantized_linear, scheme_of
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
@@ -75,6 +76,8 @@ def _handler(scheme: str):
 def convert_linen(module: nn.Module, scheme: str) -> nn.Module:
   """See :func:`jaxlowbit.inference.convert_for_inference` (Linen branch)."""
   check_scheme(scheme, "convert_for_inference")
-  # The converted linears read high-precision inputs: the model's fused quantizers stay off.
+  # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
+  # execution options say so, for a model that takes them).
+  module = with_execution(module, fused_quantizers=False)
   return intercepted_copy(module, dense_interceptor(_handler(scheme)), "convert_for_inference", context=unfused,
                           jaxlowbit_inference_scheme=scheme)

@@ -35,7 +35,9 @@ or plain ``nn.Dense`` with ``recipe=`` given to the plan)::
 Tensor parallelism: ``make_mesh(fsdp=..., tensor=t)`` adds a ``tensor`` axis and
 ``plan_for_model(..., tensor_parallel={"attn.q": COLUMN, "attn.out": ROW, ...})`` names the
 column- and row-parallel linears; activations entering column-parallel linears are all-gathered
-8-bit (``tensor.py``) and the model reads ``tensor_parallel()`` while ``apply`` runs it.
+8-bit (``tensor.py``). ``apply`` hands the model its :class:`TensorParallel` explicitly: a model
+that declares a field ``execution`` (a ``jaxlowbit.ExecutionOptions``) is run as
+``model.clone(execution=...)`` with ``execution.tensor_parallel`` set (``train/model.py`` does).
 
 Multi-host: start one process per host with your scheduler and set
 ``JAX_COORDINATOR_ADDRESS=host0:port``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (or run

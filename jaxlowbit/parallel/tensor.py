@@ -21,7 +21,7 @@ output gradient ``g`` 8-bit where the recipe quantizes it anyway
 (``recipe.gradient_quantization()``), in the compute dtype otherwise. Reductions stay in high
 precision.
 
-Scales are those of the whole, unsplit operands (``pallas_kernels.dispatch.split_operands``):
+Scales are those of the whole, unsplit operands (``pallas_kernels.dispatch.DispatchOptions.split``):
 an activation quantized on its rows (per token: local; per input feature over all tokens, or one
 per tensor: the amax is ``pmax``-ed over ``tensor`` first) and a row-parallel input quantized on
 its features (per token over all K: ``pmax``) give the codes the unsplit matrix would get. So a
@@ -40,10 +40,13 @@ INT8, FP8 rowwise      per-token rows + scales, and x^T per     2 (two quantizat
 high precision         the compute dtype                       2 (bf16)
 =====================  ======================================  =======================
 
-:func:`jaxlowbit.parallel.apply` makes a :class:`TensorParallel` current while the model runs
-(:func:`tensor_parallel` returns it; None otherwise), so a model reads its device's tokens and
-gathers before its column-parallel groups (``train/model.py``), and runs the linears the plan
-marks :data:`COLUMN` / :data:`ROW` with :class:`ColumnParallel` / :class:`RowParallel`.
+:func:`jaxlowbit.parallel.apply` hands the model its :class:`TensorParallel` explicitly: a model
+that declares an ``execution`` field runs as ``model.clone(execution=...)`` with
+``execution.tensor_parallel`` set (``jaxlowbit.ExecutionOptions``), so it reads its device's tokens
+and gathers before its column-parallel groups (``train/model.py``); ``apply`` runs the linears the
+plan marks :data:`COLUMN` / :data:`ROW` with :class:`ColumnParallel` / :class:`RowParallel`.
+Compatibility: while ``apply`` runs, :func:`tensor_parallel` returns it too, for models that do not
+take the field yet; new code reads ``execution.tensor_parallel``.
 """
 
 from __future__ import annotations
@@ -58,12 +61,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.parallel import wire
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, is_low_bit
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit.recipes.base import quantize_operand
 from jaxlowbit_numerics.stats import Split
-from pallas_kernels import dispatch
 
 
 class TensorSplit(enum.Enum):
@@ -98,6 +101,7 @@ class _GatherLayout:
   axis_name: str
   how: OperandQuantization | None  # None: the rows travel in their own (high-precision) dtype
   low_bit_input: bool  # the rows arrive quantized (a fused producer's operand)
+  options: ExecutionOptions = ExecutionOptions()  # resolved: the backend the rows are quantized on
 
   @property
   def derived_transposed(self) -> bool:
@@ -152,8 +156,8 @@ def _gather_rows(x, layout: _GatherLayout):
     return _gather_quantized(x.rows, x.transposed, layout, x.carrier)
   if layout.how is None:
     return lax.all_gather(x, layout.axis_name, axis=0, tiled=True)
-  with dispatch.split_operands(Split(rows=(layout.axis_name,))):  # amaxes over tokens: over all devices
-    rows, transposed = quantize_operand(x, layout.how)
+  # Amaxes over tokens reduce over all devices' tokens: the scales of the whole sequence.
+  rows, transposed = quantize_operand(x, layout.how, layout.options.dispatch(Split(rows=(layout.axis_name,))))
   return _gather_quantized(rows, transposed, layout, x)
 
 
@@ -177,7 +181,7 @@ def _gather_bwd(layout, _, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_activation(x, recipe: Recipe | None, axis_name: str):
+def gather_activation(x, recipe: Recipe | None, axis_name: str, options: ExecutionOptions | None = None):
   """This device's rows ``[M / n, K]`` -> the whole ``[M, K]``, all-gathered over ``axis_name``.
 
   Args:
@@ -187,6 +191,7 @@ def gather_activation(x, recipe: Recipe | None, axis_name: str):
     recipe: the recipe of the column-parallel linears that read the result (all of them); None
       (or a recipe that reads x in high precision) gathers the array in its dtype.
     axis_name: the tensor mesh axis.
+    options: the backend the rows are quantized on (:class:`jaxlowbit.ExecutionOptions`; None: the defaults).
 
   Returns:
     A ``[M, K]`` low-bit operand quantized as ``recipe.input_quantization()`` says, with scales
@@ -201,7 +206,7 @@ def gather_activation(x, recipe: Recipe | None, axis_name: str):
       raise ValueError(f"gather: a low-bit x must be [M / n, K], got shape {x.shape}")
   elif x.ndim != 2:
     raise ValueError(f"gather: x must be this device's rows [M / n, K], got shape {x.shape}")
-  return _gather(x, _GatherLayout(axis_name, how, is_low_bit(x)))
+  return _gather(x, _GatherLayout(axis_name, how, is_low_bit(x), resolve(options)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +237,8 @@ class ColumnParallel:
   def scatter(self, y: jax.Array) -> jax.Array:
     return y
 
-  def gather_gradient(self, g: jax.Array, recipe: Recipe) -> jax.Array:
-    del recipe
+  def gather_gradient(self, g: jax.Array, recipe: Recipe, options: ExecutionOptions) -> jax.Array:
+    del recipe, options
     return g
 
   def local_columns(self, a: jax.Array) -> jax.Array:
@@ -268,8 +273,8 @@ class RowParallel:
   def scatter(self, y: jax.Array) -> jax.Array:
     return lax.psum_scatter(y, self.axis_name, scatter_dimension=0, tiled=True)
 
-  def gather_gradient(self, g: jax.Array, recipe: Recipe):
-    return _gather_rows(g, _GatherLayout(self.axis_name, recipe.gradient_quantization(), False))
+  def gather_gradient(self, g: jax.Array, recipe: Recipe, options: ExecutionOptions):
+    return _gather_rows(g, _GatherLayout(self.axis_name, recipe.gradient_quantization(), False, resolve(options)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,10 +310,10 @@ class TensorParallel:
     """
     return _rows_slice(tokens.reshape(tokens.shape[0] * tokens.shape[1], *tokens.shape[2:]), self.axis_name)
 
-  def gather(self, x, recipe: Recipe | None):
+  def gather(self, x, recipe: Recipe | None, options: ExecutionOptions | None = None):
     """:func:`gather_activation` over this axis: this device's rows -> the whole sequence (8-bit where
     ``recipe`` reads it so)."""
-    return gather_activation(x, recipe, self.axis_name)
+    return gather_activation(x, recipe, self.axis_name, options)
 
   def column(self) -> ColumnParallel:
     return ColumnParallel(self.axis_name)
@@ -321,8 +326,9 @@ _CURRENT = contextvars.ContextVar("jaxlowbit_tensor_parallel", default=None)
 
 
 def tensor_parallel() -> TensorParallel | None:
-  """The :class:`TensorParallel` a model is being traced under (``jaxlowbit.parallel.apply`` on a mesh
-  with a tensor axis), or None: read it while tracing, never in a backward rule."""
+  """Compatibility accessor: the :class:`TensorParallel` a model is being traced under
+  (``jaxlowbit.parallel.apply`` on a mesh with a tensor axis), or None. New code takes it from the
+  model's ``execution`` field (module docstring)."""
   return _CURRENT.get()
 
 

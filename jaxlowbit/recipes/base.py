@@ -27,6 +27,7 @@ from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, is_low_bit
 from jaxlowbit.scaling import WeightScaling
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import dispatch
+from pallas_kernels.dispatch import DispatchOptions
 
 # Named scopes of the three matmuls (profiles attribute GEMMs and quantizations by them).
 OUTPUT_SCOPE = "jaxlowbit_output"
@@ -62,19 +63,23 @@ class OperandQuantization:
   transposed_from_rows: bool = False
 
 
-def quantize_operand(x: jax.Array, how: OperandQuantization) -> tuple[QuantizedMatrix | None, QuantizedMatrix | None]:
+def quantize_operand(x: jax.Array, how: OperandQuantization,
+                     options: DispatchOptions | None = None) -> tuple[QuantizedMatrix | None, QuantizedMatrix | None]:
   """``(rows, transposed)`` of a 2-D ``x`` as ``how`` says, from one fused pass where a kernel can.
 
   ``rows [R, C]`` has one scale per row (or one in all); ``transposed [C, R]`` one per column of x.
+  ``options``: the backend and how x is split (``pallas_kernels.dispatch.DispatchOptions``; a recipe
+  passes its own, None is the environment's).
   """
   if how.transposed_from_rows:
-    q, s = dispatch.quantize_rows(x, how.rows)
+    q, s = dispatch.quantize_rows(x, how.rows, options)
     return QuantizedMatrix(q, s, how.rows), QuantizedMatrix(q.T, s.reshape(1, -1), how.rows)
   if how.rows is not None and how.rows == how.transposed:
-    (q, s), (qt, st) = dispatch.quantize_rows_and_cols_t(x, how.rows)
+    (q, s), (qt, st) = dispatch.quantize_rows_and_cols_t(x, how.rows, options)
     return QuantizedMatrix(q, s, how.rows), QuantizedMatrix(qt, st, how.rows)
-  rows = QuantizedMatrix(*dispatch.quantize_rows(x, how.rows), how.rows) if how.rows else None
-  transposed = QuantizedMatrix(*dispatch.quantize_cols_t(x, how.transposed), how.transposed) if how.transposed else None
+  rows = QuantizedMatrix(*dispatch.quantize_rows(x, how.rows, options), how.rows) if how.rows else None
+  transposed = (QuantizedMatrix(*dispatch.quantize_cols_t(x, how.transposed, options), how.transposed)
+                if how.transposed else None)
   return rows, transposed
 
 
@@ -96,9 +101,9 @@ def hp_dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
   return jnp.matmul(a, b.astype(a.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def gemm(left: QuantizedMatrix, right: QuantizedMatrix, out_dtype) -> jax.Array:
-  """``left [M, K] @ right [N, K]^T`` with both scales in the epilogue (the one low-bit GEMM)."""
-  return dispatch.scaled_matmul(left.data, left.scale, right.data, right.scale, out_dtype)
+def gemm(left: QuantizedMatrix, right: QuantizedMatrix, out_dtype, options: DispatchOptions) -> jax.Array:
+  """``left [M, K] @ right [N, K]^T`` with both scales in the epilogue (the one low-bit GEMM), on ``options.backend``."""
+  return dispatch.scaled_matmul(left.data, left.scale, right.data, right.scale, out_dtype, options)
 
 
 def weight_values(w: jax.Array | LowBitOperand, dtype) -> jax.Array:
@@ -131,12 +136,19 @@ class Recipe:
   # BitNet model surgery: the model puts an RMSNorm right before each linear of this recipe.
   norm_before_linear: ClassVar[bool] = False
 
-  def forward(self, x: jax.Array | LowBitOperand, w: jax.Array | LowBitOperand) -> tuple[jax.Array, Any]:
-    """``(y [M, N] in x's dtype, residuals for backward)`` for ``x [M, K]``, ``w [K, N]``."""
+  def forward(self, x: jax.Array | LowBitOperand, w: jax.Array | LowBitOperand,
+              options: DispatchOptions) -> tuple[jax.Array, Any]:
+    """``(y [M, N] in x's dtype, residuals for backward)`` for ``x [M, K]``, ``w [K, N]``.
+
+    ``options``: the backend and operand split every quantization and GEMM of the forward runs
+    with (pass it on to ``quantize_operand``, ``gemm`` and ``pallas_kernels.dispatch``).
+    """
     raise NotImplementedError
 
-  def backward(self, residuals: Any, g: jax.Array | LowBitOperand, w_dtype) -> tuple[jax.Array, jax.Array]:
-    """``(dx [M, K] in g's dtype, dW [K, N] in w_dtype)`` from the forward's residuals and ``g [M, N]``."""
+  def backward(self, residuals: Any, g: jax.Array | LowBitOperand, w_dtype,
+               options: DispatchOptions) -> tuple[jax.Array, jax.Array]:
+    """``(dx [M, K] in g's dtype, dW [K, N] in w_dtype)`` from the forward's residuals and ``g [M, N]``
+    (``options`` as for :meth:`forward`, the backward's own: its operands may be split otherwise)."""
     raise NotImplementedError
 
   def input_quantization(self) -> OperandQuantization | None:

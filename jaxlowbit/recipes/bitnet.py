@@ -74,25 +74,25 @@ class BitNet(Recipe):
     del int8_weight_scaling
     return WeightScaling.TERNARY
 
-  def forward(self, x, w):
+  def forward(self, x, w, options):
     with jax.named_scope(OUTPUT_SCOPE):
       if is_low_bit(x):
         x_rows, x_t = provided(x, "rows", ACTIVATIONS, self, "input"), x.transposed
         out_dtype = x.dtype
       else:
-        x_rows, x_t = QuantizedMatrix(*dispatch.quantize_rows(x, ACTIVATIONS), ACTIVATIONS), None
+        x_rows, x_t = QuantizedMatrix(*dispatch.quantize_rows(x, ACTIVATIONS, options), ACTIVATIONS), None
         out_dtype = x.dtype
       if is_low_bit(w):
         w_t = provided(w, "transposed", TERNARY, self, "weight")
         w_kept = w  # a producer's operand: FSDP's gather brings grad_input's rows too, train.steps' not
       else:
-        w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY), TERNARY)  # Wq^T [N, K], one scale
+        w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY, options), TERNARY)  # Wq^T [N, K], one scale
         w_kept = w_t  # the backward derives Wq from these codes: W is quantized once per use
-      y = gemm(x_rows, w_t, out_dtype)
+      y = gemm(x_rows, w_t, out_dtype, options)
     # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
     return y, (x_rows, x_t, w_kept)
 
-  def backward(self, residuals, g, w_dtype):
+  def backward(self, residuals, g, w_dtype, options):
     x_rows, x_t, w = residuals
     with jax.named_scope(GRAD_INPUT_SCOPE):
       if is_low_bit(w) and w.rows is not None:
@@ -103,8 +103,8 @@ class BitNet(Recipe):
         w_t = provided(w, "transposed", TERNARY, self, "weight") if is_low_bit(w) else w
         w_rows = QuantizedMatrix(w_t.data.T, w_t.scale, TERNARY)
       if self.grad_input:
-        g_rows, _ = quantize_operand(g, OperandQuantization(GRADIENTS))
-        dx = gemm(g_rows, w_rows, g.dtype)  # Wq is exact in int8
+        g_rows, _ = quantize_operand(g, OperandQuantization(GRADIENTS), options)
+        dx = gemm(g_rows, w_rows, g.dtype, options)  # Wq is exact in int8
       else:
         dx = hp_dot(g, w_rows.dequantize(g.dtype).T, g.dtype)  # weight-sized: cheap
     with jax.named_scope(GRAD_WEIGHT_SCOPE):
@@ -115,8 +115,8 @@ class BitNet(Recipe):
         # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
         xq_t = x_rows.data.T if x_t is None else x_t.data  # [K, M]: K-major for the GEMM
         scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
-        _, g_t = quantize_operand(scaled_g, OperandQuantization(None, GRADIENTS))
-        dw = gemm(QuantizedMatrix(xq_t, jnp.ones((1, 1), jnp.float32), ACTIVATIONS), g_t, w_dtype)
+        _, g_t = quantize_operand(scaled_g, OperandQuantization(None, GRADIENTS), options)
+        dw = gemm(QuantizedMatrix(xq_t, jnp.ones((1, 1), jnp.float32), ACTIVATIONS), g_t, w_dtype, options)
       else:
         x_fake = (x_rows.data.astype(jnp.float32) * sx).astype(g.dtype)
         dw = hp_dot(x_fake.T, g, w_dtype)

@@ -40,6 +40,7 @@ from jaxlowbit.recipes.base import (
 )
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import dispatch
+from pallas_kernels.dispatch import DispatchOptions
 
 Pair = tuple[QuantSpec, QuantSpec]
 
@@ -78,7 +79,7 @@ class ScaledRecipe(Recipe):
     plan = self.plan
     return plan.g if plan.grad_input and plan.grad_weight else None
 
-  def forward(self, x, w):
+  def forward(self, x, w, options):
     with jax.named_scope(OUTPUT_SCOPE):
       plan = self.plan
       if is_low_bit(x):
@@ -88,20 +89,20 @@ class ScaledRecipe(Recipe):
         x_saved = provided(x, "transposed", plan.grad_weight[0], self, "input")
         out_dtype = x.dtype
       else:
-        x_rows, x_cols = quantize_operand(x, plan.x)
+        x_rows, x_cols = quantize_operand(x, plan.x, options)
         x_saved = x_cols if plan.grad_weight else x
         out_dtype = x.dtype
       if plan.output:
         if is_low_bit(w):
           w_t = provided(w, "transposed", plan.output[1], self, "weight")
         else:
-          w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, plan.output[1]), plan.output[1])  # W^T [N, K]
-        y = gemm(x_rows, w_t, out_dtype)
+          w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, plan.output[1], options), plan.output[1])  # W^T [N, K]
+        y = gemm(x_rows, w_t, out_dtype, options)
       else:
         y = hp_dot(x, weight_values(w, x.dtype), out_dtype)
     return y, (x_saved, w)
 
-  def backward(self, residuals, g, w_dtype):
+  def backward(self, residuals, g, w_dtype, options):
     plan = self.plan
     x_saved, w = residuals
     if is_low_bit(g):
@@ -109,28 +110,28 @@ class ScaledRecipe(Recipe):
       g_cols = plan.grad_weight and provided(g, "transposed", plan.grad_weight[1], self, "gradient")
       g_dtype = g.dtype
     else:
-      g_rows, g_cols = quantize_operand(g, plan.g)
+      g_rows, g_cols = quantize_operand(g, plan.g, options)
       g_dtype = g.dtype
     with jax.named_scope(GRAD_INPUT_SCOPE):
       if plan.grad_input:
-        dx = gemm(g_rows, _weight_rows(w, plan.grad_input[1]), g_dtype)
+        dx = gemm(g_rows, _weight_rows(w, plan.grad_input[1], options), g_dtype, options)
       else:
         dx = hp_dot(g, weight_values(w, g_dtype).T, g_dtype)
     with jax.named_scope(GRAD_WEIGHT_SCOPE):
       if plan.grad_weight:
-        dw = gemm(x_saved, g_cols, w_dtype)  # x^T [K, M] (per input feature) x g^T [N, M]
+        dw = gemm(x_saved, g_cols, w_dtype, options)  # x^T [K, M] (per input feature) x g^T [N, M]
       else:
         dw = hp_dot(x_saved.T, g, w_dtype)
     return dx, dw
 
 
-def _weight_rows(w: jax.Array | LowBitOperand, spec: QuantSpec) -> QuantizedMatrix:
+def _weight_rows(w: jax.Array | LowBitOperand, spec: QuantSpec, options: DispatchOptions) -> QuantizedMatrix:
   """W ``[K, N]`` per input channel for grad_input: quantized from W, or from a low-bit weight."""
   if is_low_bit(w):
     if w.rows is not None and w.rows.serves(spec):
       return w.rows  # e.g. FSDP's per-tensor gathered weight: the same values grad_input would quantize
     w = weight_values(w, jax.numpy.float32)  # re-quantize the values that arrived, per input channel
-  return QuantizedMatrix(*dispatch.quantize_rows(w, spec), spec)
+  return QuantizedMatrix(*dispatch.quantize_rows(w, spec, options), spec)
 
 
 __all__ = ["OperandPlan", "ScaledRecipe"]

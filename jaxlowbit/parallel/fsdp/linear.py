@@ -29,6 +29,7 @@ from jax import lax
 from jaxlowbit.parallel.fsdp.config import FsdpConfig
 from jaxlowbit.parallel.fsdp.gather import gather_weight, weight_scaling
 from jaxlowbit.parallel.tensor import ColumnParallel, RowParallel
+from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.matmul import match_varying_axes, quantized_matmul
 from jaxlowbit.operand import is_low_bit
 from jaxlowbit.recipes import Recipe, check_recipe
@@ -43,6 +44,7 @@ def fsdp_linear(
     axis_name: str | None = None,
     config: FsdpConfig = FsdpConfig(),
     tensor: ColumnParallel | RowParallel | None = None,
+    options: ExecutionOptions | None = None,
 ) -> jax.Array:
   """``x @ W`` for a weight ``W [K, N]`` sharded along K over the mesh axis ``axis_name``.
 
@@ -60,6 +62,7 @@ def fsdp_linear(
     axis_name: the FSDP mesh axis, or None for an unsharded weight.
     config: ``int8_weight_scaling`` and ``remat`` are read from it.
     tensor: the linear's tensor-parallel collective (module docstring), or None.
+    options: how the kernels run (:class:`jaxlowbit.ExecutionOptions`; None: the defaults).
 
   Returns:
     ``[..., N]`` in x's dtype (row-parallel: this device's ``[M/t, N]``); differentiable in x
@@ -84,12 +87,13 @@ def fsdp_linear(
                      f"{x.shape}: flatten the tokens first")
   if isinstance(tensor, ColumnParallel) and scale is not None and scaling.per_channel:
     scale = tensor.local_columns(scale)  # the precomputed scale covers all N channels
+  options = resolve(options)
   x, w = match_varying_axes(x, w)  # dW of data-parallel tokens: autodiff of this cast sums it over them
   batch_shape = x.shape[:-1]
 
   def linear(x, w, scale):
     gathered = gather_weight(w, scaling, x.dtype, scale=scale, axis_name=axis_name, tensor=tensor)
-    return quantized_matmul(x, gathered, recipe, collective=tensor)
+    return quantized_matmul(x, gathered, recipe, collective=tensor, options=options)
 
   if config.remat == "regather":  # keep nothing of the linear but its inputs: the backward gathers again
     linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)

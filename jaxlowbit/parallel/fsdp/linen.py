@@ -32,6 +32,7 @@ import jax
 from jax import lax
 
 from jaxlowbit.convert import worth_quantizing
+from jaxlowbit.execution import with_execution
 from jaxlowbit.parallel.fsdp.config import FsdpConfig
 from jaxlowbit.parallel.fsdp.linear import fsdp_linear
 from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
@@ -147,13 +148,14 @@ def plan_for_model(
   return make_plan(params, mesh, linears, config, tensor_parallel)
 
 
-def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig, tensor=None):
+def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig, tensor=None, options=None):
   """The Dense body's matmul under FSDP: ``fsdp_linear`` on this device's kernel shard."""
 
   def matmul(call: DenseCall, inputs, kernel):
     x = call.flat_inputs(inputs)
     w = kernel.reshape(math.prod(kernel.shape[: len(call.axis)]), -1)  # [K/n, N] (N/t column-parallel)
-    y = fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config, tensor=tensor)
+    y = fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config, tensor=tensor,
+                    options=options)
     return y if tensor is not None else call.unflat_outputs(y)  # tensor-parallel: one output dim, its share
 
   return matmul
@@ -214,11 +216,15 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
       raise ValueError(f"FSDP: linear {path} was not seen when the plan was made; plan with the same call")
     axis_name = axis if sharded and plan.shard_dims[kernel_path] is not None else None
     scale = module.get_variable("params", SCALE_PARAM)  # None: the layer reduces its own
-    matmul = _fsdp_matmul(linear, scale, axis_name, plan.config, plan.collective(kernel_path) if sharded else None)
+    matmul = _fsdp_matmul(linear, scale, axis_name, plan.config, plan.collective(kernel_path) if sharded else None,
+                          getattr(module, "execution", None))  # a jaxlowbit layer's own options
     bias = module.get_variable("params", "bias") if module.use_bias else None  # tensor-parallel: its share
     return dense_general(module, inputs, matmul, kernel=module.get_variable("params", "kernel"), bias=bias)
 
-  with nn.intercept_methods(dense_interceptor(run_linear)), running(plan.tensor_parallel if sharded else None):
+  tp = plan.tensor_parallel if sharded else None
+  if tp is not None:  # handed to the model explicitly: its execution options (module docstring)
+    model = with_execution(model, tensor_parallel=tp)
+  with nn.intercept_methods(dense_interceptor(run_linear)), running(tp):
     return model.apply({"params": unflatten(flat)}, *args, method=method, **kwargs)
 
 
