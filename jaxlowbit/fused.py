@@ -32,8 +32,6 @@ equal the unsplit op's.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -48,27 +46,9 @@ from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, check_gate_activation, round_to
 
 
-# Compatibility, until every model takes ExecutionOptions: off while a model converted for inference
-# runs (its linears no longer run the training recipe). New code passes fused_quantizers=False.
-_ENABLED = contextvars.ContextVar("jaxlowbit_fused_quantizers", default=True)
-
-
-@contextlib.contextmanager
-def unfused():
-  """Within this context the producers return their op's high-precision output (never an operand).
-
-  Compatibility for models whose producers get no options; pass ``ExecutionOptions(fused_quantizers=False)``.
-  """
-  token = _ENABLED.set(False)
-  try:
-    yield
-  finally:
-    _ENABLED.reset(token)
-
-
 def fused_quantization(recipe: Recipe | None, options: ExecutionOptions | None = None) -> OperandQuantization | None:
   """What a producer delivers for ``recipe``'s linear under ``options``, or None where it feeds it high precision."""
-  if recipe is None or not _ENABLED.get() or not (options or ExecutionOptions()).fused_quantizers:
+  if recipe is None or not (options or ExecutionOptions()).fused_quantizers:
     return None
   return recipe.input_quantization()
 
@@ -251,4 +231,4 @@ def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = 
   return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, resolve(options).dispatch(split), activation)
 
 
-__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "unfused"]
+__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for"]

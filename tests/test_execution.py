@@ -6,8 +6,12 @@
 - ``fused_quantizers`` on and off in one trace: the producer hands one linear an operand and the
   other a high-precision array, and both linears compute the same output;
 - the tensor-parallel context reaches a model only through its ``execution`` field, set by
-  ``jaxlowbit.parallel.apply``.
+  ``jaxlowbit.parallel.apply``; ``convert_for_inference`` turns the model's fused quantizers off the
+  same way; no module of the library holds a ContextVar.
 """
+
+import contextvars
+import sys
 
 import flax.linen as nn
 import jax
@@ -16,10 +20,11 @@ import numpy as np
 import pytest
 
 import jaxlowbit
-from jaxlowbit import ExecutionOptions, Int8MixedPrecision, fused, parallel
+from jaxlowbit import ExecutionOptions, Int8MixedPrecision, fused, inference, parallel
 from jaxlowbit.operand import is_low_bit
 from helpers import fresh_key
 from pallas_kernels import dispatch, policy
+from train.model import ModelConfig, Transformer
 
 K, N, M = 64, 32, 16
 
@@ -116,3 +121,17 @@ def test_apply_hands_the_model_its_tensor_parallel_context():
   seen.clear()
   model.apply({"params": params}, x)  # outside apply: nothing set, nothing global to read
   assert seen == [None]
+
+
+def test_inference_conversion_turns_the_models_fused_quantizers_off_through_its_field():
+  model = Transformer(ModelConfig(recipe=Int8MixedPrecision()))
+  converted = inference.convert_for_inference(model, "w8a16")
+  assert converted.execution == ExecutionOptions(fused_quantizers=False)
+  assert model.execution is None  # the user's model is left as it was
+
+
+def test_no_module_of_the_library_holds_a_context_variable():
+  held = [f"{name}.{attr}" for name, module in list(sys.modules.items())
+          if name.split(".")[0] in ("jaxlowbit", "pallas_kernels", "jaxlowbit_numerics", "train")
+          for attr, value in vars(module).items() if isinstance(value, contextvars.ContextVar)]
+  assert held == []

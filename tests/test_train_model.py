@@ -12,7 +12,7 @@ import pytest
 from flax import traverse_util
 
 from helpers import fresh_key, rel_err
-from jaxlowbit import BitNet, Float8, Int8MixedPrecision
+from jaxlowbit import BitNet, ExecutionOptions, Float8, Int8MixedPrecision
 from jaxlowbit.parallel.tensor import COLUMN, ROW, TensorParallel
 from jaxlowbit_numerics.stats import Split
 from train import config as train_config
@@ -266,7 +266,10 @@ def test_projection_concerns_decide_alone():
   assert ProjectionLayout(None, None).input_split is None
   x = jnp.ones((4, 8))
   assert ProjectionLayout(None, None).gather(x, BitNet()) is x
-  assert ProjectionLayout.of("layers.attn.q") == ProjectionLayout(None, None)  # outside tensor parallelism
+  assert ProjectionLayout.of("layers.attn.q", None) == ProjectionLayout(None, None)  # outside tensor parallelism
+  # The layout comes from the execution options handed in (jaxlowbit.parallel.apply sets them), nothing global.
+  assert ProjectionLayout.of("layers.attn.q", ExecutionOptions(tensor_parallel=tp)) == ProjectionLayout(tp, COLUMN)
+  assert ProjectionLayout.of("layers.attn.out", ExecutionOptions(tensor_parallel=tp)) == ProjectionLayout(tp, ROW)
 
 
 def test_scan_and_loop_compute_the_same_function():

@@ -71,7 +71,8 @@ import jaxlowbit
 import jaxlowbit.fused
 from jaxlowbit.interception import LayerFilter
 from jaxlowbit.operand import is_low_bit
-from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, TensorParallel, TensorSplit, tensor_parallel
+from jaxlowbit.execution import ExecutionOptions
+from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, TensorParallel, TensorSplit
 from jaxlowbit_numerics.stats import Split
 from pallas_kernels.quantize import GATE_ACTIVATIONS
 
@@ -394,6 +395,7 @@ class RMSNorm(nn.Module):
   epsilon: float
   dtype: Any
   param_dtype: Any
+  execution: ExecutionOptions | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, quantize_for=None, split=None):
@@ -406,11 +408,13 @@ class RMSNorm(nn.Module):
       scale = self.get_variable("params", "scale")
     else:
       scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split)
+    return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split,
+                                        options=self.execution)
 
 
-def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
-  return RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
+def rms_norm(config: ModelConfig, name: str, execution: ExecutionOptions | None = None) -> RMSNorm:
+  return RMSNorm(epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, execution=execution,
+                 name=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,9 +429,10 @@ def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
 #   layer             dense                        the jaxlowbit Dense of its recipe
 
 
-def _tensor_parallel() -> TensorParallel | None:
-  """The tensor-parallel context the model is traced under, or None: the model's one read of it."""
-  return tensor_parallel()
+def _tensor_parallel(execution: ExecutionOptions | None) -> TensorParallel | None:
+  """The tensor-parallel context the model runs under, or None: the model's one read of it. It comes in
+  the model's ``execution`` field, which ``jaxlowbit.parallel.apply`` sets (``jaxlowbit.ExecutionOptions``)."""
+  return None if execution is None else execution.tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,8 +452,8 @@ class ProjectionLayout:
   gathered: bool = False
 
   @classmethod
-  def of(cls, path: str, gathered: bool = False) -> ProjectionLayout:
-    tp = _tensor_parallel()
+  def of(cls, path: str, execution: ExecutionOptions | None, gathered: bool = False) -> ProjectionLayout:
+    tp = _tensor_parallel(execution)
     return cls(tp, TENSOR_PARALLEL.get(path.split(".")[-1]) if tp is not None else None, gathered)
 
   @property
@@ -465,16 +470,17 @@ class ProjectionLayout:
     return self.tp.gather(x, recipe) if self.role is COLUMN and not self.gathered else x
 
 
-def own_norm(config: ModelConfig, x, path: str, layout: ProjectionLayout):
+def own_norm(config: ModelConfig, x, path: str, layout: ProjectionLayout, execution: ExecutionOptions | None = None):
   """``x`` through the projection's own RMSNorm ``<name>_norm`` where :meth:`ModelConfig.norm_before`
   places one (quantized for the projection per :meth:`ModelConfig.own_norm_recipe`), else ``x``."""
   if not config.norm_before(path):
     return x
-  norm = rms_norm(config, f"{path.split('.')[-1]}_norm")
+  norm = rms_norm(config, f"{path.split('.')[-1]}_norm", execution)
   return norm(x, quantize_for=config.own_norm_recipe(path), split=layout.input_split)
 
 
-def dense(config: ModelConfig, path: str, features: int, std: float) -> nn.Module:
+def dense(config: ModelConfig, path: str, features: int, std: float,
+          execution: ExecutionOptions | None = None) -> nn.Module:
   """The jaxlowbit Dense of the projection at ``path`` (its recipe's, or high precision), named by its last part."""
   name = path.split(".")[-1]
   return jaxlowbit.dense_for(
@@ -485,10 +491,12 @@ def dense(config: ModelConfig, path: str, features: int, std: float) -> nn.Modul
       param_dtype=config.param_dtype,
       kernel_init=nn.initializers.normal(std),
       name=name,
+      execution=execution,
   )
 
 
-def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False) -> jax.Array:
+def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False,
+               execution: ExecutionOptions | None = None) -> jax.Array:
   """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``: its own norm (BitNet),
   the tensor-parallel gather, the Dense.
 
@@ -500,29 +508,30 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, gat
   ``features / n`` for all tokens. A row-parallel one reads ``[M, K / n]`` (its norm over the split
   features) and returns this device's ``[M / n, features]`` token rows.
   """
-  layout = ProjectionLayout.of(path, gathered)
-  x = own_norm(config, x, path, layout)
+  layout = ProjectionLayout.of(path, execution, gathered)
+  x = own_norm(config, x, path, layout, execution)
   x = layout.gather(x, config.recipe_for(path))
-  return dense(config, path, features, std)(x)
+  return dense(config, path, features, std, execution)(x)
 
 
-def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float) -> list[jax.Array]:
+def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float,
+                      execution: ExecutionOptions | None = None) -> list[jax.Array]:
   """The projections ``{path: features}`` that read one input ``x`` (q, k, v; gate, up), in order.
 
   Under tensor parallelism x holds this device's token rows and the group is column-parallel: x
   is gathered to the whole sequence once for the projections without a norm of their own
   (:meth:`ModelConfig.gather_recipe`); those with one normalize their own input and gather it each.
   """
-  tp = _tensor_parallel()
+  tp = _tensor_parallel(execution)
   shared = [p for p in paths if not config.norm_before(p)] if tp is not None else []
   if shared:
     x_whole = tp.gather(x, config.gather_recipe(*shared))
-  return [projection(config, x_whole if path in shared else x, path, n, std, gathered=path in shared)
-          for path, n in paths.items()]
+  return [projection(config, x_whole if path in shared else x, path, n, std, gathered=path in shared,
+                     execution=execution) for path, n in paths.items()]
 
 
-def _check_unfused(config: ModelConfig) -> None:
-  if config.fused_projections and _tensor_parallel() is not None:
+def _check_unfused(config: ModelConfig, execution: ExecutionOptions | None) -> None:
+  if config.fused_projections and _tensor_parallel(execution) is not None:
     tensor_parallel_rules(config)  # raises: the error that says what to change
 
 
@@ -531,21 +540,22 @@ class Attention(nn.Module):
 
   config: ModelConfig
   decode: bool = False
+  execution: ExecutionOptions | None = None
 
   @nn.compact
   def __call__(self, x, positions: jax.Array) -> jax.Array:
     """``x [B, T, d_model]`` (dtype; or its ``[B T, d_model]`` low-bit operand), ``positions [T]`` ->
     ``[B T, d_model]`` (dtype). Tensor-parallel: x and the result are this device's ``[B T / n,
     d_model]`` token rows; attention runs over the whole sequences with this device's heads."""
-    c = self.config
-    _check_unfused(c)
+    c, e = self.config, self.execution
+    _check_unfused(c, e)
     t, hd, q_dim, kv_dim = positions.shape[0], c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     if c.fused_projections:
-      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std)
+      qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std, execution=e)
       q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
     else:
       q, k, v = group_projections(c, x, {"layers.attn.q": q_dim, "layers.attn.k": kv_dim, "layers.attn.v": kv_dim},
-                                  c.init_std)
+                                  c.init_std, e)
     # [B, T, heads, head_dim]; under tensor parallelism this device's heads (of the whole sequence)
     q = rope(q.reshape(-1, t, q.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
     k = rope(k.reshape(-1, t, k.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
@@ -558,7 +568,8 @@ class Attention(nn.Module):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
       else:
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    return projection(c, out.reshape(-1, out.shape[2] * hd), "layers.attn.out", c.d_model, _residual_std(c))
+    return projection(c, out.reshape(-1, out.shape[2] * hd), "layers.attn.out", c.d_model, _residual_std(c),
+                      execution=e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,23 +601,24 @@ class Mlp(nn.Module):
   act and the product in float32."""
 
   config: ModelConfig
+  execution: ExecutionOptions | None = None
 
   @nn.compact
   def __call__(self, x) -> jax.Array:
     """``x [..., d_model]`` (or its ``[M, d_model]`` low-bit operand) -> ``[M, d_model]`` (``M``: the
     tokens; tensor-parallel: this device's token rows, the hidden units split over the devices)."""
-    c = self.config
-    _check_unfused(c)
+    c, e = self.config, self.execution
+    _check_unfused(c, e)
     if c.fused_projections:
-      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std)
+      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e)
     else:
-      gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std)
+      gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std, e)
       gate_up = jnp.concatenate([gate, up], axis=-1)
     h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"),
-                                   split=ProjectionLayout.of("layers.mlp.down").input_split,
-                                   activation=c.mlp_activation)
+                                   split=ProjectionLayout.of("layers.mlp.down", e).input_split,
+                                   activation=c.mlp_activation, options=e)
     return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), "layers.mlp.down", c.d_model,
-                      _residual_std(c))
+                      _residual_std(c), execution=e)
 
 
 def _residual_std(config: ModelConfig) -> float:
@@ -618,6 +630,7 @@ class Block(nn.Module):
 
   config: ModelConfig
   decode: bool = False
+  execution: ExecutionOptions | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
@@ -626,14 +639,15 @@ class Block(nn.Module):
     dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
     attn_paths = ("layers.attn.qkv",) if c.fused_projections else ("layers.attn.q", "layers.attn.k", "layers.attn.v")
     mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
-    _check_unfused(c)  # before the norms: their split is that of q, k, v and gate, up
+    e = self.execution
+    _check_unfused(c, e)  # before the norms: their split is that of q, k, v and gate, up
     # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
-    h = rms_norm(c, "attn_norm")(x, quantize_for=c.fused_input_recipe(*attn_paths),
-                                 split=ProjectionLayout.of(attn_paths[0]).input_split)
-    x = x + dropout(Attention(c, self.decode, name="attn")(h, positions).reshape(x.shape))
-    h = rms_norm(c, "mlp_norm")(x, quantize_for=c.fused_input_recipe(*mlp_paths),
-                                split=ProjectionLayout.of(mlp_paths[0]).input_split)
-    x = x + dropout(Mlp(c, name="mlp")(h).reshape(x.shape))
+    h = rms_norm(c, "attn_norm", e)(x, quantize_for=c.fused_input_recipe(*attn_paths),
+                                    split=ProjectionLayout.of(attn_paths[0], e).input_split)
+    x = x + dropout(Attention(c, self.decode, e, name="attn")(h, positions).reshape(x.shape))
+    h = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
+                                   split=ProjectionLayout.of(mlp_paths[0], e).input_split)
+    x = x + dropout(Mlp(c, e, name="mlp")(h).reshape(x.shape))
     return x, None
 
 
@@ -643,17 +657,23 @@ class Transformer(nn.Module):
   ``decode=True`` runs incrementally from a KV cache (the ``"cache"`` collection, see
   :func:`kv_cache_update`): initializing with ``[B, max_len]`` tokens sizes the cache, and each
   apply with ``mutable=["cache"]`` appends its tokens at the positions after those already seen.
+
+  ``execution`` (:class:`jaxlowbit.ExecutionOptions`, None: the defaults) is how the model runs: the
+  kernels' backend, its producers' fused quantizers, and its tensor-parallel context. It is handed to
+  every block, layer and producer; ``jaxlowbit.parallel.apply`` sets its ``tensor_parallel`` and
+  ``jaxlowbit.inference.convert_for_inference`` turns the fused quantizers off, each by ``clone``.
   """
 
   config: ModelConfig
   decode: bool = False
+  execution: ExecutionOptions | None = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """``tokens [B, T]`` -> ``[B, T, vocab_size]`` float32; tensor-parallel (``jaxlowbit.fsdp.apply`` on a
     mesh with a tensor axis): the logits of this device's ``B T / n`` token rows, ``[B T / n, vocab_size]``."""
-    c = self.config
-    tp = _tensor_parallel()
+    c, e = self.config, self.execution
+    tp = _tensor_parallel(e)
     if tp is not None and self.decode:
       raise ValueError("Transformer: decoding with a KV cache runs on one device, not tensor-parallel")
     embed = nn.Embed(
@@ -684,17 +704,17 @@ class Transformer(nn.Module):
           in_axes=nn.broadcast,
           length=c.n_layers,
       )
-      x, _ = stack(c, self.decode, name="layers")(x, positions)
+      x, _ = stack(c, self.decode, e, name="layers")(x, positions)
     else:
       for i in range(c.n_layers):
-        x, _ = block(c, self.decode, name=f"layers_{i}")(x, positions)
+        x, _ = block(c, self.decode, e, name=f"layers_{i}")(x, positions)
 
     lead = x.shape[:-1]
     if c.tie_embeddings:
-      logits = embed.attend(rms_norm(c, "final_norm")(x))
+      logits = embed.attend(rms_norm(c, "final_norm", e)(x))
     else:
-      x = rms_norm(c, "final_norm")(x, quantize_for=c.fused_input_recipe("lm_head"))
-      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std).reshape(*lead, c.vocab_size)
+      x = rms_norm(c, "final_norm", e)(x, quantize_for=c.fused_input_recipe("lm_head"))
+      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std, execution=e).reshape(*lead, c.vocab_size)
     return logits.astype(jnp.float32)
 
 

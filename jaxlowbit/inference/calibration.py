@@ -23,7 +23,6 @@ from flax import nnx, traverse_util
 from flax.core import unfreeze
 
 from jaxlowbit.execution import with_execution
-from jaxlowbit.fused import unfused
 from jaxlowbit.inference.nnx import calibrate_nnx
 from jaxlowbit.inference.params import DEFAULT_FILTER_FQNS
 from jaxlowbit.interception import PASS, LayerFilter, as_filter, dense_interceptor
@@ -44,7 +43,7 @@ def _recording_interceptor(layer_filter: LayerFilter):
 
 def _linen_amax(model: nn.Module, variables: Any, batch: Any, layer_filter: LayerFilter, method) -> dict:
   model = with_execution(model, fused_quantizers=False)  # the linears' float inputs are what is recorded
-  with nn.intercept_methods(_recording_interceptor(layer_filter)), unfused():
+  with nn.intercept_methods(_recording_interceptor(layer_filter)):
     _, state = model.apply(variables, batch, mutable=[COLLECTION], method=method)
   flat = traverse_util.flatten_dict(unfreeze(state.get(COLLECTION, {})))
   return {".".join(str(p) for p in path[:-1]): v for path, v in flat.items() if path[-1] == AMAX_NAME}

@@ -16,7 +16,6 @@ import flax.linen as nn
 import jax
 
 from jaxlowbit.execution import with_execution
-from jaxlowbit.fused import unfused
 from jaxlowbit.inference.weights import CONVERTED_NAMES, check_scheme, quantized_linear, scheme_of
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
 from jaxlowbit.layers import DenseCall, dense_general
@@ -79,5 +78,5 @@ def convert_linen(module: nn.Module, scheme: str) -> nn.Module:
   # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
   # execution options say so, for a model that takes them).
   module = with_execution(module, fused_quantizers=False)
-  return intercepted_copy(module, dense_interceptor(_handler(scheme)), "convert_for_inference", context=unfused,
+  return intercepted_copy(module, dense_interceptor(_handler(scheme)), "convert_for_inference",
                           jaxlowbit_inference_scheme=scheme)

@@ -45,14 +45,11 @@ that declares an ``execution`` field runs as ``model.clone(execution=...)`` with
 ``execution.tensor_parallel`` set (``jaxlowbit.ExecutionOptions``), so it reads its device's tokens
 and gathers before its column-parallel groups (``train/model.py``); ``apply`` runs the linears the
 plan marks :data:`COLUMN` / :data:`ROW` with :class:`ColumnParallel` / :class:`RowParallel`.
-Compatibility: while ``apply`` runs, :func:`tensor_parallel` returns it too, for models that do not
-take the field yet; new code reads ``execution.tensor_parallel``.
+Nothing is global: a model sees the context only through that field (:func:`tensor_parallel` reads it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import enum
 import functools
@@ -322,24 +319,11 @@ class TensorParallel:
     return RowParallel(self.axis_name)
 
 
-_CURRENT = contextvars.ContextVar("jaxlowbit_tensor_parallel", default=None)
-
-
-def tensor_parallel() -> TensorParallel | None:
-  """Compatibility accessor: the :class:`TensorParallel` a model is being traced under
-  (``jaxlowbit.parallel.apply`` on a mesh with a tensor axis), or None. New code takes it from the
-  model's ``execution`` field (module docstring)."""
-  return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def running(tp: TensorParallel | None):
-  """Make ``tp`` what :func:`tensor_parallel` returns within this context."""
-  token = _CURRENT.set(tp)
-  try:
-    yield tp
-  finally:
-    _CURRENT.reset(token)
+def tensor_parallel(execution: ExecutionOptions | None) -> TensorParallel | None:
+  """The :class:`TensorParallel` a model's ``execution`` options carry (``jaxlowbit.parallel.apply`` sets
+  it on a mesh with a tensor axis), or None. It reads the argument, nothing global: a model takes an
+  ``execution`` field and passes it here (``train/model.py``)."""
+  return None if execution is None else execution.tensor_parallel
 
 
 __all__ = [
@@ -351,6 +335,5 @@ __all__ = [
     "TensorParallel",
     "TensorSplit",
     "gather_activation",
-    "running",
     "tensor_parallel",
 ]

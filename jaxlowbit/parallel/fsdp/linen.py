@@ -9,9 +9,10 @@ all-gathered in its own dtype before the model starts.
 
 Tensor parallelism: ``plan_for_model(..., tensor_parallel=rules)`` names the column- and
 row-parallel linears (``jaxlowbit.parallel.fsdp.plan``); :func:`apply` runs them with their collectives
-and makes the :class:`~jaxlowbit.parallel.tensor.TensorParallel` current, so the model reads its
-device's tokens and gathers the whole sequence before its column-parallel groups
-(``jaxlowbit.parallel.tensor_parallel()``; ``train/model.py`` does). A column-parallel linear's
+and hands the model the :class:`~jaxlowbit.parallel.tensor.TensorParallel`: a model with an
+``execution`` field runs as ``model.clone(execution=...)`` with ``execution.tensor_parallel`` set, so
+it reads its device's tokens and gathers the whole sequence before its column-parallel groups
+(``train/model.py`` does). A column-parallel linear's
 output has its device's ``N / t`` features; a row-parallel one returns ``[M / t, N]``.
 
 Which recipe a linear runs: a jaxlowbit layer (``Int8Dense``, ``Fp8Dense``,
@@ -37,7 +38,6 @@ from jaxlowbit.parallel.fsdp.config import FsdpConfig
 from jaxlowbit.parallel.fsdp.linear import fsdp_linear
 from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
 from jaxlowbit.parallel.fsdp.scales import Scales
-from jaxlowbit.parallel.tensor import running
 from jaxlowbit.interception import PASS, as_filter, dense_interceptor
 from jaxlowbit.layers import DenseCall, LowBitDense, dense_general, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
@@ -182,8 +182,8 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
       without an entry reduces its own scale (one all-reduce).
 
   ``rngs`` (e.g. dropout) are folded with the device's index along the batch axes (and the
-  tensor axis), so each device draws for its own tokens. With a tensor axis the model runs with
-  :func:`jaxlowbit.parallel.tensor_parallel` returning it (module docstring).
+  tensor axis), so each device draws for its own tokens. With a tensor axis a model that declares an
+  ``execution`` field gets the plan's ``TensorParallel`` in it (module docstring).
 
   Returns:
     What ``model.apply`` returns. Differentiable in ``params``: sharded leaves get their
@@ -224,7 +224,7 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
   tp = plan.tensor_parallel if sharded else None
   if tp is not None:  # handed to the model explicitly: its execution options (module docstring)
     model = with_execution(model, tensor_parallel=tp)
-  with nn.intercept_methods(dense_interceptor(run_linear)), running(tp):
+  with nn.intercept_methods(dense_interceptor(run_linear)):
     return model.apply({"params": unflatten(flat)}, *args, method=method, **kwargs)
 
 
