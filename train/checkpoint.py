@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -408,6 +409,8 @@ class Checkpointer:
       if reason:
         skipped.append((step, reason))
         continue
+      previous_hook = sys.unraisablehook
+      sys.unraisablehook = _without_closed_loop_reports(previous_hook)  # kept if the restore fails
       try:
         state, data_state = self.restore(step, abstract_state)
       except Exception as e:  # its files are the ones saved: the state this config builds is another
@@ -415,6 +418,7 @@ class Checkpointer:
             f"checkpoint {self.directory / str(step)} is intact but does not restore into this config's state "
             f"({_one_line(e)[:200]}): it was written by another config; resume with that run's config.json or "
             "start a new --workdir") from e
+      sys.unraisablehook = previous_hook
       problems = [f"checkpoint {self.directory / str(bad)} is {reason}; skipped it and moved it to "
                   f"{self.set_aside(bad, reason)}" for bad, reason in skipped]
       return step, state, data_state, problems
@@ -431,6 +435,25 @@ class Checkpointer:
       self.wait()
     finally:
       self.manager.close()
+
+
+def _without_closed_loop_reports(previous):
+  """``previous`` (a ``sys.unraisablehook``) minus the reports a failed orbax restore leaves behind: its reads
+  still in flight finish after orbax closed its asyncio loop (``RuntimeError('Event loop is closed')``) or die
+  with it (an orbax coroutine collected with its error), each a traceback after the run's one error line."""
+
+  def leftover(unraisable) -> bool:
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return True
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine: orbax's own?
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+  def hook(unraisable):
+    if not leftover(unraisable):
+      previous(unraisable)
+
+  return hook
 
 
 def abstract_on_device(abstract_state: Any, device: jax.Device | None = None) -> Any:

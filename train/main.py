@@ -34,7 +34,6 @@ Errors print one line, ``error: <what and what to do>``. Exit codes:
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
@@ -73,18 +72,11 @@ EXIT_CODES = (
 )
 
 
-def fail(message: str, code: int, with_traceback: bool, at_once: bool = False) -> None:
-  """Print ``error: message`` (the traceback first, under --verbosity) and exit with ``code``.
-
-  ``at_once``: leave without the interpreter's shutdown, for an error raised before the run wrote anything
-  (a failed orbax restore leaves threads that print an "Event loop is closed" traceback at shutdown).
-  """
+def fail(message: str, code: int, with_traceback: bool) -> None:
+  """Print ``error: message`` (the traceback first, under --verbosity) and exit with ``code``."""
   if with_traceback:
     traceback.print_exc()
   print(f"error: {message}", file=sys.stderr, flush=True)
-  if at_once:
-    sys.stdout.flush()
-    os._exit(code)
   sys.exit(code)
 
 
@@ -147,7 +139,7 @@ def main(argv: list[str]) -> None:
     fail("interrupted", EXIT_INTERRUPTED, with_traceback=False)
   except Exception as e:  # noqa: BLE001  (every error ends in one line and a documented code)
     code = next((code for kind, code in EXIT_CODES if isinstance(e, kind)), EXIT_ERROR)
-    fail(cli.one_line(e), code, with_traceback=_verbose(), at_once=isinstance(e, checkpoint.CheckpointMismatchError))
+    fail(cli.one_line(e), code, with_traceback=_verbose())
   if result.status == "interrupted":
     sys.exit(EXIT_TERMINATED if result.stop_signal == signal.SIGTERM else EXIT_INTERRUPTED)
 
