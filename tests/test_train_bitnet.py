@@ -174,20 +174,26 @@ def test_step_weights_give_the_per_microbatch_numbers(scan_layers, dtype):
 # GPU: a few trainer steps per form on the 1B shape (configs/bitnet_1b.py), fused kernels on.
 
 GPU_STEPS = 4
+# Learning rate of the GPU runs: at 1e-3 with one warm-up step the 1B shape's training loss first
+# rises (6.44 -> 6.95 -> 6.84 on an H100) while the validation loss already falls.
+GPU_LR = 3e-4
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement, activation, tied", FORMS, ids=str)
 def test_1b_shape_trains_a_few_steps_per_form_on_gpu(placement, activation, tied, tmp_path):
-  """Loss finite and falling on synthetic data, a checkpoint written, for each norm placement at d 2048 x 16
-  layers (short sequences so each form compiles and steps in about a minute)."""
+  """Loss finite, the trained model better on held-out batches than the untrained one was on its
+  first batch, a checkpoint written, for each form at d 2048 x 16 layers (short sequences so each
+  form compiles and steps in about a minute). Step-to-step training losses are not compared: each
+  step sees another batch."""
   config = train_config.load_file(CONFIGS / "bitnet_1b.py")
   config.model.update(bitnet_norm_placement=placement, mlp_activation=activation, tie_embeddings=tied)
   config.data.source = "synthetic"
-  config.update(steps=GPU_STEPS, batch_size=4, seq_len=512, lr=1e-3, warmup_steps=1, log_every=1,
-                eval_every=GPU_STEPS, eval_batches=1, checkpoint_every=GPU_STEPS, tensorboard=False)
+  config.update(steps=GPU_STEPS, batch_size=4, seq_len=512, lr=GPU_LR, warmup_steps=1, log_every=1,
+                eval_every=GPU_STEPS, eval_batches=2, checkpoint_every=GPU_STEPS, tensorboard=False)
   result = loop.train(config, tmp_path / placement)
   assert result.status == "completed" and result.step == GPU_STEPS
   losses = train_losses(tmp_path / placement)
-  assert all(np.isfinite(list(losses.values()))) and losses[GPU_STEPS] < losses[1], losses
+  assert all(np.isfinite(list(losses.values()))), losses
+  assert result.val_loss < losses[1], (result.val_loss, losses)
   assert generate.load_run(tmp_path / placement)[1] == train_config.model_config(config)
