@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -125,6 +126,27 @@ def _rebuild_state(m_format: BlockFormat, v_format: BlockFormat, fields: tuple) 
   return state_class(m_format, v_format)(*fields)
 
 
+# optax's Adam-family updates (``optax.scale_by_adam`` and its kin) read ``state.mu`` and ``state.nu`` as float
+# moments. Ours hold block-quantized codes under the same field names (the names are the checkpoint's layout, so they
+# stay), and int8 codes broadcast against the gradients without complaint: ``optax.adamw(...).update`` took an
+# ``adamw_8bit`` state and returned garbage (issue 31). So a read of those two fields from optax's own code is
+# refused; every other reader (ours, a user's, orbax and jax flatten the tuple without attribute access) gets them.
+_OPTAX_MODULE = "optax"
+
+
+def _codes_field(index: int, name: str) -> property:
+  def get(self):
+    caller = sys._getframe(1).f_globals.get("__name__", "")  # noqa: SLF001  (who reads the field: optax or not)
+    if caller == _OPTAX_MODULE or caller.startswith(_OPTAX_MODULE + "."):
+      raise TypeError(
+          f"{caller}: got the state of {self.format_name}, whose {name} holds block-quantized codes, not a moment; "
+          f"update it with the optimizer whose init made it (jaxlowbit.optim.make({self.format_name.split('(')[0]!r}"
+          ", ...)), not an optax one")
+    return tuple.__getitem__(self, index)
+
+  return property(get, doc=f"the {name} codes (or float32 moments of small tensors), as the base class")
+
+
 @functools.cache
 def state_class(m_format: BlockFormat, v_format: BlockFormat) -> type[ScaleByAdamQuantizedState]:
   """The :class:`ScaleByAdamQuantizedState` subclass of one pair of moment formats (one class per pair).
@@ -140,6 +162,9 @@ def state_class(m_format: BlockFormat, v_format: BlockFormat) -> type[ScaleByAda
       "m_format": m_format,
       "v_format": v_format,
       "format_name": name,
+      # optax's updates may not read the codes as moments (above)
+      "mu": _codes_field(ScaleByAdamQuantizedState._fields.index("mu"), "mu"),
+      "nu": _codes_field(ScaleByAdamQuantizedState._fields.index("nu"), "nu"),
       # pickle and deepcopy find the class again from its formats (it is made at run time)
       "__reduce__": lambda self: (_rebuild_state, (self.m_format, self.v_format, tuple(self))),
   })  # fmt: skip

@@ -107,6 +107,24 @@ def test_the_registrys_adamw_refuses_a_low_bit_state(given):
     optim.apply_step(chained, params, foreign, params)
 
 
+@pytest.mark.parametrize("given", LOW_BIT)
+def test_plain_optax_adamw_refuses_a_low_bit_state_whose_layout_is_unchanged(given):
+  """optax.adamw's own update read adamw_8bit's int8 codes as moments and returned garbage (issue 31); it now
+  stops at optax's first read of the codes, naming the format. The fields (the checkpoint's layout) are as before,
+  and every other reader still gets them."""
+  params = {"w": jnp.ones((8, 1024))}
+  state = optim.make(given, LR).init(params)
+  for tx, given_state in ((optax.adamw(LR), state), (optax.scale_by_adam(), state[0])):
+    with pytest.raises(TypeError, match=rf"optax\._src\.\w+: got the state of {given}, whose mu holds block-quantized"):
+      tx.update(params, given_state, params)
+    with pytest.raises(TypeError, match=rf"got the state of {given}"):
+      jax.jit(tx.update)(params, given_state, params)
+  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  assert paths == ["[0].count", "[0].mu['w']", "[0].nu['w']", "[0].mu_scale['w']", "[0].nu_scale['w']"]
+  assert state[0].mu["w"] is state[0][1]["w"] and state[0].nu["w"] is state[0][2]["w"]
+  assert state[0]._asdict()["mu"]["w"] is state[0][1]["w"]
+
+
 def test_a_state_carries_its_format_through_tree_maps_pickle_and_a_targeted_restore(tmp_path):
   tx = optim.adamw_4bit(LR)
   params = {"w": jnp.zeros((8, 1024))}
