@@ -254,3 +254,14 @@ def test_every_config_loads_and_its_step_compiles_at_small_width(path):
   batch = functions.shard_train_batch(data.SyntheticBatches(config.seq_len, config.batch_size, 0).next())
   compiled = functions.train_step.lower(state, batch).compile()
   assert compiled.as_text()  # the whole step (model, recipe, optimizer) compiled
+
+
+def test_fsdp_grad_reduce_dtype_is_a_closed_choice_recorded_in_the_spec():
+  config = train_config.load_file(CONFIGS / "tiny.py")
+  assert build(config, UNSHARDED).fsdp.grad_reduce_dtype == "float32"  # default: exact float32 sums
+  config.fsdp.grad_reduce_dtype = "bfloat16"
+  train_config.check(config)
+  assert build(config, UNSHARDED).fsdp.grad_reduce_dtype == "bfloat16"
+  config.fsdp.grad_reduce_dtype = "float16"
+  with pytest.raises(train_config.ConfigError, match=r"config.fsdp.grad_reduce_dtype='float16'.*bfloat16"):
+    train_config.check(config)

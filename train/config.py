@@ -27,6 +27,7 @@ from ml_collections import config_dict
 from jaxlowbit import BitNet, fsdp
 from jaxlowbit.recipes import named_recipes
 from jaxlowbit.optim import OPTIMIZERS
+from jaxlowbit.parallel.fsdp.config import GRAD_REDUCE_DTYPES
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 from train.io.hf_config import model_config_from_hf, read_config
 from train.model import ModelConfig
@@ -111,6 +112,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.fsdp = ml_collections.ConfigDict()
   config.fsdp.int8_weight_scaling = "row"  # row | tensor: INT8 weight gathers (jaxlowbit.fsdp.FsdpConfig)
   config.fsdp.remat = "save_gathered"  # save_gathered | regather: gathered weight kept for the backward or not
+  # float32 | bfloat16: what FSDP's gradient reduce-scatters sum in (bfloat16: half the bytes; FsdpConfig says more)
+  config.fsdp.grad_reduce_dtype = "float32"
 
   # Logging, evaluation, checkpoints.
   config.log_every = 10
@@ -497,7 +500,11 @@ def fsdp_config(config: ml_collections.ConfigDict) -> fsdp.FsdpConfig:
     )
   if options.remat not in fsdp.REMAT_MODES:
     raise ConfigError(f"config.fsdp.remat={options.remat!r}; choose one of {fsdp.REMAT_MODES}")
-  return fsdp.FsdpConfig(int8_weight_scaling=options.int8_weight_scaling, remat=options.remat)
+  if options.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+    raise ConfigError(f"config.fsdp.grad_reduce_dtype={options.grad_reduce_dtype!r}; choose one of "
+                      f"{GRAD_REDUCE_DTYPES}")
+  return fsdp.FsdpConfig(int8_weight_scaling=options.int8_weight_scaling, remat=options.remat,
+                         grad_reduce_dtype=options.grad_reduce_dtype)
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

@@ -48,6 +48,7 @@ see ``distributed.py``.
 from jaxlowbit.parallel import hlo, wire
 from jaxlowbit.parallel.distributed import initialize_distributed
 from jaxlowbit.parallel.fsdp import (
+    GRAD_REDUCE_DTYPES,
     REMAT_MODES,
     FsdpConfig,
     FsdpPlan,
@@ -56,6 +57,7 @@ from jaxlowbit.parallel.fsdp import (
     apply_update,
     evaluate,
     fsdp_linear,
+    gather_param,
     gather_weight,
     global_scale,
     init_optimizer,
@@ -86,6 +88,7 @@ from jaxlowbit.scaling import WeightScaling
 __all__ = [
     "COLUMN",
     "FEATURES",
+    "GRAD_REDUCE_DTYPES",
     "REMAT_MODES",
     "ROW",
     "ColumnParallel",
@@ -102,6 +105,7 @@ __all__ = [
     "evaluate",
     "fsdp_linear",
     "gather_activation",
+    "gather_param",
     "gather_weight",
     "global_scale",
     "hlo",

@@ -18,8 +18,8 @@ module          holds
 ==============  ==============================================================================
 """
 
-from jaxlowbit.parallel.fsdp.config import REMAT_MODES, FsdpConfig
-from jaxlowbit.parallel.fsdp.gather import gather_weight, global_scale, weight_scaling
+from jaxlowbit.parallel.fsdp.config import GRAD_REDUCE_DTYPES, REMAT_MODES, FsdpConfig
+from jaxlowbit.parallel.fsdp.gather import gather_param, gather_weight, global_scale, weight_scaling
 from jaxlowbit.parallel.fsdp.linear import fsdp_linear
 from jaxlowbit.parallel.fsdp.linen import apply, linears_of, plan_for_model
 from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, make_plan, shard_batch, shard_params
@@ -27,6 +27,7 @@ from jaxlowbit.parallel.fsdp.scales import precompute_scales
 from jaxlowbit.parallel.fsdp.step import apply_update, evaluate, init_optimizer, train_step, value_and_grad
 
 __all__ = [
+    "GRAD_REDUCE_DTYPES",
     "REMAT_MODES",
     "FsdpConfig",
     "FsdpPlan",
@@ -35,6 +36,7 @@ __all__ = [
     "apply_update",
     "evaluate",
     "fsdp_linear",
+    "gather_param",
     "gather_weight",
     "global_scale",
     "init_optimizer",

@@ -12,7 +12,11 @@ forward
      :class:`~jaxlowbit.operand.LowBitOperand`: ``W [K, N]`` and ``W^T [N, K]`` quantized.
 backward
   the operand's gradient (the full ``dW [K, N]`` from this device's tokens, straight through the
-  quantization) ``psum_scatter`` ed back to this device's ``[K/n, N]`` rows, in float32.
+  quantization) ``psum_scatter`` ed back to this device's ``[K/n, N]`` rows, summed in
+  ``FsdpConfig.grad_reduce_dtype`` (float32 by default, or bfloat16: half the bytes).
+
+:func:`gather_param` is the same for a parameter that is not a linear's kernel (an embedding): an
+all-gather in its own dtype whose gradient is reduce-scattered in the reduce dtype.
 
 The operand then goes to the ordinary :func:`jaxlowbit.quantized_matmul`, which runs the recipe
 exactly as on one device (:func:`jaxlowbit.parallel.fsdp_linear` is the two together). A weight
@@ -71,6 +75,7 @@ class GatherLayout:
   param_dtype: jnp.dtype  # the shard's (and its gradient's) dtype
   compute_dtype: jnp.dtype
   pack_axis: int | None  # ternary: shard axis packed 2 bits per value; None: one byte per value
+  grad_reduce_dtype: jnp.dtype = jnp.dtype(jnp.float32)  # what the gradient's reduce-scatter sums in
 
   @property
   def full_shape(self) -> tuple[int, int]:
@@ -129,14 +134,51 @@ def _gather_fwd(w, scale, layout):
   return _gather(w, scale, layout), scale
 
 
+def _reduce_scatter(dw: jax.Array, axis_name: str | None, dim: int, reduce_dtype, param_dtype) -> jax.Array:
+  """The devices' full gradients ``dw`` summed in ``reduce_dtype``, this device's slice along ``dim``
+  kept, in ``param_dtype`` (no collective without an axis)."""
+  dw = dw.astype(reduce_dtype)
+  if axis_name is not None:
+    dw = lax.psum_scatter(dw, axis_name, scatter_dimension=dim, tiled=True)
+  return dw.astype(param_dtype)
+
+
 def _gather_bwd(layout, scale, ct):
-  dw = (ct.carrier if layout.scaling.quantized else ct).astype(jnp.float32)  # sum the devices' dW in float32
-  if layout.axis_name is not None:
-    dw = lax.psum_scatter(dw, layout.axis_name, scatter_dimension=0, tiled=True)
-  return dw.astype(layout.param_dtype), jnp.zeros_like(scale)
+  dw = ct.carrier if layout.scaling.quantized else ct
+  return (_reduce_scatter(dw, layout.axis_name, 0, layout.grad_reduce_dtype, layout.param_dtype),
+          jnp.zeros_like(scale))
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_dense(x: jax.Array, axis_name: str, dim: int, reduce_dtype):
+  return lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+
+def _gather_dense_fwd(x, axis_name, dim, reduce_dtype):
+  return _gather_dense(x, axis_name, dim, reduce_dtype), None
+
+
+def _gather_dense_bwd(axis_name, dim, reduce_dtype, residual, ct):
+  del residual
+  return (_reduce_scatter(ct, axis_name, dim, reduce_dtype, ct.dtype),)  # ct has x's dtype
+
+
+_gather_dense.defvjp(_gather_dense_fwd, _gather_dense_bwd)
+
+
+def gather_param(x: jax.Array, axis_name: str, dim: int, grad_reduce_dtype="float32") -> jax.Array:
+  """``lax.all_gather(x, axis_name, axis=dim, tiled=True)`` whose gradient is reduce-scattered in
+  ``grad_reduce_dtype`` (``FsdpConfig.grad_reduce_dtype``) and returned in ``x``'s dtype.
+
+  Args:
+    x: this device's shard of a parameter, any shape and floating dtype; ``dim`` is the sharded one.
+  Returns:
+    the whole parameter (``x.shape[dim] * n`` along ``dim``), in ``x``'s dtype.
+  """
+  return _gather_dense(x, axis_name, dim, jnp.dtype(grad_reduce_dtype))
 
 
 def _axes_size(axes: tuple[str, ...]) -> int:
@@ -178,6 +220,7 @@ def gather_weight(
     scale: jax.Array | None = None,
     axis_name: str | None = None,
     tensor=None,
+    grad_reduce_dtype="float32",
 ) -> LowBitOperand | jax.Array:
   """The whole weight ``[K, N]`` from this device's rows ``w [K/n, N]``, gathered per ``scaling``.
 
@@ -189,6 +232,7 @@ def gather_weight(
       device's channels); None reduces it here.
     axis_name: the FSDP mesh axis, or None for an unsharded weight (no collective).
     tensor: the linear's tensor-parallel collective, for a scale reduced here (:func:`global_scale`).
+    grad_reduce_dtype: what the gradient's reduce-scatter sums in (``FsdpConfig.grad_reduce_dtype``).
 
   Returns:
     A :class:`~jaxlowbit.operand.LowBitOperand` (quantized scalings) or a ``[K, N]`` array of
@@ -213,8 +257,9 @@ def gather_weight(
       param_dtype=jnp.dtype(w.dtype),
       compute_dtype=jnp.dtype(compute_dtype),
       pack_axis=ternary_pack_axis(tuple(w.shape)) if scaling is WeightScaling.TERNARY else None,
+      grad_reduce_dtype=jnp.dtype(grad_reduce_dtype),
   )
   return _gather(w, scale, layout)
 
 
-__all__ = ["GatherLayout", "gather_weight", "global_scale", "ternary_pack_axis", "weight_scaling"]
+__all__ = ["GatherLayout", "gather_param", "gather_weight", "global_scale", "ternary_pack_axis", "weight_scaling"]

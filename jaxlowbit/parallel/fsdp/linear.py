@@ -60,7 +60,7 @@ def fsdp_linear(
       or ``[N]``, all N channels also for a column-parallel weight); None computes it here with
       one all-reduce over the axis.
     axis_name: the FSDP mesh axis, or None for an unsharded weight.
-    config: ``int8_weight_scaling`` and ``remat`` are read from it.
+    config: ``int8_weight_scaling``, ``remat`` and ``grad_reduce_dtype`` are read from it.
     tensor: the linear's tensor-parallel collective (module docstring), or None.
     options: how the kernels run (:class:`jaxlowbit.ExecutionOptions`; None: the defaults).
 
@@ -92,7 +92,8 @@ def fsdp_linear(
   batch_shape = x.shape[:-1]
 
   def linear(x, w, scale):
-    gathered = gather_weight(w, scaling, x.dtype, scale=scale, axis_name=axis_name, tensor=tensor)
+    gathered = gather_weight(w, scaling, x.dtype, scale=scale, axis_name=axis_name, tensor=tensor,
+                             grad_reduce_dtype=config.grad_reduce_dtype)
     return quantized_matmul(x, gathered, recipe, collective=tensor, options=options)
 
   if config.remat == "regather":  # keep nothing of the linear but its inputs: the backward gathers again

@@ -35,6 +35,7 @@ from jax import lax
 from jaxlowbit.convert import worth_quantizing
 from jaxlowbit.execution import with_execution
 from jaxlowbit.parallel.fsdp.config import FsdpConfig
+from jaxlowbit.parallel.fsdp.gather import gather_param
 from jaxlowbit.parallel.fsdp.linear import fsdp_linear
 from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
 from jaxlowbit.parallel.fsdp.scales import Scales
@@ -195,7 +196,7 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
   for path, leaf in flat.items():
     dim = plan.shard_dims.get(path)
     if sharded and dim is not None and path not in plan.linears:
-      flat[path] = lax.all_gather(leaf, axis, axis=dim, tiled=True)
+      flat[path] = gather_param(leaf, axis, dim, plan.config.grad_reduce_dtype)  # gradient: reduce-scattered
   for path, scale in (scales or {}).items():
     if path not in plan.linears:
       raise ValueError(f"FSDP: scales name {'/'.join(path)}, which is not a linear of the plan")
