@@ -42,11 +42,10 @@ import math
 import pathlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from train import checkpoint, cli, data, metrics
@@ -66,6 +65,9 @@ from train.run_control import (
 )
 from train.spec import RunSpec, resolve
 from train.steps import StepFunctions, TrainState, step_functions
+
+if TYPE_CHECKING:  # the config is only handed to train.config / train.spec here, never read
+  import ml_collections
 
 
 # The data item of a checkpoint also holds the losses of its unfinished log interval.
@@ -128,7 +130,7 @@ def train(
 
   # 2. State: the latest checkpoint when resuming, else a fresh init.
   checkpointer, latest = open_checkpointer(spec, run_dir)
-  state, latest, log_losses = restore_or_init(config, spec, run_dir, checkpointer, latest, functions, datasets)
+  state, latest, log_losses = restore_or_init(spec, run_dir, checkpointer, latest, functions, datasets)
   writer = metrics.MetricsWriter(run_dir, spec.tensorboard, enabled=jax.process_index() == 0)
   writer.write({"step": int(state.step), "event": "start", **throughput.start_record(spec, functions)})
   throughput.restart()  # the clock starts with the loop
@@ -251,10 +253,10 @@ def open_checkpointer(spec: RunSpec, run_dir: pathlib.Path) -> tuple[checkpoint.
   return checkpointer, latest
 
 
-def restore_or_init(config: ml_collections.ConfigDict, spec: RunSpec, run_dir: pathlib.Path,
-                    checkpointer: checkpoint.Checkpointer, latest: int | None, functions: StepFunctions,
+def restore_or_init(spec: RunSpec, run_dir: pathlib.Path, checkpointer: checkpoint.Checkpointer, latest: int | None, functions: StepFunctions,
                     datasets: data.Datasets) -> tuple[TrainState, int | None, list[float]]:
-  """``(state, latest checkpoint step or None, losses of its unfinished log interval)``; writes config.json.
+  """``(state, latest checkpoint step or None, losses of its unfinished log interval)``; writes config.json
+  (``spec.config_json``).
 
   Resuming: the newest intact checkpoint, the data stream moved to its position and the metrics
   file cut back to it. Else a fresh init (with ``init_from``'s weights) and a fresh metrics file.
@@ -264,7 +266,7 @@ def restore_or_init(config: ml_collections.ConfigDict, spec: RunSpec, run_dir: p
   log_losses = []
   if latest is not None:
     if config_file.exists():
-      compare_configs(config_file, config)
+      compare_configs(config_file, spec)
     try:  # orbax reshards to this mesh; corrupt checkpoints are skipped for the newest intact one
       latest, state, data_state, problems = checkpointer.restore_latest(functions.restore_target())
     except checkpoint.CheckpointError:
@@ -291,18 +293,19 @@ def restore_or_init(config: ml_collections.ConfigDict, spec: RunSpec, run_dir: p
     if main_process:
       metrics.truncate_after(run_dir, -1)  # a fresh run starts a fresh metrics file
   if main_process:
-    config_file.write_text(train_config.to_json(config))
+    config_file.write_text(spec.config_json)
   return state, latest, log_losses
 
 
-def compare_configs(config_file: pathlib.Path, config: ml_collections.ConfigDict) -> None:
-  """Say which fields a resume changes; ConfigError (before any restore) when the saved state's shapes differ."""
+def compare_configs(config_file: pathlib.Path, spec: RunSpec) -> None:
+  """Say which fields a resume changes (the saved config.json against ``spec.config_json``); ConfigError
+  (before any restore) when the saved state's shapes differ."""
   old = cli.read_json(config_file, "run config", "restore it, or delete it to resume without comparing configs")
-  new = json.loads(train_config.to_json(config))
+  new = json.loads(spec.config_json)
   changed = changed_fields(old, new) - {"resume"}
   # Another mesh only places the same run differently (the checkpoint is resharded).
   moved = sorted(field for field in changed if field.split(".")[0] == "mesh")
-  check_resumable(old, config, changed - set(moved))  # other shapes: refused before any restore
+  check_resumable(old, spec, changed - set(moved))  # other shapes: refused before any restore
   if changed - set(moved):
     say(f"warning: resuming with changed config fields {sorted(changed - set(moved))}: expect a different run")
   if moved:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import signal
 import threading
@@ -10,13 +11,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train import config as train_config
 from train import steps
+from train.config import ConfigError
 from train.metrics import say
+from train.spec import RunSpec, from_saved
 
 
 # The signals that ask a run to stop: Ctrl-C, and what SLURM, Kubernetes and most schedulers send
@@ -87,10 +88,10 @@ def changed_fields(old: dict, new: dict, prefix: str = "") -> set[str]:
 def field_change(old: dict, new: dict, field: str) -> str:
   """``"mesh.fsdp 4 -> 2"``: a dotted field's value in two config dicts (None where absent)."""
   values = []
-  for config in (old, new):
+  for value in (old, new):
     for key in field.split("."):
-      config = config.get(key) if isinstance(config, dict) else None
-    values.append(config)
+      value = value.get(key) if isinstance(value, dict) else None
+    values.append(value)
   return f"{field} {values[0]} -> {values[1]}"
 
 
@@ -101,11 +102,13 @@ def shapes_differ(a, b) -> bool:
   return any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def check_resumable(old: dict, config: ml_collections.ConfigDict, changed: set[str]) -> None:
-  """Refuse, before any restore, to resume a checkpoint of config ``old`` with ``config`` when the state's shapes differ.
+def check_resumable(old: dict, spec: RunSpec, changed: set[str]) -> None:
+  """Refuse, before any restore, to resume a checkpoint of config ``old`` with ``spec`` when the state's shapes differ.
 
-  Names each changed field that alone changes the state's structure, shapes or dtypes (model
-  sizes, a recipe that adds norms, the optimizer's state, ...) with its old and new values.
+  ``old`` is the run's saved ``config.json`` (parsed), ``changed`` the dotted fields in which it
+  differs from ``spec.config_json``. Names each changed field that alone changes the state's
+  structure, shapes or dtypes (model sizes, a recipe that adds norms, the optimizer's state, ...)
+  with its old and new values. The states compared are built from specs (``train.spec.from_saved``).
 
   Raises:
     train.config.ConfigError: the checkpoint cannot hold this config's state.
@@ -113,27 +116,22 @@ def check_resumable(old: dict, config: ml_collections.ConfigDict, changed: set[s
   changed = {field for field in changed if field.split(".")[0] not in steps.RUNTIME_ONLY_FIELDS}
   if not changed:
     return
-  new = json.loads(train_config.to_json(config))
+  new = json.loads(spec.config_json)
   try:
-    before = steps.abstract_state(ml_collections.ConfigDict(old))
+    before = steps.abstract_state(from_saved(old))
   except Exception:  # an old config this version cannot build: the restore will say what does not fit
     return
-  if not shapes_differ(before, steps.abstract_state(config)):
+  if not shapes_differ(before, steps.abstract_state(spec)):
     return
   culprits = []
   for field in sorted(changed):
-    one = ml_collections.ConfigDict(old)
-    parent, leaf = one, field.split(".")[-1]
-    for key in field.split(".")[:-1]:
-      parent = parent[key]
     try:
-      parent[leaf] = _value_at(new, field)
-      if shapes_differ(before, steps.abstract_state(one)):
+      if shapes_differ(before, steps.abstract_state(from_saved(_with_value(old, field, _value_at(new, field))))):
         culprits.append(field)
     except Exception:
       culprits.append(field)
   names = ", ".join(field_change(old, new, field) for field in (culprits or sorted(changed)))
-  raise train_config.ConfigError(
+  raise ConfigError(
       f"cannot resume: {names} changes the shapes of the saved state (parameters or optimizer state), so the "
       "checkpoint cannot continue this run; restore the field(s) or start a new --workdir"
   )
@@ -142,6 +140,17 @@ def check_resumable(old: dict, config: ml_collections.ConfigDict, changed: set[s
 def _value_at(tree: dict, field: str):
   for key in field.split("."):
     tree = tree[key]
+  return tree
+
+
+def _with_value(tree: dict, field: str, value) -> dict:
+  """A deep copy of the config dict ``tree`` with the dotted ``field`` set to ``value``."""
+  tree = copy.deepcopy(tree)
+  *parents, leaf = field.split(".")
+  parent = tree
+  for key in parents:
+    parent = parent[key]
+  parent[leaf] = value
   return tree
 
 

@@ -12,30 +12,26 @@ import pathlib
 from typing import Any
 
 import jax
-import ml_collections
 
 from train import checkpoint, cli, steps
-from train import config as train_config
 from train.model import ModelConfig, Transformer
 from train.optimizer import make_optimizer
 from train.runtime import Unsharded
-from train.spec import UNSHARDED, RunSpec, build
+from train.spec import RunSpec, from_saved
 
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[RunSpec, ModelConfig, Any, int]:
   """``(spec, spec.model, params, step)`` of a ``train.main`` run directory (latest verified step by default).
 
-  The spec is the run's saved ``config.json`` over :func:`train.config.base_config` (a field added
-  since the run takes its default), built unchecked on one device: the checkpoint is restored
-  unsharded, whatever mesh wrote it.
+  The spec is the run's saved ``config.json`` through :func:`train.spec.from_saved` (over
+  ``train.config.base_config()``: a field added since the run takes its default), built unchecked on
+  one device: the checkpoint is restored unsharded, whatever mesh wrote it.
   """
   run_dir = pathlib.Path(run_dir)
   config_file = run_dir / checkpoint.CONFIG_FILE
   if not config_file.exists():
     raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
-  config = train_config.base_config()
-  config.update(ml_collections.ConfigDict(cli.read_json(config_file, "run config")))
-  spec = build(config, UNSHARDED)
+  spec = from_saved(cli.read_json(config_file, "run config"))  # on one device (UNSHARDED)
   init = steps.make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
   step = checkpoint.verified_step(run_dir, step)  # verified checkpoints only (the rule of every reader)

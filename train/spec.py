@@ -8,9 +8,15 @@
 devices and turns every field into typed values: the model's :class:`~train.model.ModelConfig`,
 the mesh shape, ``jaxlowbit.fsdp.FsdpConfig``, the optimizer's and the data's fields. The loop,
 runtime, step functions, optimizer and generation take a :class:`RunSpec`; only ``train/config.py``
-(check, adjust, ``config.json``) and the entry points (``train.main``, ``loop.train``'s first lines)
-see the ConfigDict. A spec is frozen and hashable: :attr:`RunSpec.compiled` (the spec without the
-fields that change nothing inside the jitted functions) is the step functions' cache key.
+(check, adjust, the ``config.json`` text) and this module read the ConfigDict; the entry points
+(``train.main``, ``loop.train``'s first lines) only hand it here. A spec is frozen and hashable:
+:attr:`RunSpec.compiled` (the spec without the fields that change nothing inside the jitted
+functions) is the step functions' cache key.
+
+A run's ``config.json`` (the config as the run resolved it, for people and for the diff on
+resume) is :attr:`RunSpec.config_json`, written by :func:`build` from the config it built the spec
+of; :func:`from_saved` turns a saved one back into a spec (``train.runs.load_run``, the resume check
+of ``train.run_control``).
 
 Field names are the config's (``spec.seq_len`` is ``config.seq_len``, ``spec.optimizer.lr`` is
 ``config.lr``, ``spec.data.source`` is ``config.data.source``), so a config diff names spec fields.
@@ -97,6 +103,8 @@ class RunSpec:
     seed, steps, batch_size, grad_accum_steps, seq_len, init_from: as in the config.
     log_every ... inject_nan_at_step: the loop's cadence and switches (:data:`RUNTIME_ONLY_FIELDS`);
       None in :attr:`compiled`.
+    config_json: the config it was built from as ``config.json`` text (:func:`build`); compared by
+      nobody (``compare=False``).
   """
 
   model: ModelConfig
@@ -121,6 +129,9 @@ class RunSpec:
   peak_tflops: float | None
   tensorboard: bool | None
   inject_nan_at_step: int | None
+  # The config the spec was built from, as config.json holds it (``train.config.to_json``): written into
+  # the run directory and diffed on resume. Not part of the spec's identity (equality, hash, cache key).
+  config_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
   @property
   def compiled(self) -> RunSpec:
@@ -179,7 +190,26 @@ def build(config: ml_collections.ConfigDict, mesh: MeshShape) -> RunSpec:
       peak_tflops=config.peak_tflops,
       tensorboard=config.tensorboard,
       inject_nan_at_step=config.inject_nan_at_step,
+      config_json=train_config.to_json(config),
   )
 
 
-__all__ = ["RUNTIME_ONLY_FIELDS", "UNSHARDED", "DataSpec", "MeshShape", "OptimizerSpec", "RunSpec", "build", "resolve"]
+def from_saved(saved: dict, mesh: MeshShape = UNSHARDED) -> RunSpec:
+  """The :class:`RunSpec` of a run's saved ``config.json`` (parsed), built unchecked on ``mesh``.
+
+  The saved fields go over :func:`train.config.base_config` (a field added since the run takes its
+  default). Unchecked as in :func:`build`: the run was checked when it started.
+
+  Raises:
+    TypeError, ValueError, KeyError: a saved value this version cannot hold (ml_collections' type
+      checks, the model's own); callers that compare runs treat it as "cannot say".
+  """
+  config = train_config.base_config()
+  config.update(ml_collections.ConfigDict(saved))
+  return build(config, mesh)
+
+
+__all__ = [
+    "RUNTIME_ONLY_FIELDS", "UNSHARDED", "DataSpec", "MeshShape", "OptimizerSpec", "RunSpec", "build", "from_saved",
+    "resolve",
+]

@@ -26,7 +26,7 @@ from train.metrics import say
 from train.model import Transformer
 from train.optimizer import make_optimizer
 from train.runtime import Runtime, Unsharded, make_runtime
-from train.spec import RUNTIME_ONLY_FIELDS, UNSHARDED, RunSpec, build
+from train.spec import RUNTIME_ONLY_FIELDS, RunSpec
 
 
 @flax.struct.dataclass
@@ -87,13 +87,11 @@ def pretrained_params(spec: RunSpec, params: dict) -> dict:
   return params
 
 
-def abstract_state(spec: RunSpec | Any) -> TrainState:
-  """The shapes and dtypes of ``spec``'s state (``jax.ShapeDtypeStruct`` leaves; sharding aside).
+def abstract_state(spec: RunSpec) -> TrainState:
+  """The shapes and dtypes of ``spec``'s state (``jax.ShapeDtypeStruct`` leaves; sharding aside, built on one device).
 
-  ``spec`` may also be a config (a ConfigDict, built unchecked: ``train.run_control`` compares
-  the state of a checkpoint's saved config with this run's).
+  ``train.run_control`` compares the state of a checkpoint's saved config with this run's.
   """
-  spec = spec if isinstance(spec, RunSpec) else build(spec, UNSHARDED)
   return jax.eval_shape(make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec))
 
 
