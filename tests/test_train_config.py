@@ -265,3 +265,35 @@ def test_fsdp_grad_reduce_dtype_is_a_closed_choice_recorded_in_the_spec():
   config.fsdp.grad_reduce_dtype = "float16"
   with pytest.raises(train_config.ConfigError, match=r"config.fsdp.grad_reduce_dtype='float16'.*bfloat16"):
     train_config.check(config)
+
+
+def test_xla_overlap_options_reach_multi_gpu_steps_only():
+  from types import SimpleNamespace
+
+  from jaxlowbit.parallel import overlap
+
+  gpus = [SimpleNamespace(platform="gpu")] * 2
+  assert overlap.compiler_options(gpus) == dict(overlap.GPU_OVERLAP_OPTIONS)
+  assert overlap.compiler_options(gpus, enabled=False) == {}
+  assert overlap.compiler_options(gpus[:1]) == {}  # one GPU: nothing to overlap
+  assert overlap.compiler_options(jax.devices()[:2]) == {}  # CPUs: no effect
+  assert overlap.xla_flags().split() == [f"--{name}=true" for name in overlap.GPU_OVERLAP_OPTIONS]
+  # Every name is a field of this jaxlib's XLA DebugOptions: a CPU compile accepts (and ignores) them,
+  # while a name XLA does not know fails the compile.
+  x = jnp.arange(4.0)
+  np.testing.assert_array_equal(jax.jit(lambda x: x + 1, compiler_options=overlap.GPU_OVERLAP_OPTIONS)(x), x + 1)
+  with pytest.raises(Exception, match="xla_gpu_enable_async_all_gather"):  # the removed flag of older XLA
+    jax.jit(lambda x: x + 2, compiler_options={"xla_gpu_enable_async_all_gather": True})(x)
+
+
+def test_xla_overlap_is_a_mesh_choice_recorded_in_the_spec():
+  from train import spec, steps
+
+  config = train_config.load_file(CONFIGS / "tiny.py", {**SMALL, "mesh.fsdp": 2, "batch_size": 4})
+  resolved = spec.resolve(config)
+  assert resolved.xla_overlap is True  # the default
+  assert steps.step_functions(resolved).compiler_options == {}  # CPU devices: XLA's defaults
+  config.mesh.xla_overlap = False
+  assert spec.resolve(config).xla_overlap is False
+  with pytest.raises(TypeError, match="xla_overlap"):  # the ConfigDict keeps the field a bool
+    config.mesh.xla_overlap = "yes"

@@ -109,6 +109,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.mesh.fsdp = MESH_AUTO  # devices per FSDP group: 0 = all visible devices / (mesh.data x mesh.tensor); 1 = off
   config.mesh.data = 1  # FSDP groups (data-parallel replicas)
   config.mesh.tensor = 1  # devices per tensor-parallel group; > 1 needs model.fused_projections=False
+  # True: a step over several GPUs compiles with XLA's latency-hiding scheduler and pipelined collectives, so
+  # weight gathers and gradient reduce-scatters overlap the GEMMs (jaxlowbit.parallel.overlap lists the options);
+  # no effect on one device or on CPUs. False: XLA's defaults.
+  config.mesh.xla_overlap = True
   config.fsdp = ml_collections.ConfigDict()
   config.fsdp.int8_weight_scaling = "row"  # row | tensor: INT8 weight gathers (jaxlowbit.fsdp.FsdpConfig)
   config.fsdp.remat = "save_gathered"  # save_gathered | regather: gathered weight kept for the backward or not

@@ -97,6 +97,8 @@ class RunSpec:
     model: the model (``config.model`` with ``config.recipe``'s jaxlowbit recipe).
     mesh: ``(data, fsdp, tensor)``; :data:`UNSHARDED` is the one-device run.
     fsdp: ``jaxlowbit.fsdp`` options (``config.fsdp``).
+    xla_overlap: ``config.mesh.xla_overlap``: compile a multi-GPU step with XLA's collective overlap
+      options (``jaxlowbit.parallel.overlap``).
     optimizer: ``config.optimizer`` and its hyperparameters.
     recipe: ``config.recipe``, the name (for logs and generation notes).
     data: ``config.data``; None in :attr:`compiled`.
@@ -110,6 +112,7 @@ class RunSpec:
   model: ModelConfig
   mesh: MeshShape
   fsdp: fsdp.FsdpConfig
+  xla_overlap: bool
   optimizer: OptimizerSpec
   recipe: str
   data: DataSpec | None
@@ -169,6 +172,7 @@ def build(config: ml_collections.ConfigDict, mesh: MeshShape) -> RunSpec:
       model=train_config.model_config(config),
       mesh=MeshShape(*mesh),
       fsdp=train_config.fsdp_config(config),
+      xla_overlap=config.mesh.xla_overlap,
       optimizer=OptimizerSpec(
           name=config.optimizer, lr=config.lr, warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio,
           weight_decay=config.weight_decay, b1=config.b1, b2=config.b2, eps=config.eps, grad_clip=config.grad_clip),

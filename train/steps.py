@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxlowbit.parallel import overlap
 from train import checkpoint, data
 from train.io.hf_config import describe
 from train.io.hf_reader import load_pretrained, merge_into
@@ -147,6 +148,8 @@ class StepFunctions:
     train_step: ``train_step(state, batch) -> (state, metrics)``, the state donated.
     eval_step: ``eval_step(params, scales, batch) -> loss``.
     state_shardings: ``TrainState`` of shardings (FSDP), or None (one device).
+    compiler_options: the XLA options the step functions compile with (``jaxlowbit.parallel.overlap``:
+      collective overlap on several GPUs with ``spec.xla_overlap``; else empty).
   """
 
   runtime: Runtime
@@ -155,6 +158,7 @@ class StepFunctions:
   eval_step: Callable[[Any, Any, Any], jax.Array]
   state_shardings: TrainState | None
   grad_accum_steps: int
+  compiler_options: dict = dataclasses.field(default_factory=dict)
 
   @property
   def model(self) -> Transformer:
@@ -205,13 +209,16 @@ def _step_functions(spec: RunSpec) -> StepFunctions:
   # Sharded: the init is compiled first so that its output shardings (parameters and optimizer
   # state per the plan, the rest replicated) pin the step's.
   init = init.lower().compile()
+  options = overlap.compiler_options(runtime.plan.mesh.devices.flat, spec.xla_overlap)
   return StepFunctions(
       runtime=runtime,
       init=init,
-      train_step=jax.jit(train_step, donate_argnums=0, out_shardings=(init.output_shardings, runtime.replicated)),
-      eval_step=jax.jit(eval_step, out_shardings=runtime.replicated),
+      train_step=jax.jit(train_step, donate_argnums=0, out_shardings=(init.output_shardings, runtime.replicated),
+                         compiler_options=options or None),
+      eval_step=jax.jit(eval_step, out_shardings=runtime.replicated, compiler_options=options or None),
       state_shardings=init.output_shardings,
       grad_accum_steps=spec.grad_accum_steps,
+      compiler_options=options,
   )
 
 

@@ -9,6 +9,7 @@ module              holds
 ``wire``            one shard's bytes on the wire (both gathers' messages)
 ``distributed``     ``initialize_distributed``: ``jax.distributed.initialize`` from the environment
 ``hlo``             the collectives of a compiled program (what tests and benchmarks count)
+``overlap``         XLA:GPU options that overlap collectives with compute (``jax.jit(compiler_options=)``)
 ==================  ==========================================================================
 
 ``jaxlowbit.fsdp`` is this package under the name the first releases gave it: it re-exports
@@ -45,7 +46,7 @@ under SLURM / Open MPI / Kubernetes and call ``initialize_distributed(cluster=Tr
 see ``distributed.py``.
 """
 
-from jaxlowbit.parallel import hlo, wire
+from jaxlowbit.parallel import hlo, overlap, wire
 from jaxlowbit.parallel.distributed import initialize_distributed
 from jaxlowbit.parallel.fsdp import (
     GRAD_REDUCE_DTYPES,
@@ -114,6 +115,7 @@ __all__ = [
     "linears_of",
     "make_mesh",
     "make_plan",
+    "overlap",
     "plan_for_model",
     "precompute_scales",
     "shard_batch",
