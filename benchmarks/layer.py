@@ -2,11 +2,14 @@
 
     PYTHONPATH=. python benchmarks/layer.py                    # both shapes, xla and pallas backends
     PYTHONPATH=. python benchmarks/layer.py --shapes 2048,8192,16384 --backends pallas
+    PYTHONPATH=. python benchmarks/layer.py --peers qwix_int8 qwix_fp8 flax_fp8   # + other JAX libraries
 
 Each block is ``x + W_down(silu(W_gate x) * W_up x)`` with bf16 weights and activations;
 the step differentiates a scalar loss with respect to x and every weight. Reported: ms per
 step, speed-up over bf16, SQNR of the output and of dW_down (first block) against a float32
-run, and the number of transposes left in the optimized HLO.
+run, and the number of transposes left in the optimized HLO. ``--peers`` adds the same stack through
+other JAX libraries (``benchmarks/peers.py``: Qwix int8 / fp8 quantized training, Flax's FP8 op), once
+per shape, backend ``peer``; a peer whose library is not installed is skipped with a note.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import peers as peer_rows  # noqa: E402
 from benchmarks.common import table, time_ms, write_json  # noqa: E402
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
@@ -81,7 +85,19 @@ def count_transposes(fn, *args) -> int:
   return len(re.findall(r"= \S+ transpose\(", hlo))
 
 
-def run(shapes, backends, recipes):
+def measure(row, step, params, x, cot, ref_out, ref_grads, base_ms, flops):
+  """``row`` with ``step``'s SQNRs against the float32 run, its HLO transposes and its time."""
+  out, grads = step(params, x, cot)
+  row["sqnr_out"] = sqnr(out, ref_out)
+  row["sqnr_dw_down"] = sqnr(grads[0][0][2], ref_grads[0][0][2])
+  row["sqnr_dx"] = sqnr(grads[1], ref_grads[1])
+  row["transposes"] = count_transposes(step, params, x, cot)
+  ms = time_ms(step, params, x, cot, iters=3, reps=3)
+  row.update(ms=ms, speedup=base_ms / ms, tflops=flops / ms / 1e9)
+  return out, grads
+
+
+def run(shapes, backends, recipes, peers=()):
   rows = []
   for d, h, t in shapes:
     params, x, cot = init(d, h, t)
@@ -100,23 +116,27 @@ def run(shapes, backends, recipes):
       for name in recipes:
         row = {"shape": f"D={d} H={h} T={t}", "recipe": name, "backend": backend}
         try:
-          step = make_step(RECIPES[name])
-          out, grads = step(params, x, cot)
-          row["sqnr_out"] = sqnr(out, ref_out)
-          row["sqnr_dw_down"] = sqnr(grads[0][0][2], ref_grads[0][0][2])
-          row["sqnr_dx"] = sqnr(grads[1], ref_grads[1])
+          out, grads = measure(row, make_step(RECIPES[name]), params, x, cot, ref_out, ref_grads, base_ms, flops)
           if backend == "xla":
             xla_results[name] = (out, grads[1])
           elif name in xla_results:  # kernels against the XLA path of the same recipe
             row["sqnr_out_vs_xla"] = sqnr(out, xla_results[name][0])
             row["sqnr_dx_vs_xla"] = sqnr(grads[1], xla_results[name][1])
-          row["transposes"] = count_transposes(step, params, x, cot)
-          ms = time_ms(step, params, x, cot, iters=3, reps=3)
-          row.update(ms=ms, speedup=base_ms / ms, tflops=flops / ms / 1e9)
         except Exception as e:
           row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         print(row, flush=True)
+    for name in peers:  # their own kernels: our backend setting does not apply
+      if peer_rows.missing(name):
+        print(peer_rows.missing(name), flush=True)
+        continue
+      row = {"shape": f"D={d} H={h} T={t}", "recipe": name, "backend": "peer"}
+      try:
+        measure(row, peer_rows.mlp_stack_step(name, params, x), params, x, cot, ref_out, ref_grads, base_ms, flops)
+      except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      rows.append(row)
+      print(row, flush=True)
   os.environ.pop(BACKEND_ENV, None)
   return rows
 
@@ -156,6 +176,8 @@ def main():
   parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES], help="D,H,T")
   parser.add_argument("--backends", nargs="*", default=["xla", "pallas"])
   parser.add_argument("--recipes", nargs="*", default=list(RECIPES))
+  parser.add_argument("--peers", nargs="*", default=[], choices=peer_rows.PEERS,
+                      help="also run the stack through these JAX libraries (benchmarks/peers.py)")
   parser.add_argument("--linear-sweep", type=int, nargs="*", help="K=N sizes of a single-linear sweep")
   parser.add_argument("--tokens", type=int, default=8192)
   parser.add_argument("--out")
@@ -167,7 +189,7 @@ def main():
     print("wrote", path)
     return
   shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
-  rows = run(shapes, args.backends, args.recipes)
+  rows = run(shapes, args.backends, args.recipes, args.peers)
   path = write_json("layer", rows, args.out)
   print(table(rows, ["shape", "recipe", "backend", "ms", "speedup", "tflops", "sqnr_out", "sqnr_dw_down", "sqnr_dx",
                      "sqnr_out_vs_xla", "transposes", "error"]))

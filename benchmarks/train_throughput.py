@@ -15,6 +15,10 @@ op and replica group size, so a ``fsdp x tensor`` mesh shows each axis's traffic
 Prints a table last and writes JSON to ``--out``. Needs no network (synthetic data). On CPU,
 ``--configs configs/tiny.py --extra_recipes int8,bitnet --steps 2`` checks that it runs.
 
+``--peers qwix_int8,qwix_fp8,flax_fp8`` adds rows for the JAX libraries a user could pick instead
+(``benchmarks/peers.py``): the first config's model in bf16, quantized by the peer, same data and optimizer,
+one device. A peer whose library is not installed (Qwix) is skipped with a note.
+
 One device by default (``mesh.fsdp=1``); ``--set mesh.fsdp=0`` times the FSDP step over every
 visible device (``train.main``'s default there), MFU then counting all of their peaks; adding
 ``--set mesh.tensor=2 --set model.fused_projections=False`` times FSDP x tensor parallelism.
@@ -34,7 +38,7 @@ import traceback
 import jax
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, peers
 from jaxlowbit.parallel.hlo import collectives, summarize
 from train import config as train_config
 from train import data, metrics
@@ -69,11 +73,11 @@ def parse_overrides(pairs: list[str]) -> dict:
   return overrides
 
 
-def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
-  """Time the trainer's step for ``config``; returns one table row."""
+def bench_one(config, steps: int, warmup: int, peak: float | None, peer: str | None = None) -> dict:
+  """Time the trainer's step for ``config`` (or ``peer``'s, ``benchmarks.peers``, on its bf16 model); one table row."""
   spec = resolve(config)
   model_config = spec.model
-  functions = step_functions(spec)
+  functions = step_functions(spec) if peer is None else peers.step_functions(spec, peer)
   stream = data.SyntheticBatches(config.seq_len, config.batch_size, config.seed)
   batches = [functions.shard_train_batch(stream.next()) for _ in range(warmup + steps)]
 
@@ -100,7 +104,7 @@ def bench_one(config, steps: int, warmup: int, peak: float | None) -> dict:
   loss = float(step_metrics["loss"])
   del state, compiled
   return {
-      "recipe": config.recipe,
+      "recipe": peer or config.recipe,
       "params": param_count(model_config)["total"],
       "batch_size": config.batch_size,
       "seq_len": config.seq_len,
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
                       "fp8_rowwise,bitnet_int8_bwd")
   parser.add_argument("--extra_optimizers", default="", help="also run the first config with these optimizers "
                       "(jaxlowbit.optim.make names), e.g. adamw_8bit,adamw_4bit")
+  parser.add_argument("--peers", default="", help="also run the first config's bf16 model through these JAX "
+                      f"libraries (benchmarks/peers.py): {','.join(peers.PEERS)}")
   parser.add_argument("--steps", type=int, default=20, help="timed steps per config")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
   runs = [(path, None, None) for path in args.configs.split(",") if path]  # (config, field, value)
   runs += [(runs[0][0], "recipe", recipe) for recipe in args.extra_recipes.split(",") if recipe]
   runs += [(runs[0][0], "optimizer", name) for name in args.extra_optimizers.split(",") if name]
+  runs += [(runs[0][0], "peer", name) for name in args.peers.split(",") if name]
   peak = args.peak_tflops or metrics.peak_tflops()
   device = jax.devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, bf16 peak {peak} TFLOP/s")
@@ -197,16 +204,20 @@ def main(argv: list[str] | None = None) -> None:
   rows = []
   for path, field, value in runs:
     name = pathlib.Path(path).stem + (f"+{value}" if value else "")
-    run_overrides = {**overrides, **({field: value} if field else {})}
+    peer = value if field == "peer" else None
+    run_overrides = {**overrides, **({"recipe": "bf16"} if peer else {field: value} if field else {})}
+    if peer and peers.missing(peer):
+      print(peers.missing(peer), flush=True)
+      continue
     try:
       config = train_config.load_file(path, run_overrides)
       train_config.check(config)
-      row = {"name": name, **bench_one(config, args.steps, args.warmup, peak)}
+      row = {"name": name, **bench_one(config, args.steps, args.warmup, peak, peer)}
       print(f"{name}: {row['tokens_per_s']:,.0f} tokens/s, {1e3 * row['step_time_s']:.1f} ms/step, "
             f"loss {row['last_loss']:.3f}", flush=True)
     except Exception as e:  # one failing recipe (e.g. out of memory) must not lose the others
       traceback.print_exc()
-      row = {"name": name, "recipe": value if field == "recipe" else "?", "error": f"{type(e).__name__}: {e}"}
+      row = {"name": name, "recipe": value if field in ("recipe", "peer") else "?", "error": f"{type(e).__name__}: {e}"}
     rows.append(row)
     write_result(args, device, peak, overrides, rows)  # after every config: a later crash keeps these
     gc.collect()
