@@ -31,6 +31,7 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fsdp, quantized_matmul
 from jaxlowbit.fsdp import FsdpConfig, WeightScaling
 from jaxlowbit.parallel.fsdp.gather import ternary_pack_axis
 from jaxlowbit.parallel.fsdp.plan import flatten
+from jaxlowbit.parallel import hlo
 from jaxlowbit.parallel.hlo import collectives
 from fsdp_common import TinyNet, data, sharded_and_unsharded, train
 from helpers import fresh_key, rel_err, run_distributed_workers, sqnr_db
@@ -317,6 +318,49 @@ def test_bfloat16_gradient_reduction_trains_like_float32(mesh):
   assert np.max(diff / losses["float32"]) < BF16_REDUCE_LOSS_RTOL, losses
   drop = losses["float32"][0] - losses["float32"][-1]  # the steps move the loss far more than the rounding does
   assert np.max(diff) < BF16_REDUCE_OF_LOSS_DROP * drop, losses
+
+
+def test_bytes_by_axis_names_each_collectives_mesh_axis(mesh):
+  f, params, scales, x = _one_dense(Int8MixedPrecision(), jnp.float32, mesh, ROW)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.square(f(p, scales, x))), argnums=(0, 1)))
+  table = hlo.bytes_by_axis(collectives(grad.lower(params, x).compile().as_text()), dict(mesh.shape))
+  message = K // FSDP * N + 4 * N  # one shard's int8 rows + its float32 per-channel scales
+  assert table["fsdp"] == {"all-gather": {"u8": FSDP * message}, "reduce-scatter": {"f32": 4 * K // FSDP * N}}, table
+  # the kernel shard's gradient summed over the data axis, the replicated bias's over every device
+  assert table["data"] == {"all-reduce": {"f32": 4 * K // FSDP * N}} and table["data+fsdp"] == {
+      "all-reduce": {"f32": 4 * N}}, table
+
+
+# XLA:GPU's text for an asynchronous reduce-scatter in a loop of 3 iterations over a data 2 x fsdp 2 x tensor 2
+# mesh: the wrapped computation is named by both async-start and async-done; the groups are iota-transposed.
+_ASYNC_LOOP_HLO = """
+%wrapped_reduce_scatter (p: bf16[8,4]) -> bf16[4,4] {
+  %p = bf16[8,4]{1,0} parameter(0)
+  ROOT %rs = bf16[4,4]{1,0} reduce-scatter(%p), channel_id=1, replica_groups=[4,2]<=[2,2,2]T(0,2,1), use_global_device_ids=true, dimensions={0}, to_apply=%add
+}
+
+%body (carry: bf16[8,4]) -> bf16[8,4] {
+  %carry = bf16[8,4]{1,0} parameter(0)
+  %rs-start = ((bf16[8,4]{1,0}), bf16[4,4]{1,0}) async-start(%carry), calls=%wrapped_reduce_scatter
+  %rs-done = bf16[4,4]{1,0} async-done(%rs-start), calls=%wrapped_reduce_scatter
+  %ag = u8[8,4]{1,0} all-gather(%rs-done), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  ROOT %out = bf16[8,4]{1,0} bitcast-convert(%ag)
+}
+
+ENTRY %main (x: bf16[8,4]) -> bf16[8,4] {
+  %x = bf16[8,4]{1,0} parameter(0)
+  ROOT %loop = bf16[8,4]{1,0} while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_async_collectives_count_once_per_run_and_iota_groups_name_their_axis():
+  found = collectives(_ASYNC_LOOP_HLO)
+  assert [(c.op, c.executions, c.group) for c in found] == [("reduce-scatter", 3, (0, 2)), ("all-gather", 3, (0, 1))]
+  axes = {"data": 2, "fsdp": 2, "tensor": 2}  # ids 0..7 as [data, fsdp, tensor]: (0, 2) differ in fsdp only
+  assert hlo.bytes_by_axis(found, axes) == {"fsdp": {"reduce-scatter": {"bf16": 3 * 4 * 4 * 2}},
+                                            "tensor": {"all-gather": {"u8": 3 * 8 * 4}}}
+  assert hlo.mesh_axes(None, axes) == "data+fsdp+tensor" and hlo.mesh_axes((5,), axes) == "none"
 
 
 def test_precompute_scales_is_one_all_reduce(mesh):
