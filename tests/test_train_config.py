@@ -297,3 +297,20 @@ def test_xla_overlap_is_a_mesh_choice_recorded_in_the_spec():
   assert spec.resolve(config).xla_overlap is False
   with pytest.raises(TypeError, match="xla_overlap"):  # the ConfigDict keeps the field a bool
     config.mesh.xla_overlap = "yes"
+
+
+def test_layers_8b_is_one_file_for_every_recipe():
+  configs = {name: train_config.load_file(f"{CONFIGS / 'layers_8b.py'}:{recipe}")
+             for name, recipe in RECIPE_FILES.items()}
+  base = configs["bf16"].to_dict()
+  assert train_config.load_file(CONFIGS / "layers_8b.py").to_dict() == base  # bf16 without an argument
+  for name, config in configs.items():
+    train_config.check(config)
+    assert config.recipe == RECIPE_FILES[name]
+    assert {**config.to_dict(), "recipe": "bf16"} == {**base, "model": {**base["model"], **PRESET_MODEL_FIELDS.get(
+        name, {})}}
+  model = train_config.model_config(configs["bf16"])
+  assert (model.d_model, model.n_heads, model.n_kv_heads, model.d_ff, model.n_layers) == (4096, 32, 8, 14336, 4)
+  assert param_count(model)["total"] == 875_597_824  # the count its docstring's memory budget uses
+  with pytest.raises(train_config.ConfigError, match="fp4"):
+    train_config.load_file(f"{CONFIGS / 'layers_8b.py'}:fp4")

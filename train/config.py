@@ -180,6 +180,34 @@ def llama_8b() -> ml_collections.ConfigDict:
   return config
 
 
+def llama_8b_layers(n_layers: int = 4) -> ml_collections.ConfigDict:
+  """Llama 3 8B's layers (:func:`llama_8b`'s shape) ``n_layers`` deep, for 2 x 80 GB: configs/layers_8b.py.
+
+  FSDP over every visible device, 16 sequences of 2048 per step (8 per GPU on two) in one microbatch;
+  the memory budget is in that file's docstring.
+  """
+  config = llama_8b()
+  config.model.n_layers = n_layers
+  config.update(batch_size=16, eval_batches=4)
+  return config
+
+
+# Model fields that go with a recipe (besides config.recipe): BitNet trains the published b1.58 2B4T form, as
+# configs/bitnet_*.py do.
+BITNET_MODEL_FIELDS = {"bitnet_norm_placement": "sub", "tie_embeddings": True}
+
+
+def with_recipe(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+  """``config`` with ``config.recipe = name`` and the model fields that go with it (:data:`BITNET_MODEL_FIELDS`
+  for a BitNet recipe); ConfigError for an unknown name. For one config file serving every recipe
+  (``--config=configs/layers_8b.py:int8``)."""
+  recipe = recipe_from_name(name)
+  config.recipe = name
+  if isinstance(recipe, BitNet):
+    config.model.update(BITNET_MODEL_FIELDS)
+  return config
+
+
 # ModelConfig fields whose config form differs: (to config, from config). The recipe is config.recipe.
 _MODEL_FIELD_FORMS = {
     "dtype": (lambda dtype: jnp.dtype(dtype).name, lambda name: _dtype(name, "dtype")),
@@ -519,16 +547,20 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 def load_file(path: str | pathlib.Path, overrides: dict | None = None) -> ml_collections.ConfigDict:
   """``get_config()`` of a config file, with ``overrides`` (dotted keys) applied.
 
-  For scripts that build several configs in one process (benchmarks); the command line
-  uses ``ml_collections.config_flags`` instead.
+  ``"configs/x.py:arg"`` calls ``get_config("arg")``, as ``--config=configs/x.py:arg`` does on the
+  command line. For scripts that build several configs in one process (benchmarks); the command
+  line uses ``ml_collections.config_flags`` instead.
   """
-  path = pathlib.Path(path)
+  text, arg = str(path), None
+  if ":" in text and not pathlib.Path(text).is_file():
+    text, _, arg = text.rpartition(":")
+  path = pathlib.Path(text)
   spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
   if spec is None or spec.loader is None:
     raise FileNotFoundError(f"no config file at {path}")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config()
+  config = module.get_config() if arg is None else module.get_config(arg)
   for key, value in (overrides or {}).items():
     parent = config
     *parents, leaf = key.split(".")
