@@ -99,6 +99,7 @@ def test_a_one_file_corpus_gets_advice_that_can_work(tmp_path):
   with pytest.raises(ValueError, match="one-file corpus cannot be split") as error:
     data.validation_batches(corpus.validation, 32, 4, 2, data._split_advice(corpus))
   assert "raise data.val_fraction" not in str(error.value)
+  assert isinstance(error.value, cli.UserError)  # train.main: exit 2 (the battery found exit 1)
 
 
 def _main(*args):
@@ -142,3 +143,22 @@ def test_hf_config_json_missing_keys_or_zero_heads_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(hf_config.UnsupportedCheckpointError, match="config.json: "):
       hf_config.read_config(tmp_path)
+
+
+def test_checkpoint_and_metrics_errors_print_as_user_errors_with_their_documented_codes(tmp_path):
+  """A CheckpointError's one line carries no type name (issue 31's battery: 'error: CorruptCheckpointError: ...'),
+  and a damaged metrics.jsonl line before the last exits 2 naming file and line (it exited 1)."""
+  from train import checkpoint, main, metrics  # noqa: PLC0415
+
+  def code(error):
+    return next(code for kind, code in main.EXIT_CODES if isinstance(error, kind))
+
+  corrupt = checkpoint.CorruptCheckpointError("no checkpoint in x is verified")
+  assert cli.one_line(corrupt) == "no checkpoint in x is verified" and code(corrupt) == main.EXIT_CHECKPOINT
+  assert code(checkpoint.CheckpointSaveError("step 8: ...")) == main.EXIT_CHECKPOINT
+  assert code(checkpoint.CheckpointMismatchError("another config")) == main.EXIT_USAGE
+  assert cli.exit_code(corrupt) == cli.EXIT_USAGE  # the readers (generate, export)
+  (tmp_path / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n{"step": 2\n{"step": 3, "loss": 1.0}\n')
+  with pytest.raises(cli.UserError, match=r"metrics.jsonl: line 2 is not a JSON record") as error:
+    metrics.read_metrics(tmp_path)
+  assert code(error.value) == main.EXIT_USAGE and isinstance(error.value, ValueError)

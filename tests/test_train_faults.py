@@ -516,6 +516,30 @@ def test_export_refuses_int8_storage_and_bad_out_dirs_in_one_line(stopped_run, t
     hf.save_pretrained(tmp_path / "lib", ModelConfig(), {}, dtype="int8")
 
 
+@pytest.mark.parametrize("fmt, writer, error", [
+    ("safetensors", "save_pretrained", OSError(28, "No space left on device")),
+    ("safetensors", "save_pretrained", type("SafetensorError", (Exception,), {})(
+        "Error while serializing: I/O error: File too large (os error 27)")),
+    ("gguf", "save_gguf", OSError("problem writing element 4096 to file")),  # numpy's tofile: no file name
+])
+def test_an_export_whose_write_fails_is_one_line_naming_out(fmt, writer, error, stopped_run, tmp_path, capsys,
+                                                            monkeypatch):
+  """Issue 31's battery: a full disk (a file-size limit) during the export exited 1 with safetensors' error, or 2
+  with numpy's, neither naming --out."""
+  from train import cli, hf  # noqa: PLC0415
+
+  def fail(*args, **kwargs):
+    raise error
+  monkeypatch.setattr(hf, writer, fail)
+  stopped, _ = stopped_run
+  out = tmp_path / "out"
+  code = cli.run(hf.main, ["export", "--checkpoint", str(stopped), "--out", str(out), "--format", fmt],
+                 codes=((checkpoint.CheckpointError, cli.EXIT_USAGE),))
+  lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+  assert code == 2 and len(lines) == 1 and f"--out {out}: writing the export failed" in lines[0], lines
+  assert not [p for p in out.rglob("*") if p.is_file()]
+
+
 def test_sigkill_leaves_only_verified_checkpoints_and_the_resume_continues(tmp_path, corpus):  # noqa: F811
   """A checkpoint every step, then SIGKILL mid-run: every committed checkpoint verifies (the manifest is part of the
   save), orbax's leftover (if the kill hit a save) is removed, and --resume continues from the newest one quietly."""

@@ -55,6 +55,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from train import cli
+
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.json"
 SCALES = "scales"  # the TrainState field saved as an item of its own
@@ -74,8 +76,9 @@ SPACE_MARGIN = 1.1
 _CRC_CHUNK = 1 << 24
 
 
-class CheckpointError(RuntimeError):
-  """A checkpoint could not be saved or restored (the message is one line a user can act on)."""
+class CheckpointError(cli.UserError, RuntimeError):
+  """A checkpoint could not be saved or restored (the message is one line a user can act on, so the command lines
+  print it as it is: ``error: <message>``, without the type's name; each names its exit code)."""
 
 
 class CheckpointSaveError(CheckpointError):

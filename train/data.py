@@ -256,6 +256,11 @@ def load_hf_corpus(
   return Corpus(train, validation, tokenizer.vocab_size, f"hf: {name}/{config_name or '-'}[{split}], {count} documents")
 
 
+class DataError(cli.UserError, ValueError):
+  """The data config or corpus cannot make the run's batches (too few tokens, a resume whose data stream differs, a
+  source without its path): a user mistake, one line saying what to change (exit 2)."""
+
+
 def _meta_path(path: str | os.PathLike) -> pathlib.Path:
   return pathlib.Path(f"{path}.json")
 
@@ -391,7 +396,7 @@ class WindowBatches(_Stream):
     if tokens.ndim != 1:
       raise ValueError(f"WindowBatches: tokens must be 1-D, got shape {tokens.shape}")
     if tokens.size < 2 * seq_len + 1:
-      raise ValueError(
+      raise DataError(
           f"WindowBatches: the corpus has {tokens.size} training tokens, too few for seq_len={seq_len}; "
           "use a larger corpus or a shorter seq_len"
       )
@@ -436,7 +441,7 @@ class WindowBatches(_Stream):
 def _checked_position(saved: dict[str, Any], mine: dict[str, Any]) -> int:
   for key, value in mine.items():
     if key != "position" and saved.get(key) != value:
-      raise ValueError(
+      raise DataError(
           f"data: the checkpoint's stream has {key}={saved.get(key)!r} but this run's has {value!r}, so resuming "
           "would not continue the same batches; restore the original data config or start a new workdir"
       )
@@ -476,7 +481,7 @@ def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_ba
   """
   windows = (tokens.size - 1) // seq_len
   if windows < batch_size:
-    raise ValueError(
+    raise DataError(
         f"data: the validation split has {tokens.size} tokens, fewer than one batch of {batch_size} x "
         f"{seq_len + 1}; {advice}"
     )
@@ -506,16 +511,16 @@ def load_corpus(data_config) -> Corpus:
     return load_text_corpus(paths, suffixes, data_config.val_fraction, tokenizer)
   if source == "tokens":
     if len(paths) != 1:
-      raise ValueError("data.source='tokens' needs data.path=<one token file> (see python -m train.data --help)")
+      raise DataError("data.source='tokens' needs data.path=<one token file> (see python -m train.data --help)")
     return load_token_corpus(paths[0], data_config.val_path, data_config.val_fraction)
   if source == "hf":
     if not data_config.hf_name:
-      raise ValueError("data.source='hf' needs data.hf_name, e.g. --config.data.hf_name=roneneldan/TinyStories")
+      raise DataError("data.source='hf' needs data.hf_name, e.g. --config.data.hf_name=roneneldan/TinyStories")
     return load_hf_corpus(
         data_config.hf_name, data_config.hf_config, data_config.hf_split, data_config.hf_text_field,
         data_config.hf_max_docs, data_config.val_fraction, tokenizer,
     )
-  raise ValueError(f"data.source={source!r}: choose 'text', 'tokens', 'synthetic' or 'hf'")
+  raise DataError(f"data.source={source!r}: choose 'text', 'tokens', 'synthetic' or 'hf'")
 
 
 def _split_advice(corpus: Corpus) -> str:

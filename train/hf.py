@@ -75,6 +75,9 @@ __all__ = [
 
 
 FORMATS = ("safetensors", "gguf")
+# What safetensors raises when writing a file fails (its I/O errors are not OSErrors); matched by name, as the
+# class lives in its compiled module.
+WRITE_ERROR = "SafetensorError"
 
 
 def _staged(out: pathlib.Path, write) -> pathlib.Path:
@@ -178,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, ImportError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Exception as e:
+    if isinstance(e, OSError) or type(e).__name__ == WRITE_ERROR:  # a full disk, a file-size limit, an I/O error
+      raise cli.UserError(f"--out {out}: writing the export failed ({cli.one_line(e)}); nothing of it was left "
+                          "there: free space (or raise the file-size limit) or choose another --out") from None
+    raise
   print(f"wrote {out} (step {step}, {described[0]}, {args.dtype})")
   return 0
 

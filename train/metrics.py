@@ -26,6 +26,8 @@ from typing import Any
 
 import jax
 
+from train import cli
+
 METRICS_FILE = "metrics.jsonl"
 # Dense bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets (without sparsity),
 # matched against jax's ``device_kind`` in this order (first substring that matches wins).
@@ -123,7 +125,8 @@ def _parse_records(path: pathlib.Path) -> tuple[list[str], list[dict[str, Any]],
         notice = f"note: {path}: dropped its last line, a record cut short (e.g. by a full disk): {line[:60]!r}"
         lines = lines[:-1]
         break
-      raise ValueError(f"{path}: line {number} is not a JSON record ({line[:60]!r}); delete or fix that line") from None
+      raise MetricsFileError(f"{path}: line {number} is not a JSON record ({line[:60]!r}); delete or fix that line") \
+          from None
     records.append(record)
   return lines, records, notice
 
@@ -138,6 +141,10 @@ def truncate_after(run_dir: str | pathlib.Path, step: int) -> None:
     say(notice)
   kept = [line for line, record in zip(lines, records) if record.get("step", 0) <= step]
   path.write_text("".join(line + "\n" for line in kept))
+
+
+class MetricsFileError(cli.UserError, ValueError):
+  """A line of ``metrics.jsonl`` before its last is not a JSON record (a user mistake: exit 2, naming file and line)."""
 
 
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
