@@ -72,6 +72,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.qstate import BlockFormat, BlockQuantized, blockable, zeros_blockwise
 from jaxlowbit.rounding import stochastic_round
 from jaxlowbit_numerics import fp8
@@ -216,6 +217,7 @@ def scale_by_adam_quantized(
     *,
     nesterov: bool = False,
     min_size: int = MIN_QUANTIZED_SIZE,
+    execution: ExecutionOptions | None = None,
 ) -> optax.GradientTransformation:
   """``optax.scale_by_adam`` with block-wise quantized moments.
 
@@ -225,15 +227,19 @@ def scale_by_adam_quantized(
     mu_dtype: dtype of ``m`` for tensors that stay unquantized (as in optax); None: the
       parameter's dtype.
     min_size: tensors with fewer elements keep unquantized moments.
+    execution: the backend of the quantized tensors' update (:class:`jaxlowbit.ExecutionOptions`: the
+      fused kernel or XLA's, ``pallas_kernels.dispatch.adam_update``); None: ``$JAXLOWBIT_BACKEND``,
+      read when the update is traced.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`ScaleByAdamQuantizedState`.
     Updates of quantized tensors are float32; the others follow ``optax.scale_by_adam`` exactly.
   """
-  return _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size)[0]
+  return _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size,
+                                  execution)[0]
 
 
-def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size):
+def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size, execution=None):
   """:func:`scale_by_adam_quantized` and its step written into the parameters: ``(tx, step)`` with
   ``step(grads, state, params, neg_lr, weight_decay, seeds) -> (params, state)``, where
   ``neg_lr`` and ``weight_decay`` are trees of scalars and ``seeds`` of uint32 scalars (or Nones:
@@ -273,6 +279,7 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
     _check_state(state, state_type)
     count_inc = optax.safe_increment(state.count)
     coefficients = adam_coefficients(b1, b2, eps, eps_root, count_inc, optax.safe_increment(count_inc))
+    kernels = None if execution is None else execution.dispatch()  # None: dispatch reads the environment
 
     def leaf(g, m, v, m_scale, v_scale, *p_step):
       """``p_step``: empty (update), or ``(p, neg_lr, weight_decay, seed)`` (fused step)."""
@@ -283,10 +290,10 @@ def _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype
         if p_step:
           p, neg_lr, weight_decay, seed = p_step
           out, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_step(
-              p, g, mq, vq, coefficients, neg_lr, weight_decay, seed, m_format, v_format, nesterov)
+              p, g, mq, vq, coefficients, neg_lr, weight_decay, seed, m_format, v_format, nesterov, kernels)
         else:
           out, (m_codes, m_scale), (v_codes, v_scale) = dispatch.adam_update(
-              g, mq, vq, coefficients, m_format, v_format, nesterov)
+              g, mq, vq, coefficients, m_format, v_format, nesterov, kernels)
         return out, m_codes, v_codes, m_scale, v_scale
       out, m_new, v_new = adam_moments(g, m, v, coefficients, nesterov)  # optax.scale_by_adam's arithmetic
       if p_step:
@@ -493,6 +500,7 @@ def adamw_quantized(
     *,
     nesterov: bool = False,
     min_size: int = MIN_QUANTIZED_SIZE,
+    execution: ExecutionOptions | None = None,
 ) -> FusedStep:
   """AdamW with moments stored in any block formats: what :func:`adamw_8bit`, :func:`adamw_4bit` and
   :func:`adamw_fp8` build with theirs (:func:`moment_formats`).
@@ -501,12 +509,14 @@ def adamw_quantized(
     m_format, v_format: the moments' :class:`~jaxlowbit.qstate.BlockFormat` s (one block size).
     learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov: as in ``optax.adamw``.
     min_size: tensors with fewer elements keep float32 moments.
+    execution: the backend of the update (:func:`scale_by_adam_quantized`); None: the environment's.
 
   Returns:
     A :class:`FusedStep`: ``optax.chain(scale_by_adam_quantized, add_decayed_weights,
     scale_by_learning_rate)``, like ``optax.adamw``, with its fused step (:func:`apply_step`).
   """
-  moments = _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size)
+  moments = _scale_by_adam_quantized(m_format, v_format, b1, b2, eps, eps_root, mu_dtype, nesterov, min_size,
+                                     execution)
   return _adamw(moments, weight_decay, mask, learning_rate)
 
 
@@ -544,6 +554,7 @@ def adamw_8bit(
     nesterov: bool = False,
     block_size: int | None = None,
     min_size: int | None = None,
+    execution: ExecutionOptions | None = None,
 ) -> FusedStep:
   """``optax.adamw`` with 8-bit block-wise moments (dynamic tree map; bitsandbytes' 8-bit Adam).
 
@@ -552,6 +563,7 @@ def adamw_8bit(
       ``optax.adamw`` (``mu_dtype`` applies to the tensors that stay unquantized).
     block_size: elements per block and scale (even; None: 256 as in bitsandbytes and torchao).
     min_size: tensors with fewer elements keep float32 moments (None: 4096).
+    execution: the backend of the update (:func:`scale_by_adam_quantized`); None: the environment's.
 
   Returns:
     A :class:`FusedStep` (an optax chain, like ``optax.adamw``'s, with a fused step: :func:`apply_step`).
@@ -559,7 +571,7 @@ def adamw_8bit(
   block_size = _check_block(block_size, "adamw_8bit", BLOCK_8BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_8bit")
   return adamw_quantized(*moment_formats("adamw_8bit", block_size), learning_rate, b1, b2, eps, eps_root, mu_dtype,
-                         weight_decay, mask, nesterov=nesterov, min_size=min_size)
+                         weight_decay, mask, nesterov=nesterov, min_size=min_size, execution=execution)
 
 
 def adamw_4bit(
@@ -575,6 +587,7 @@ def adamw_4bit(
     nesterov: bool = False,
     block_size: int | None = None,
     min_size: int | None = None,
+    execution: ExecutionOptions | None = None,
 ) -> FusedStep:
   """``optax.adamw`` with 4-bit block-wise moments, two codes per byte (torchao's 4-bit AdamW).
 
@@ -586,6 +599,7 @@ def adamw_4bit(
       ``optax.adamw``.
     block_size: elements per block and scale (even; None: 128 as in Li et al. 2023 and torchao).
     min_size: tensors with fewer elements keep float32 moments (None: 4096).
+    execution: the backend of the update (:func:`scale_by_adam_quantized`); None: the environment's.
 
   Returns:
     A :class:`FusedStep`.
@@ -593,7 +607,7 @@ def adamw_4bit(
   block_size = _check_block(block_size, "adamw_4bit", BLOCK_4BIT)
   min_size = _static(min_size, MIN_QUANTIZED_SIZE, "min_size", "adamw_4bit")
   return adamw_quantized(*moment_formats("adamw_4bit", block_size), learning_rate, b1, b2, eps, eps_root, mu_dtype,
-                         weight_decay, mask, nesterov=nesterov, min_size=min_size)
+                         weight_decay, mask, nesterov=nesterov, min_size=min_size, execution=execution)
 
 
 def adamw_fp8(
@@ -610,6 +624,7 @@ def adamw_fp8(
     v_dtype: Any = None,
     block_size: int | None = None,
     min_size: int | None = None,
+    execution: ExecutionOptions | None = None,
 ) -> FusedStep:
   """``optax.adamw`` with FP8 moments: e4m3 with a block scale ``amax / 448`` (torchao's FP8 AdamW).
 
@@ -624,6 +639,7 @@ def adamw_fp8(
     v_dtype: ``jnp.float8_e4m3fn`` (None, the default) or ``jnp.float16`` (MS-AMP O2).
     block_size: elements per block and scale (even; None: 256 as in torchao).
     min_size: tensors with fewer elements keep float32 moments (None: 4096).
+    execution: the backend of the update (:func:`scale_by_adam_quantized`); None: the environment's.
 
   Returns:
     A :class:`FusedStep`.
@@ -638,7 +654,7 @@ def adamw_fp8(
         f"adamw_fp8: v_dtype must be jnp.float8_e4m3fn or jnp.float16 (MS-AMP O2), got {v_dtype!r}"
     ) from None
   return adamw_quantized(*moment_formats(name, block_size), learning_rate, b1, b2, eps, eps_root, mu_dtype,
-                         weight_decay, mask, nesterov=nesterov, min_size=min_size)
+                         weight_decay, mask, nesterov=nesterov, min_size=min_size, execution=execution)
 
 
 def adamw_fp8_o2(
@@ -654,6 +670,7 @@ def adamw_fp8_o2(
     nesterov: bool = False,
     block_size: int | None = None,
     min_size: int | None = None,
+    execution: ExecutionOptions | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """MS-AMP O2's optimizer: :func:`adamw_fp8` with ``v_dtype=jnp.float16`` (``m`` e4m3, ``v`` float16).
 
@@ -661,7 +678,7 @@ def adamw_fp8_o2(
   """
   return adamw_fp8(
       learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-      nesterov=nesterov, v_dtype=jnp.float16, block_size=block_size, min_size=min_size,
+      nesterov=nesterov, v_dtype=jnp.float16, block_size=block_size, min_size=min_size, execution=execution,
   )  # fmt: skip
 
 
@@ -774,12 +791,16 @@ def adamw(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     nesterov: bool = False,
+    execution: ExecutionOptions | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.adamw`` (same arguments, state and arithmetic) whose ``update`` refuses a low-bit state.
 
   optax's own ``update`` reads a low-bit state's codes as moments without a word (both name them
   ``mu`` and ``nu``); this one, :data:`OPTIMIZERS`' ``adamw``, says whose state it got instead.
+  ``execution`` is accepted so that every optimizer of :data:`OPTIMIZERS` takes the same arguments;
+  optax's update runs no kernel of ours, so it changes nothing.
   """
+  del execution
   tx = optax.adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -812,7 +833,8 @@ def make(
     learning_rate: float or optax schedule.
     stochastic_rounding_seed: if not None, chain :func:`stochastic_rounding` (bf16 params are
       rounded stochastically by ``optax.apply_updates``).
-    **kwargs: the optimizer's other arguments (``b1``, ``b2``, ``weight_decay``, ``mask``, ...).
+    **kwargs: the optimizer's other arguments (``b1``, ``b2``, ``weight_decay``, ``mask``, ``execution``:
+      the backend of the low-bit update, :class:`jaxlowbit.ExecutionOptions`, ...).
 
   Returns:
     An ``optax.GradientTransformation``.

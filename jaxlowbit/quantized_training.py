@@ -39,6 +39,7 @@ import optax
 from flax.core import meta
 
 from jaxlowbit_numerics.int8 import int8_scale, quantize_int8_with_scale
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.layers import DenseCall, check_sizes, dense_general, resolve
 from jaxlowbit.matmul import quantized_dot_general
 from jaxlowbit.recipes import Int8MixedPrecision, check_recipe
@@ -120,9 +121,12 @@ class Int8WeightOnlyDense(nn.DenseGeneral):
       :class:`Int8MixedPrecision` (INT8 matmuls; quantizing the dequantized weight per channel
       gives back its codes when the channel's largest code is +-127, which updates keep true but
       for rare rounding).
+    execution: how the recipe's matmuls run (:class:`jaxlowbit.ExecutionOptions`; None: the defaults,
+      the backend from ``$JAXLOWBIT_BACKEND``), as ``jaxlowbit.LowBitDense``'s.
   """
 
   recipe: Int8MixedPrecision | None = None
+  execution: ExecutionOptions | None = None
 
   def __post_init__(self):
     check_sizes(type(self).__name__, features=self.features)
@@ -167,7 +171,8 @@ class Int8WeightOnlyDense(nn.DenseGeneral):
       w = kernel.qvalue.astype(jnp.float32) * kernel.scale
     if self.recipe is None:
       return jax.lax.dot_general(inputs, w.astype(call.dtype), call.dimension_numbers, precision=self.precision)
-    return quantized_dot_general(inputs, w, call.dimension_numbers, precision=self.precision, recipe=self.recipe)
+    return quantized_dot_general(inputs, w, call.dimension_numbers, precision=self.precision, recipe=self.recipe,
+                                 options=self.execution)
 
 
 def _float_view(params):

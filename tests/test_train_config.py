@@ -145,15 +145,16 @@ def test_optimizer_names_come_from_the_jaxlowbit_optim_registry(monkeypatch):
   config = train_config.base_config()
   calls = []
 
-  def adamw_8bit(learning_rate, **kwargs):
-    calls.append({"learning_rate": learning_rate, **kwargs})
+  def adamw_8bit(learning_rate, execution=None, **kwargs):
+    calls.append({"learning_rate": learning_rate, "execution": execution, **kwargs})
     return optax.adamw(learning_rate, **kwargs)
 
   assert train_optimizer.OPTIMIZERS is train_optimizer.optim.OPTIMIZERS  # one place for the names
   monkeypatch.setitem(train_optimizer.OPTIMIZERS, "adamw_8bit", adamw_8bit)
   config.optimizer = "adamw_8bit"
   train_optimizer.make_optimizer(build(config, UNSHARDED))
-  assert calls and set(calls[0]) == {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask"}
+  assert calls and set(calls[0]) == {"learning_rate", "b1", "b2", "eps", "weight_decay", "mask", "execution"}
+  assert calls[0]["execution"] == build(config, UNSHARDED).execution  # the run's options, explicitly
   # Functions of jaxlowbit.optim that are not optimizers, and unknown names: refused by the check, naming the list.
   for name in ("lion", "chain", "stochastic_rounding", "apply_step", "make"):
     config.optimizer = name

@@ -33,6 +33,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxlowbit import inference
+from jaxlowbit.execution import ExecutionOptions
 from train import checkpoint, cli, data
 from train.model import ModelConfig, Transformer
 from train.runs import load_run
@@ -73,8 +74,11 @@ def unstack_layers(params: Any, n_layers: int) -> Any:
 
 
 def prepare(model_config: ModelConfig, params: Any, scheme: str, filter_fqns=inference.params.DEFAULT_FILTER_FQNS,
-            scan_layers: bool = False):
+            scan_layers: bool = False, execution: ExecutionOptions | None = None):
   """``(decode-mode model, inference params)`` for ``scheme``; the input params may be donated.
+
+  ``execution`` is how the model and its converted linears run (the run's ``spec.execution``; None:
+  the library's defaults, the backend from ``$JAXLOWBIT_BACKEND``).
 
   The converted linears' int8/packed leaves replace their kernels; every floating leaf left
   (embedding, norms, LM head) is cast to the compute dtype once, as the bf16 baseline's are.
@@ -89,9 +93,9 @@ def prepare(model_config: ModelConfig, params: Any, scheme: str, filter_fqns=inf
   if model_config.scan_layers and not scan_layers:
     params = unstack_layers(params, model_config.n_layers)
     model_config = dataclasses.replace(model_config, scan_layers=False)
-  model = Transformer(model_config, decode=True)
+  model = Transformer(model_config, decode=True, execution=execution)
   if scheme != "bf16":
-    model = inference.convert_for_inference(model, scheme)
+    model = inference.convert_for_inference(model, scheme, execution=execution)
   keep_f32 = {inference.weights.KERNEL_SCALE, inference.weights.SMOOTH}
   flat = traverse_util.flatten_dict(params)
   flat = {p: v if p[-1] in keep_f32 else cast_floating(v, model_config.dtype) for p, v in flat.items()}
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(note, file=sys.stderr)
   linear_bytes = inference.weight_bytes(params)
   filter_fqns = tuple(f.strip() for f in args.filter_fqns.split(",") if f.strip())
-  model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers)
+  model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers, spec.execution)
   tokenizer = data.tokenizer_for(spec.data.tokenizer)  # the run's own
   prompt = np.tile(tokenizer.encode_prompt(args.prompt), (args.batch_size, 1))
   result = generate(model, params, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)

@@ -253,8 +253,8 @@ def open_checkpointer(spec: RunSpec, run_dir: pathlib.Path) -> tuple[checkpoint.
   return checkpointer, latest
 
 
-def restore_or_init(spec: RunSpec, run_dir: pathlib.Path, checkpointer: checkpoint.Checkpointer, latest: int | None, functions: StepFunctions,
-                    datasets: data.Datasets) -> tuple[TrainState, int | None, list[float]]:
+def restore_or_init(spec: RunSpec, run_dir: pathlib.Path, checkpointer: checkpoint.Checkpointer, latest: int | None,
+                    functions: StepFunctions, datasets: data.Datasets) -> tuple[TrainState, int | None, list[float]]:
   """``(state, latest checkpoint step or None, losses of its unfinished log interval)``; writes config.json
   (``spec.config_json``).
 

@@ -58,7 +58,7 @@ def make_optimizer(spec: RunSpec) -> optax.GradientTransformation:
   """
   opt = spec.optimizer
   adamw = optim.make(opt.name, learning_rate_schedule(spec), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                     weight_decay=opt.weight_decay, mask=weight_decay_mask)
+                     weight_decay=opt.weight_decay, mask=weight_decay_mask, execution=spec.execution)
   if opt.grad_clip > 0:  # optim.chain: optax.chain that keeps the low-bit AdamW's fused step
     return optim.chain(optax.clip_by_global_norm(opt.grad_clip), adamw)
   return adamw

@@ -14,9 +14,9 @@ from typing import Any
 import jax
 
 from train import checkpoint, cli, steps
-from train.model import ModelConfig, Transformer
+from train.model import ModelConfig
 from train.optimizer import make_optimizer
-from train.runtime import Unsharded
+from train.runtime import Unsharded, model_for
 from train.spec import RunSpec, from_saved
 
 
@@ -32,7 +32,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> tuple[RunS
   if not config_file.exists():
     raise FileNotFoundError(f"{run_dir} has no {checkpoint.CONFIG_FILE}: is it a train.main --workdir?")
   spec = from_saved(cli.read_json(config_file, "run config"))  # on one device (UNSHARDED)
-  init = steps.make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec)
+  init = steps.make_init(Unsharded(model_for(spec)), make_optimizer(spec), spec)
   abstract = checkpoint.abstract_on_device(jax.eval_shape(init))
   step = checkpoint.verified_step(run_dir, step)  # verified checkpoints only (the rule of every reader)
   checkpointer = checkpoint.Checkpointer(run_dir, keep=1_000_000, async_save=False, read_only=True)

@@ -44,6 +44,8 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlowbit import BitNet, fsdp, optim, quantized_matmul
+from jaxlowbit.execution import DEFAULT as DEFAULT_EXECUTION
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.interception import PASS, dense_interceptor
 from jaxlowbit.layers import dense_general
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
@@ -72,11 +74,14 @@ TERNARY_CODES = "ternary_codes_t"
 TERNARY_SCALE = "ternary_scale"
 
 
-def _ternary_t(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _ternary_t(kernel: jax.Array, options: ExecutionOptions) -> tuple[jax.Array, jax.Array]:
   """A BitNet kernel ``[K, N]`` (or the layer scan's ``[L, K, N]``) -> ``(Wq^T int8, scale float32)``
-  as BitNet.forward quantizes it; a stack layer by layer (each its own abs-mean, as in the scan)."""
+  as BitNet.forward quantizes it, on ``options``' backend; a stack layer by layer (each its own
+  abs-mean, as in the scan)."""
+  kernels = options.dispatch()
+
   def quantize(w):
-    return dispatch.quantize_cols_t(w, bitnet.TERNARY)
+    return dispatch.quantize_cols_t(w, bitnet.TERNARY, kernels)
 
   return quantize(kernel) if kernel.ndim == 2 else jax.lax.map(quantize, kernel)
 
@@ -92,7 +97,7 @@ def _run_with_step_weights(module, inputs, path):
 
   def matmul(call, inputs, kernel):
     w = LowBitOperand(None, codes, kernel.reshape(-1, call.kn[1]))
-    return call.unflat_outputs(quantized_matmul(call.flat_inputs(inputs), w, module.recipe))
+    return call.unflat_outputs(quantized_matmul(call.flat_inputs(inputs), w, module.recipe, options=module.execution))
 
   return dense_general(module, inputs, matmul)
 
@@ -134,7 +139,7 @@ class Unsharded:
     for path, leaf in traverse_util.flatten_dict(params).items():
       projection = re.sub(r"^layers_\d+", "layers", ".".join(path[:-1]))  # unrolled layers: layers_<i>
       if path[-1] == "kernel" and isinstance(self.model.config.recipe_for(projection), BitNet):
-        codes, scale = _ternary_t(leaf)
+        codes, scale = _ternary_t(leaf, self.model.execution or DEFAULT_EXECUTION)
         weights[path[:-1] + (TERNARY_CODES,)], weights[path[:-1] + (TERNARY_SCALE,)] = codes, scale
     return weights or None
 
@@ -300,12 +305,19 @@ def place_global_batch(batch: data.GlobalBatch, sharding: jax.sharding.Sharding,
   return jax.make_array_from_callback((*rows.shape, batch.shape[1]), sharding, shard)
 
 
+def model_for(spec: RunSpec) -> Transformer:
+  """The run's model: ``spec.model`` running jaxlowbit with ``spec.execution`` (handed to every layer)."""
+  return Transformer(spec.model, execution=spec.execution)
+
+
 def make_runtime(spec: RunSpec) -> Runtime:
   """The runtime of ``spec.mesh``: :class:`Unsharded` on one device, else :class:`Fsdp`."""
-  model = Transformer(spec.model)
+  model = model_for(spec)
   if spec.mesh.devices == 1:
     return Unsharded(model)
   return Fsdp(model, spec)
 
 
-__all__ = ["Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime", "place_global_batch", "placed_rows"]
+__all__ = [
+    "Fsdp", "Runtime", "Unsharded", "cross_entropy", "make_runtime", "model_for", "place_global_batch", "placed_rows",
+]

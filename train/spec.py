@@ -29,7 +29,9 @@ from typing import NamedTuple
 
 import ml_collections
 
+from jaxlowbit import execution as jaxlowbit_execution
 from jaxlowbit import fsdp
+from jaxlowbit.execution import ExecutionOptions
 from train import config as train_config
 from train.model import ModelConfig
 
@@ -101,6 +103,9 @@ class RunSpec:
       options (``jaxlowbit.parallel.overlap``).
     optimizer: ``config.optimizer`` and its hyperparameters.
     recipe: ``config.recipe``, the name (for logs and generation notes).
+    execution: how jaxlowbit runs the run's kernels (``jaxlowbit.ExecutionOptions``, its backend
+      resolved: given to :func:`resolve`, else ``$JAXLOWBIT_BACKEND`` read once there). The model,
+      the optimizer's update and the step's BitNet weights take it explicitly; part of the cache key.
     data: ``config.data``; None in :attr:`compiled`.
     seed, steps, batch_size, grad_accum_steps, seq_len, init_from: as in the config.
     log_every ... inject_nan_at_step: the loop's cadence and switches (:data:`RUNTIME_ONLY_FIELDS`);
@@ -115,6 +120,7 @@ class RunSpec:
   xla_overlap: bool
   optimizer: OptimizerSpec
   recipe: str
+  execution: ExecutionOptions
   data: DataSpec | None
   seed: int
   steps: int
@@ -147,26 +153,29 @@ class RunSpec:
 
 
 def resolve(config: ml_collections.ConfigDict, device_count: int | None = None,
-            process_count: int | None = None) -> RunSpec:
+            process_count: int | None = None, *, execution: ExecutionOptions | None = None) -> RunSpec:
   """The :class:`RunSpec` of ``config`` on the visible devices, built once at the start of a run.
 
   Args:
     config: a training config (after ``train.config.adjust``, which may rewrite fields).
     device_count, process_count: default ``jax.device_count()``, ``jax.process_count()``.
+    execution: how the kernels run (``jaxlowbit.ExecutionOptions``); None: the defaults, the backend
+      from ``$JAXLOWBIT_BACKEND`` (the trainer's one reading of the environment).
 
   Raises:
     train.config.ConfigError: any field the trainer cannot run with, or a mesh the devices or the
       batch cannot hold (``train.config.check``, ``train.config.mesh_shape``).
   """
   train_config.check(config)
-  return build(config, MeshShape(*train_config.mesh_shape(config, device_count, process_count)))
+  return build(config, MeshShape(*train_config.mesh_shape(config, device_count, process_count)), execution)
 
 
-def build(config: ml_collections.ConfigDict, mesh: MeshShape) -> RunSpec:
+def build(config: ml_collections.ConfigDict, mesh: MeshShape, execution: ExecutionOptions | None = None) -> RunSpec:
   """The :class:`RunSpec` of a config already checked, on ``mesh`` (no device lookup).
 
   For a run's saved ``config.json`` (``train.runs.load_run``: the run was checked when it
   started; its tokenizer or ``init_from`` folder need not exist here) and for :func:`resolve`.
+  ``execution`` as in :func:`resolve` (None: the defaults, the backend from the environment).
   """
   return RunSpec(
       model=train_config.model_config(config),
@@ -177,6 +186,7 @@ def build(config: ml_collections.ConfigDict, mesh: MeshShape) -> RunSpec:
           name=config.optimizer, lr=config.lr, warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio,
           weight_decay=config.weight_decay, b1=config.b1, b2=config.b2, eps=config.eps, grad_clip=config.grad_clip),
       recipe=config.recipe,
+      execution=jaxlowbit_execution.resolve(execution),
       data=DataSpec(**{field.name: config.data[field.name] for field in dataclasses.fields(DataSpec)}),
       seed=config.seed,
       steps=config.steps,
@@ -198,11 +208,12 @@ def build(config: ml_collections.ConfigDict, mesh: MeshShape) -> RunSpec:
   )
 
 
-def from_saved(saved: dict, mesh: MeshShape = UNSHARDED) -> RunSpec:
+def from_saved(saved: dict, mesh: MeshShape = UNSHARDED, execution: ExecutionOptions | None = None) -> RunSpec:
   """The :class:`RunSpec` of a run's saved ``config.json`` (parsed), built unchecked on ``mesh``.
 
   The saved fields go over :func:`train.config.base_config` (a field added since the run takes its
-  default). Unchecked as in :func:`build`: the run was checked when it started.
+  default). Unchecked as in :func:`build`: the run was checked when it started. ``execution`` as in
+  :func:`resolve` (how the kernels run is this process's choice, not the saved run's).
 
   Raises:
     TypeError, ValueError, KeyError: a saved value this version cannot hold (ml_collections' type
@@ -210,7 +221,7 @@ def from_saved(saved: dict, mesh: MeshShape = UNSHARDED) -> RunSpec:
   """
   config = train_config.base_config()
   config.update(ml_collections.ConfigDict(saved))
-  return build(config, mesh)
+  return build(config, mesh, execution)
 
 
 __all__ = [

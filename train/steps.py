@@ -26,7 +26,7 @@ from train.io.hf_reader import load_pretrained, merge_into
 from train.metrics import say
 from train.model import Transformer
 from train.optimizer import make_optimizer
-from train.runtime import Runtime, Unsharded, make_runtime
+from train.runtime import Runtime, Unsharded, make_runtime, model_for
 from train.spec import RUNTIME_ONLY_FIELDS, RunSpec
 
 
@@ -93,7 +93,7 @@ def abstract_state(spec: RunSpec) -> TrainState:
 
   ``train.run_control`` compares the state of a checkpoint's saved config with this run's.
   """
-  return jax.eval_shape(make_init(Unsharded(Transformer(spec.model)), make_optimizer(spec), spec))
+  return jax.eval_shape(make_init(Unsharded(model_for(spec)), make_optimizer(spec), spec))
 
 
 def make_train_step(runtime: Runtime, optimizer: optax.GradientTransformation, spec: RunSpec):

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 from flax import nnx as _nnx
 
+from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.inference.calibration import calibrate
 from jaxlowbit.inference.linen import convert_linen
 from jaxlowbit.inference.nnx import QuantizedLinear, QuantizedWeight, convert_nnx
@@ -41,6 +42,7 @@ def convert_for_inference(
     *,
     filter_fqns: Sequence[str] = DEFAULT_FILTER_FQNS,
     act_amax: Mapping[str, jax.Array] | None = None,
+    execution: ExecutionOptions | None = None,
 ):
   """Make ``model`` run its linears from converted weights.
 
@@ -60,14 +62,17 @@ def convert_for_inference(
     scheme: ``"w8a16"``, ``"w8a8"`` or ``"ternary"``.
     filter_fqns: NNX only: layers whose dot-joined path contains one of these stay as they are.
     act_amax: NNX only: SmoothQuant statistics ``{path: [in_features]}``.
+    execution: how the converted linears' GEMMs run (:class:`jaxlowbit.ExecutionOptions`); None: the
+      model's own ``execution`` field (Linen, a model that declares one) or each layer's (a jaxlowbit
+      layer's), else the defaults (the backend from ``$JAXLOWBIT_BACKEND``, read when traced).
   """
   if isinstance(model, _nnx.Module):
-    return convert_nnx(model, scheme, filter_fqns, act_amax)
+    return convert_nnx(model, scheme, filter_fqns, act_amax, execution=execution)
   if isinstance(model, nn.Module):
     if act_amax is not None or tuple(filter_fqns) != DEFAULT_FILTER_FQNS:
       raise ValueError("convert_for_inference: for Linen models, filter_fqns and act_amax are arguments of "
                        "quantize_params (the converted parameter tree decides which layers run quantized)")
-    return convert_linen(model, scheme)
+    return convert_linen(model, scheme, execution)
   raise TypeError(f"convert_for_inference: expected a flax Linen or NNX module, got {type(model).__name__}")
 
 

@@ -7,7 +7,9 @@ instance of a subclass of the model's class whose public methods run under
 included) *whose parameters hold converted leaves* and runs :func:`quantized_linear` on
 them; layers that still hold a ``kernel`` (filtered out at conversion, or never converted)
 run unchanged. The parameter tree decides, so there is nothing to keep in sync between
-the conversion and the model.
+the conversion and the model. The converted linears run on the conversion's ``execution``
+options, else the model's own (a model that declares an ``execution`` field), else the
+intercepted layer's (a jaxlowbit layer's ``execution``), else the defaults.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from jaxlowbit.execution import with_execution
+from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions, with_execution
 from jaxlowbit.inference.weights import CONVERTED_NAMES, check_scheme, quantized_linear, scheme_of
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
 from jaxlowbit.layers import DenseCall, dense_general
@@ -28,8 +30,8 @@ def converted_leaves(module: nn.Module) -> dict[str, jax.Array]:
   return {name: module.get_variable(PARAMS, name) for name in CONVERTED_NAMES if module.has_variable(PARAMS, name)}
 
 
-def _inference_matmul(scheme: str, path: str):
-  """The Dense body's matmul on converted leaves (``quantized_linear``), for ``[K, N]`` linears."""
+def _inference_matmul(scheme: str, path: str, execution: ExecutionOptions | None = None):
+  """The Dense body's matmul on converted leaves (``quantized_linear`` on ``execution``), for ``[K, N]`` linears."""
 
   def matmul(call: DenseCall, inputs, leaves) -> jax.Array:
     name = type(call.module).__name__
@@ -44,7 +46,7 @@ def _inference_matmul(scheme: str, path: str):
           f"axis (kernel [K, N]); this one has features={call.features}, axis={call.axis}, "
           f"batch_dims={call.batch_dims}. Keep it high precision: quantize_params(..., filter_fqns=(..., {path!r}))"
       )
-    y = quantized_linear(inputs, leaves, scheme)
+    y = quantized_linear(inputs, leaves, scheme, options=execution)
     if y.shape[-1] != call.features[0]:
       raise ValueError(f"{name} {path!r}: converted weight has {y.shape[-1]} output features, the layer "
                        f"{call.features[0]}")
@@ -53,30 +55,35 @@ def _inference_matmul(scheme: str, path: str):
   return matmul
 
 
-def inference_dense(module: nn.Module, inputs: jax.Array, scheme: str, leaves: dict[str, jax.Array]) -> jax.Array:
+def inference_dense(module: nn.Module, inputs: jax.Array, scheme: str, leaves: dict[str, jax.Array],
+                    execution: ExecutionOptions | None = None) -> jax.Array:
   """The body of a converted ``Dense``/``DenseGeneral``: ``inputs [..., K]`` -> ``[..., N]``.
 
   Computes in ``module.dtype`` (or, when None, the promotion of the inputs' and
-  ``param_dtype``, as ``DenseGeneral`` does), adds the bias (kept high precision).
+  ``param_dtype``, as ``DenseGeneral`` does), adds the bias (kept high precision). The GEMM
+  runs on ``execution`` (None: the layer's own ``execution`` field if it has one, else the defaults).
   """
   path = ".".join(str(p) for p in module.path)
-  return dense_general(module, inputs, _inference_matmul(scheme, path), kernel=leaves)
+  execution = execution if execution is not None else getattr(module, EXECUTION_FIELD, None)
+  return dense_general(module, inputs, _inference_matmul(scheme, path, execution), kernel=leaves)
 
 
-def _handler(scheme: str):
+def _handler(scheme: str, execution: ExecutionOptions | None):
   def handle(module, inputs, path):
     del path
     leaves = converted_leaves(module)
-    return inference_dense(module, inputs, scheme, leaves) if leaves else PASS
+    return inference_dense(module, inputs, scheme, leaves, execution) if leaves else PASS
 
   return handle
 
 
-def convert_linen(module: nn.Module, scheme: str) -> nn.Module:
+def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | None = None) -> nn.Module:
   """See :func:`jaxlowbit.inference.convert_for_inference` (Linen branch)."""
   check_scheme(scheme, "convert_for_inference")
   # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
   # execution options say so, for a model that takes them).
   module = with_execution(module, fused_quantizers=False)
-  return intercepted_copy(module, dense_interceptor(_handler(scheme)), "convert_for_inference",
+  if execution is None:  # the model's own options, for a model that takes them
+    execution = getattr(module, EXECUTION_FIELD, None)
+  return intercepted_copy(module, dense_interceptor(_handler(scheme, execution)), "convert_for_inference",
                           jaxlowbit_inference_scheme=scheme)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions
 from jaxlowbit.inference.weights import (
     SMOOTHING_ALPHA,
     check_scheme,
@@ -41,11 +42,15 @@ class QuantizedLinear(nnx.Module):
     param_dtype: the original linear's parameter dtype.
     bias: ``nnx.Param [out_features]`` or None (kept high precision).
     kernel_q / kernel_packed, kernel_scale, smooth: :class:`QuantizedWeight` leaves.
+    execution: how the GEMM runs (:class:`jaxlowbit.ExecutionOptions`; None: the defaults, the backend
+      from ``$JAXLOWBIT_BACKEND``).
   """
 
   def __init__(self, leaves: Mapping[str, jax.Array], scheme: str, *, in_features: int, out_features: int,
-               bias: jax.Array | None = None, dtype=None, param_dtype=jnp.float32):
+               bias: jax.Array | None = None, dtype=None, param_dtype=jnp.float32,
+               execution: ExecutionOptions | None = None):
     self.scheme = check_scheme(scheme, "QuantizedLinear")
+    self.execution = execution
     self.in_features, self.out_features = in_features, out_features
     self.dtype, self.param_dtype = dtype, param_dtype
     for name, value in leaves.items():
@@ -55,8 +60,9 @@ class QuantizedLinear(nnx.Module):
 
   @classmethod
   def from_linear(cls, linear: nnx.Linear, scheme: str, act_amax: jax.Array | None = None,
-                  alpha: float = SMOOTHING_ALPHA) -> "QuantizedLinear":
-    """Quantize ``linear``'s kernel ``[in, out]`` for ``scheme`` (``act_amax [in]``: SmoothQuant, w8a8)."""
+                  alpha: float = SMOOTHING_ALPHA, *, execution: ExecutionOptions | None = None) -> "QuantizedLinear":
+    """Quantize ``linear``'s kernel ``[in, out]`` for ``scheme`` (``act_amax [in]``: SmoothQuant, w8a8);
+    ``execution`` None: the linear's own options (a ``jaxlowbit.nnx`` layer's), else the defaults."""
     check_scheme(scheme, "QuantizedLinear.from_linear")
     if not isinstance(linear, nnx.Linear):
       raise TypeError(f"QuantizedLinear.from_linear: expected an nnx.Linear, got {type(linear).__name__}")
@@ -68,8 +74,9 @@ class QuantizedLinear(nnx.Module):
       smooth = smoothing_factors(jnp.asarray(act_amax), kernel, alpha)
     leaves = jax.jit(quantize_weight, static_argnums=1)(kernel, scheme, smooth)
     bias = linear.bias[...] if linear.bias is not None else None
+    execution = execution if execution is not None else getattr(linear, EXECUTION_FIELD, None)
     return cls(leaves, scheme, in_features=linear.in_features, out_features=linear.out_features, bias=bias,
-               dtype=linear.dtype, param_dtype=linear.param_dtype)
+               dtype=linear.dtype, param_dtype=linear.param_dtype, execution=execution)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """``[..., in_features]`` floating -> ``[..., out_features]`` in the compute dtype."""
@@ -79,7 +86,7 @@ class QuantizedLinear(nnx.Module):
       raise ValueError(f"QuantizedLinear: inputs have {inputs.shape[-1]} features, the layer takes {self.in_features}")
     dtype = self.dtype or jnp.promote_types(jnp.result_type(inputs), self.param_dtype)
     leaves = {name: getattr(self, name)[...] for name in self.leaf_names}
-    y = quantized_linear(jnp.asarray(inputs, dtype), leaves, self.scheme)
+    y = quantized_linear(jnp.asarray(inputs, dtype), leaves, self.scheme, options=self.execution)
     if self.bias is not None:
       y = y + jnp.asarray(self.bias[...], dtype)
     return y
@@ -109,20 +116,22 @@ def _replace(model: nnx.Module, path: tuple, new) -> None:
 
 
 def convert_nnx(model: nnx.Module, scheme: str, filter_fqns: Sequence[str] = ("lm_head",),
-                act_amax: Mapping[str, jax.Array] | None = None, alpha: float = SMOOTHING_ALPHA) -> nnx.Module:
+                act_amax: Mapping[str, jax.Array] | None = None, alpha: float = SMOOTHING_ALPHA,
+                execution: ExecutionOptions | None = None) -> nnx.Module:
   """See :func:`jaxlowbit.inference.convert_for_inference` (NNX branch); converts in place."""
   check_scheme(scheme, "convert_for_inference")
   layer_filter = as_filter(filter_fqns)
   if act_amax is not None and scheme != "w8a8":
     raise ValueError(f"convert_for_inference: act_amax (SmoothQuant) applies to scheme w8a8 only, not {scheme}")
   if isinstance(model, nnx.Linear):
-    return QuantizedLinear.from_linear(model, scheme, (act_amax or {}).get(""), alpha)
+    return QuantizedLinear.from_linear(model, scheme, (act_amax or {}).get(""), alpha, execution=execution)
   remaining = dict(act_amax or {})
   for path, linear in _linears(model):
     fqn = _fqn(path)
     if layer_filter.keeps(fqn, linear):
       continue
-    _replace(model, path, QuantizedLinear.from_linear(linear, scheme, remaining.pop(fqn, None), alpha))
+    _replace(model, path, QuantizedLinear.from_linear(linear, scheme, remaining.pop(fqn, None), alpha,
+                                                      execution=execution))
   if remaining:
     raise ValueError(f"convert_for_inference: act_amax names layers that were not converted: {sorted(remaining)}")
   return model

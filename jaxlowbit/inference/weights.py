@@ -35,6 +35,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
 from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
@@ -159,12 +160,14 @@ def _check_leaves(leaves: Mapping[str, jax.Array], scheme: str, k: int, who: str
   return w.shape[0]
 
 
-def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str) -> jax.Array:
+def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str, *,
+                     options: ExecutionOptions | None = None) -> jax.Array:
   """``x @ W`` from converted leaves: ``x [..., K]`` floating -> ``[..., N]`` in x's dtype.
 
   The matmul runs through :mod:`pallas_kernels.inference_dispatch` (GEMV/GEMM kernels on
-  GPU, XLA elsewhere). For ``ternary`` this is bit-for-bit BitNet's training forward; for
-  ``w8a8`` without smoothing, Int8MixedPrecision's.
+  GPU, XLA elsewhere) on the backend of ``options`` (:class:`jaxlowbit.ExecutionOptions`; None, or
+  a backend of None: ``$JAXLOWBIT_BACKEND``, read here, the public edge). For ``ternary`` this is
+  bit-for-bit BitNet's training forward; for ``w8a8`` without smoothing, Int8MixedPrecision's.
   """
   check_scheme(scheme, "quantized_linear")
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -175,14 +178,16 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str)
   n = _check_leaves(leaves, scheme, k, "quantized_linear")
   batch_shape = x.shape[:-1]
   x2 = x.reshape(-1, k)
+  kernels = resolve(options).dispatch()  # the backend, once, for the quantizer and the GEMM
   if scheme == "w8a16":
-    y = inference_dispatch.w8a16_matmul(x2, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype)
+    y = inference_dispatch.w8a16_matmul(x2, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
   elif scheme == "w8a8":
     if SMOOTH in leaves:
       x2 = x2.astype(jnp.float32) / leaves[SMOOTH]  # quantized straight from float32
-    xq, sx = dispatch.quantize_rows(x2, INT8_TOKENS)
-    y = inference_dispatch.w8a8_matmul(xq, sx, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype)
+    xq, sx = dispatch.quantize_rows(x2, INT8_TOKENS, options=kernels)
+    y = inference_dispatch.w8a8_matmul(xq, sx, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
   else:
-    xq, sx = dispatch.quantize_rows(x2, BITNET_TOKENS)
-    y = inference_dispatch.ternary_matmul(xq, sx, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype)
+    xq, sx = dispatch.quantize_rows(x2, BITNET_TOKENS, options=kernels)
+    y = inference_dispatch.ternary_matmul(xq, sx, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
+                                          options=kernels)
   return y.reshape(*batch_shape, n)
