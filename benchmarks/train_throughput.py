@@ -287,13 +287,14 @@ def main(argv: list[str] | None = None) -> None:
   runs += [(runs[0][0], "optimizer", name) for name in args.extra_optimizers.split(",") if name]
   runs += [(runs[0][0], "peer", name) for name in args.peers.split(",") if name]
   variants = [parse_overrides([pair for pair in text.split(",") if pair.strip()]) for text in args.variants.split(";")]
+  first = runs[0][0]
   runs = [(path, field, value, variant) for variant in variants for path, field, value in runs]
+  if args.one_device_row:  # after the first variant's rows: a time budget cuts the other variants first
+    runs.insert(len(runs) // len(variants), (first, "one_device", None, {}))
   peak = args.peak_tflops or metrics.peak_tflops()
   device = jax.devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, bf16 peak {peak} TFLOP/s")
 
-  if args.one_device_row:
-    runs.append((runs[0][0], "one_device", None, {}))
   rows = []
   for path, field, value, variant in runs:
     variant_name = ",".join(f"{k}={v}" for k, v in variant.items())
