@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jaxlowbit
+import bitnet_reference
 from helpers import fresh_key, rel_err
 from jaxlowbit import inference
 from jaxlowbit_numerics import ternary
@@ -151,19 +152,20 @@ def test_bitnet_file_holds_exactly_the_weights_jaxlowbit_inference_runs(qtype, l
     np.testing.assert_array_equal(tensors[f"blk.1.{stem}.weight"], node["scale"])
 
 
+# Where llama.cpp's bitnet graph finds each tensor of block i (tests/bitnet_reference.py's roles).
+GGUF_NAMES = {
+    "attn_norm": "blk.{i}.attn_norm.weight", "attn_sub_norm": "blk.{i}.attn_sub_norm.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight", "ffn_sub_norm": "blk.{i}.ffn_sub_norm.weight",
+    "q": "blk.{i}.attn_q", "k": "blk.{i}.attn_k", "v": "blk.{i}.attn_v", "o": "blk.{i}.attn_output",
+    "gate": "blk.{i}.ffn_gate", "up": "blk.{i}.ffn_up", "down": "blk.{i}.ffn_down",
+}
+
+
 def reference_logits(file, tokens: np.ndarray) -> np.ndarray:
   """llama.cpp's bitnet graph of a GGUF file (its metadata and tensors only), in float64 numpy."""
   t, _, meta = read(file)
   t = {k: v.astype(np.float64) for k, v in t.items()}
-  heads, kv_heads = meta["bitnet.attention.head_count"], meta["bitnet.attention.head_count_kv"]
-  eps, theta = meta["bitnet.attention.layer_norm_rms_epsilon"], meta["bitnet.rope.freq_base"]
-  hd = meta["bitnet.embedding_length"] // heads
-  act = {"silu": lambda g: g / (1 + np.exp(-g)), "relu2": lambda g: np.maximum(g, 0) ** 2}[
-      meta.get("bitnet.hidden_activation", "silu")]
-  b, seq = tokens.shape
-
-  def norm(x, name):
-    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * t[name]
+  heads = meta["bitnet.attention.head_count"]
 
   def linear(x, name):
     """Ternary matmul with int8 per-token activations (BitNet)."""
@@ -171,29 +173,14 @@ def reference_logits(file, tokens: np.ndarray) -> np.ndarray:
     q = np.clip(np.round(x / s), -127, 127)  # numpy rounds half to even, like jnp.round
     return (q @ t[f"{name}.weight"].T) * s * t[f"{name}.scale"]
 
-  inv_freq = theta ** (-np.arange(0, hd, 2) / hd)
-  angles = np.concatenate([np.arange(seq)[:, None] * inv_freq[None]] * 2, -1)
-
-  def rope(x):  # NEOX / rotate-half: llama.cpp's rope type for bitnet
-    return x * np.cos(angles) + np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * np.sin(angles)
-
-  x = t["token_embd.weight"][tokens]
-  causal = np.triu(np.full((seq, seq), -np.inf), 1)
-  for i in range(meta["bitnet.block_count"]):
-    p = f"blk.{i}."
-    h = norm(x, p + "attn_norm.weight")
-    q, k, v = (linear(h, p + f"attn_{z}") for z in "qkv")
-    q = rope(q.reshape(b, seq, heads, hd).transpose(0, 2, 1, 3))
-    k = np.repeat(rope(k.reshape(b, seq, kv_heads, hd).transpose(0, 2, 1, 3)), heads // kv_heads, axis=1)
-    v = np.repeat(v.reshape(b, seq, kv_heads, hd).transpose(0, 2, 1, 3), heads // kv_heads, axis=1)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + causal
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    attn = (probs / probs.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(b, seq, heads * hd)
-    x = x + linear(norm(attn, p + "attn_sub_norm.weight"), p + "attn_output")
-    h = norm(x, p + "ffn_norm.weight")
-    hidden = act(linear(h, p + "ffn_gate")) * linear(h, p + "ffn_up")
-    x = x + linear(norm(hidden, p + "ffn_sub_norm.weight"), p + "ffn_down")
-  return norm(x, "output_norm.weight") @ t["token_embd.weight"].T  # the bitnet graph's head: token_embd
+  shape = bitnet_reference.Shape(heads, meta["bitnet.attention.head_count_kv"],
+                                 meta["bitnet.embedding_length"] // heads,
+                                 meta["bitnet.attention.layer_norm_rms_epsilon"], meta["bitnet.rope.freq_base"],
+                                 meta.get("bitnet.hidden_activation", "silu"))
+  embedding = t["token_embd.weight"]  # also the bitnet graph's head
+  return bitnet_reference.bitnet_logits(
+      tokens, embedding=embedding, head=embedding, final_norm=t["output_norm.weight"],
+      n_layers=meta["bitnet.block_count"], names=GGUF_NAMES, norm_weight=t.__getitem__, linear=linear, shape=shape)
 
 
 @pytest.mark.filterwarnings("ignore:a relu2 BitNet model needs")

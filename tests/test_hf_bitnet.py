@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxlowbit
+import bitnet_reference
 from helpers import fresh_key, rel_err
 from jaxlowbit import inference
 from jaxlowbit_numerics import ternary
@@ -61,16 +62,21 @@ def test_row_packing_is_transformers_layout():
   np.testing.assert_array_equal(hf_bitnet.unpack_rows(packed), codes)
 
 
+# Where transformers' BitNetForCausalLM keeps each tensor of layer i (tests/bitnet_reference.py's roles).
+HF_NAMES = {
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "attn_sub_norm": "model.layers.{i}.self_attn.attn_sub_norm.weight",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "ffn_sub_norm": "model.layers.{i}.mlp.ffn_sub_norm.weight",
+    **{z: f"model.layers.{{i}}.self_attn.{z}_proj" for z in "qkvo"},
+    **{z: f"model.layers.{{i}}.mlp.{z}_proj" for z in ("gate", "up", "down")},
+}
+
+
 def hf_reference_logits(folder, tokens: np.ndarray) -> np.ndarray:
   """BitNetForCausalLM with transformers' BitLinear, from the folder alone, in float64 numpy."""
   cfg = json.loads((folder / "config.json").read_text())
   t = load_file(str(folder / "model.safetensors"))
-  heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-  eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-  b, seq = tokens.shape
-
-  def norm(x, name):
-    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * t[name].astype(np.float64)
 
   def bitlinear(x, name):
     rows = t[f"{name}.weight"].shape[0]
@@ -80,33 +86,14 @@ def hf_reference_logits(folder, tokens: np.ndarray) -> np.ndarray:
     q = np.clip(np.round(x * scale), -128, 127)
     return (q @ w.T) / (scale * t[f"{name}.weight_scale"].astype(np.float64))
 
-  act = {"silu": lambda g: g / (1 + np.exp(-g)), "relu2": lambda g: np.maximum(g, 0) ** 2}[cfg["hidden_act"]]
-  inv_freq = theta ** (-np.arange(0, hd, 2) / hd)
-  angles = np.concatenate([np.arange(seq)[:, None] * inv_freq[None]] * 2, -1)
-
-  def rope(x):
-    return x * np.cos(angles) + np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * np.sin(angles)
-
   embed = t["model.embed_tokens.weight"].astype(np.float64)
-  x = embed[tokens]
-  causal = np.triu(np.full((seq, seq), -np.inf), 1)
-  for i in range(cfg["num_hidden_layers"]):
-    p = f"model.layers.{i}."
-    h = norm(x, p + "input_layernorm.weight")
-    q, k, v = (bitlinear(h, p + f"self_attn.{z}_proj") for z in "qkv")
-    q = rope(q.reshape(b, seq, heads, hd).transpose(0, 2, 1, 3))
-    k = np.repeat(rope(k.reshape(b, seq, kv, hd).transpose(0, 2, 1, 3)), heads // kv, 1)
-    v = np.repeat(v.reshape(b, seq, kv, hd).transpose(0, 2, 1, 3), heads // kv, 1)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + causal
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    attn = (probs / probs.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(b, seq, heads * hd)
-    x = x + bitlinear(norm(attn, p + "self_attn.attn_sub_norm.weight"), p + "self_attn.o_proj")
-    h = norm(x, p + "post_attention_layernorm.weight")
-    hidden = act(bitlinear(h, p + "mlp.gate_proj")) * bitlinear(h, p + "mlp.up_proj")
-    x = x + bitlinear(norm(hidden, p + "mlp.ffn_sub_norm.weight"), p + "mlp.down_proj")
-  x = norm(x, "model.norm.weight")
-  head = t["lm_head.weight"] if "lm_head.weight" in t else embed
-  return x @ head.astype(np.float64).T
+  head = t["lm_head.weight"].astype(np.float64) if "lm_head.weight" in t else embed
+  shape = bitnet_reference.Shape(cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                                 cfg["rms_norm_eps"], cfg["rope_theta"], cfg["hidden_act"])
+  return bitnet_reference.bitnet_logits(
+      tokens, embedding=embed, head=head, final_norm=t["model.norm.weight"].astype(np.float64),
+      n_layers=cfg["num_hidden_layers"], names=HF_NAMES, norm_weight=lambda name: t[name].astype(np.float64),
+      linear=bitlinear, shape=shape)
 
 
 LAYOUTS = {"scan_fused_silu": {}, "unrolled_unfused_relu2_untied": dict(
