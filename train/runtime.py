@@ -274,7 +274,8 @@ class Fsdp:
     return (f"FSDP over {plan.mesh.size} devices (mesh data {plan.mesh.shape[plan.config.data_axis]} x fsdp "
             f"{plan.fsdp_size}{tensor}, {jax.process_count()} process(es)): {len(sharded)} of {len(plan.shard_dims)} "
             f"parameter tensors sharded, {len(low_bit)} linears gather low-bit (int8 weights: "
-            f"{plan.config.int8_weight_scaling}, remat: {plan.config.remat}){split}")
+            f"{plan.config.int8_weight_scaling}, remat: {plan.config.remat}), gradients reduce-scattered in "
+            f"{plan.config.grad_reduce_dtype}{split}")
 
 
 Runtime = Unsharded | Fsdp
