@@ -148,8 +148,11 @@ def outcome(proc: Proc, check: Callable[[Proc], str | None], must: Sequence[str]
 
 
 def _last_line(proc: Proc) -> str:
+  """What a successful command said that matters most: its first warning or note, else how it ended."""
   lines = [line for line in (proc.err + proc.out).splitlines() if line.strip()]
-  text = next((line for line in lines if line.startswith(("warning:", "note:", "error:"))), lines[-1] if lines else "")
+  ends = [line for line in lines if line.startswith(("summary:", "this run already finished", "wrote "))]
+  text = next((line for line in lines if line.startswith(("warning:", "note:", "error:"))),
+              ends[0] if ends else (lines[-1] if lines else ""))
   return text if len(text) <= 160 else text[:157] + "..."
 
 
@@ -451,13 +454,21 @@ def export_out_under_a_file(ctx: Context) -> Outcome:
 
 
 def export_out_read_only(ctx: Context) -> Outcome:
-  if os.geteuid() == 0:
-    return Outcome("skipped", "running as root: a read-only folder is writable")
+  """--out inside a folder nobody may write to: mode 555, or for root (who writes anyway) the immutable flag."""
   folder = ctx.root / "read-only"
   folder.mkdir()
   folder.chmod(0o555)
-  proc = command("train.hf", "export", "--checkpoint", ctx.run, "--out", folder / "out")
-  return outcome(proc, must_fail("wrote into a read-only folder"), must=["read-only"])
+  as_root = os.geteuid() == 0
+  if as_root and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+    folder.chmod(0o755)
+    return Outcome("skipped", "running as root without chattr +i: a read-only folder is writable")
+  try:
+    proc = command("train.hf", "export", "--checkpoint", ctx.run, "--out", folder / "out")
+  finally:
+    if as_root:
+      subprocess.run(["chattr", "-i", str(folder)], check=True)
+    folder.chmod(0o755)
+  return outcome(proc, must_fail("wrote into a read-only folder"), must=["read-only/out"])
 
 
 def export_disk_full(fmt: str) -> Callable[[Context], Outcome]:
@@ -608,10 +619,23 @@ def sigkill_then_resume(ctx: Context) -> Outcome:
   resumed = command("train.main", *ctx.long(), f"--workdir={work}", "--resume")
 
   def check(proc: Proc) -> str | None:
-    if bad and "unverified" not in proc.out + proc.err and "corrupt" not in proc.out + proc.err:
-      return f"checkpoint(s) {bad} were used without a word"
+    start = re.search(r"resumed from \S+/(\d+) ", proc.out + proc.err)
+    if not start:
+      return "the resume does not say which checkpoint it continued from"
+    start = int(start.group(1))
+    if any(step == start for step, _ in bad):
+      return f"resumed from checkpoint {start}, which fails verification ({dict(bad)[start]})"
+    newer = [(step, why) for step, why in bad if step > start]
+    if newer and "unverified" not in proc.out + proc.err and "corrupt" not in proc.out + proc.err:
+      return f"newer checkpoint(s) {newer} were passed over without a word"
     return same_losses(work, reference)
-  return outcome(resumed, check)
+  result = outcome(resumed, check)
+  older = [step for step, _ in bad]  # what the check left: older than the one resumed from
+  if result.kind == "handled" and older:
+    # orbax removes checkpoints beyond keep_checkpoints after each save; a kill during that removal leaves an older
+    # step half-deleted: never read (the resume takes the newest verified one), removed by the next save's cleanup
+    result = Outcome("handled", f"{result.detail}; older checkpoint(s) {older} half-deleted by the kill, not read")
+  return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -771,7 +795,7 @@ def _config_edit(edit: Callable[[dict], None]):
 LOW_BIT = ("adamw_8bit", "adamw_4bit", "adamw_fp8", "adamw_fp8_o2")
 
 
-def huge_gradient(name: str) -> Callable[[Context], Outcome]:
+def huge_gradient(name: str, big: float = 1e25) -> Callable[[Context], Outcome]:
   def run(ctx: Context) -> Outcome:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
@@ -782,7 +806,7 @@ def huge_gradient(name: str) -> Callable[[Context], Outcome]:
     def call():
       tx = optim.make(name, 1e-3, weight_decay=0.0)
       params = {"w": jnp.zeros((16, 512))}
-      grads = {"w": jnp.full((16, 512), 1e-3).at[3, 5].set(1e25)}
+      grads = {"w": jnp.full((16, 512), 1e-3).at[3, 5].set(big)}
       updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
       return updates, state
 
@@ -1022,6 +1046,8 @@ def _cases() -> list[Case]:
   for name in LOW_BIT:
     cases.append(Case(f"{name}: one gradient of 1e25", "silent", "update and state finite (as optax.adamw's)",
                       huge_gradient(name), cheap=True))
+  cases.append(Case("adamw_8bit: one gradient of 1e20", "silent", "update and state finite (8-bit failed from 1e20)",
+                    huge_gradient("adamw_8bit", 1e20), cheap=True))
   cases += [
       Case("adamw_4bit.update(adamw_8bit state)", "silent", "TypeError naming both",
            foreign_state("adamw_4bit", "adamw_8bit"), cheap=True),
