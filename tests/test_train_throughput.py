@@ -1,0 +1,60 @@
+"""benchmarks/train_throughput.py under FSDP on 2 of the virtual CPU devices: what issue 29's 2-GPU script reads.
+
+One run of a micro model (float32, so XLA:CPU keeps every collective's element type) with two variants and the
+one-device row: every FSDP row carries its compile time and its collective bytes by mesh axis, op and element
+type; ratios compare rows of one variant; a time budget of 0 s skips (and lists) every row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MICRO = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1, "model.d_ff": 64,
+         "model.dtype": "float32", "steps": 12, "batch_size": 4, "seq_len": 32, "lr": 0.01, "warmup_steps": 2,
+         "mesh.fsdp": 2}
+
+
+def _benchmark():
+  spec = importlib.util.spec_from_file_location("benchmark_train_throughput", REPO / "benchmarks" / "train_throughput.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _run(tmp_path, *extra) -> dict:
+  out = tmp_path / "throughput.json"
+  _benchmark().main(["--configs", f"{REPO / 'configs' / 'layers_8b.py'}:bf16", "--steps", "1", "--warmup", "1",
+                     "--out", str(out), *[arg for k, v in MICRO.items() for arg in ("--set", f"{k}={v}")], *extra])
+  return json.loads(out.read_text())
+
+
+def test_rows_report_bytes_by_axis_and_ratios_within_their_variant(tmp_path, capsys):
+  result = _run(tmp_path, "--variants", ";fsdp.grad_reduce_dtype=bfloat16", "--one_device_row")
+  names = [r["name"] for r in result["rows"]]
+  assert names == ["layers_8b:bf16", "layers_8b:bf16 one device", "layers_8b:bf16 [fsdp.grad_reduce_dtype=bfloat16]"]
+  fsdp_row, one, bf16_reduce = result["rows"]
+  assert fsdp_row["devices"] == 2 and fsdp_row["mesh"] == {"data": 1, "fsdp": 2} and one["devices"] == 1
+  assert one["batch_size"] == MICRO["batch_size"] // 2 and one["bytes_by_axis"] == {}
+  for row in (fsdp_row, bf16_reduce):
+    assert row["compile_s"] > 0 and row["speedup_vs_bf16"] == 1.0  # each is its own variant's bf16 row
+    np.testing.assert_allclose(row["per_device_vs_one_device"], row["tokens_per_s_per_device"] / one["tokens_per_s"])
+    per_axis = row["bytes_by_axis"]
+    assert set(per_axis) == {"fsdp"}, per_axis  # one FSDP axis; data and tensor hold one device
+    # the weights gather in float32 (a bf16 recipe, float32 compute); the gradients come back reduce-scattered
+    assert set(per_axis["fsdp"]["all-gather"]) == {"f32"} and per_axis["fsdp"]["reduce-scatter"]
+  assert bf16_reduce["grad_reduce_dtype"] == "bfloat16" and fsdp_row["grad_reduce_dtype"] == "float32"
+  assert fsdp_row["compiler_options"] == {}  # CPU devices: no XLA overlap options
+  printed = capsys.readouterr().out
+  assert "collective bytes per step and device, by mesh axis" in printed and "fsdp: AG f32" in printed
+
+
+def test_time_budget_skips_rows_and_lists_them(tmp_path):
+  result = _run(tmp_path, "--variants", ";mesh.xla_overlap=false", "--time_budget_s", "0")
+  first, second = result["rows"]
+  assert "tokens_per_s" not in first and first["skipped"] == "time budget"
+  assert second["name"] == "layers_8b:bf16 [mesh.xla_overlap=False]" and second["skipped"] == "time budget"
