@@ -10,8 +10,4 @@ from train import config as train_config
 
 
 def get_config():
-  config = train_config.llama_8b()
-  config.recipe = "bitnet"
-  config.model.bitnet_norm_placement = "sub"
-  config.model.tie_embeddings = True
-  return config
+  return train_config.with_recipe(train_config.llama_8b(), "bitnet")  # with its 2B4T model fields
