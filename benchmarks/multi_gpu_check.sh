@@ -20,7 +20,7 @@
 # Results land in $OUT (JSON and logs); the last lines printed are a short table of every part.
 set -u
 OUT=${OUT:-/tmp/out}
-BUDGET_S=${BUDGET_S:-500}        # the whole call; the lent machine allows 10 minutes per command
+BUDGET_S=${BUDGET_S:-480}        # the whole call (+ at most ROW_S): under 9 minutes; the lent machine allows 10
 STEPS=${STEPS:-8}                # timed steps per row (8B-layer: ~0.2-0.4 s each on two H100s)
 WARMUP=${WARMUP:-2}
 PARTS=${PARTS:-"8b 1b loss"}
@@ -35,7 +35,8 @@ export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
 
-RECIPES_8B="configs/layers_8b.py:bf16,configs/layers_8b.py:int8,configs/layers_8b.py:fp8_tensorwise,configs/layers_8b.py:bitnet"
+L8=configs/layers_8b.py
+RECIPES_8B="$L8:bf16,$L8:int8,$L8:fp8_tensorwise,$L8:bitnet"
 CONFIGS_1B="configs/bf16_1b.py,configs/int8_1b.py,configs/fp8_1b.py,configs/bitnet_1b.py"
 LOSS_CONFIG=configs/bf16_125m.py
 SHRINK=()
@@ -55,8 +56,8 @@ throughput() {  # throughput NAME BUDGET_S CONFIGS VARIANTS [extra args]
   local name=$1 budget=$2 configs=$3 variants=$4
   shift 4
   python3 benchmarks/train_throughput.py --configs "$configs" --variants "$variants" --set mesh.fsdp=0 \
-    --steps "$STEPS" --warmup "$WARMUP" --time_budget_s "$budget" ${SHRINK[@]+"${SHRINK[@]}"} "$@" --out "$OUT/$name.json" \
-    > "$OUT/$name.log" 2>&1
+    --steps "$STEPS" --warmup "$WARMUP" --time_budget_s "$budget" ${SHRINK[@]+"${SHRINK[@]}"} "$@" \
+    --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/parts.txt"
 }
 
@@ -70,11 +71,13 @@ for part in $PARTS; do
       throughput 1b $(( $(left) - ROW_S )) "$CONFIGS_1B" ";mesh.xla_overlap=false" ;;
     loss)
       if [ "$(left)" -ge "$LOSS_MIN_S" ]; then
-        python3 benchmarks/grad_reduce_loss.py --config "$LOSS_CONFIG" --steps "$LOSS_STEPS" ${LOSS_SHRINK[@]+"${LOSS_SHRINK[@]}"} \
-          --workdir "$OUT/grad_reduce_runs" --out "$OUT/grad_reduce_loss.json" > "$OUT/grad_reduce_loss.log" 2>&1
+        python3 benchmarks/grad_reduce_loss.py --config "$LOSS_CONFIG" --steps "$LOSS_STEPS" \
+          ${LOSS_SHRINK[@]+"${LOSS_SHRINK[@]}"} --workdir "$OUT/grad_reduce_runs" --out "$OUT/grad_reduce_loss.json" \
+          > "$OUT/grad_reduce_loss.log" 2>&1
         echo "loss: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/parts.txt"
       else
-        echo "loss: skipped, $(left) s left (needs LOSS_MIN_S=$LOSS_MIN_S; run PARTS=loss alone)" | tee -a "$OUT/parts.txt"
+        echo "loss: skipped, $(left) s left (needs LOSS_MIN_S=$LOSS_MIN_S; run PARTS=loss alone)" \
+          | tee -a "$OUT/parts.txt"
       fi ;;
     *) echo "unknown part $part (8b, 1b, loss)" | tee -a "$OUT/parts.txt" ;;
   esac
