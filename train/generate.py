@@ -13,9 +13,12 @@ Schemes (``--scheme``):
   another checkpoint it runs, with a warning, and produces noise.
 
 Decoding: the prompt (``[BOS] + UTF-8 bytes``) fills the cache in one forward (prefill), then
-one token per step inside a ``lax.scan`` (no host round trip per token). Greedy by default
-(``--temperature 0``); ``--temperature T --top_k K --seed S`` samples. Prints the text, then
-prefill time and decode tokens/s (compilation excluded).
+one token per step inside a ``lax.scan`` (no host round trip per token), the cache donated and
+updated in place. Greedy by default (``--temperature 0``); ``--temperature T --top_k K --seed S``
+samples. ``--kv_cache_dtype int8`` keeps keys and values in int8 with one scale per token and kv
+head (:mod:`train.kv_cache`; about half the bytes attention reads per token); ``auto`` (default)
+keeps them in the compute dtype (bf16). Prints the text, then prefill time and decode tokens/s
+(compilation excluded).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from flax import traverse_util
 
 from jaxlowbit import inference
 from jaxlowbit.execution import ExecutionOptions
-from train import checkpoint, cli, data
+from train import checkpoint, cli, data, kv_cache
 from train.model import ModelConfig, Transformer
 from train.runs import load_run
 
@@ -74,11 +77,12 @@ def unstack_layers(params: Any, n_layers: int) -> Any:
 
 
 def prepare(model_config: ModelConfig, params: Any, scheme: str, filter_fqns=inference.params.DEFAULT_FILTER_FQNS,
-            scan_layers: bool = False, execution: ExecutionOptions | None = None):
+            scan_layers: bool = False, execution: ExecutionOptions | None = None, kv_cache_dtype: str = "auto"):
   """``(decode-mode model, inference params)`` for ``scheme``; the input params may be donated.
 
   ``execution`` is how the model and its converted linears run (the run's ``spec.execution``; None:
-  the library's defaults, the backend from ``$JAXLOWBIT_BACKEND``).
+  the library's defaults, the backend from ``$JAXLOWBIT_BACKEND``). ``kv_cache_dtype``: ``"auto"`` (keys
+  and values in the compute dtype) or ``"int8"`` (:mod:`train.kv_cache`).
 
   The converted linears' int8/packed leaves replace their kernels; every floating leaf left
   (embedding, norms, LM head) is cast to the compute dtype once, as the bf16 baseline's are.
@@ -88,12 +92,13 @@ def prepare(model_config: ModelConfig, params: Any, scheme: str, filter_fqns=inf
   """
   if scheme not in SCHEMES:
     raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+  kv_cache.check_kv_cache_dtype(kv_cache_dtype, "prepare")
   if scheme != "bf16":
     params = inference.quantize_params(params, scheme, filter_fqns=filter_fqns)
   if model_config.scan_layers and not scan_layers:
     params = unstack_layers(params, model_config.n_layers)
     model_config = dataclasses.replace(model_config, scan_layers=False)
-  model = Transformer(model_config, decode=True, execution=execution)
+  model = Transformer(model_config, decode=True, execution=execution, kv_cache_dtype=kv_cache_dtype)
   if scheme != "bf16":
     model = inference.convert_for_inference(model, scheme, execution=execution)
   keep_f32 = {inference.weights.KERNEL_SCALE, inference.weights.SMOOTH}
@@ -222,6 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--scan_layers", action="store_true",
                       help="keep nn.scan over the layers (default: unrolled, faster decode on GPU)")
+  parser.add_argument("--kv_cache_dtype", default="auto", choices=kv_cache.KV_CACHE_DTYPES,
+                      help="auto: keys and values in the compute dtype (bf16); int8: one scale per token and kv head")
   parser.add_argument("--filter_fqns", default="lm_head",
                       help="comma-separated layer paths kept high precision (default: lm_head)")
   return parser.parse_args(argv)
@@ -238,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     print(note, file=sys.stderr)
   linear_bytes = inference.weight_bytes(params)
   filter_fqns = tuple(f.strip() for f in args.filter_fqns.split(",") if f.strip())
-  model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers, spec.execution)
+  model, params = prepare(model_config, params, args.scheme, filter_fqns, args.scan_layers, spec.execution,
+                          args.kv_cache_dtype)
   tokenizer = data.tokenizer_for(spec.data.tokenizer)  # the run's own
   prompt = np.tile(tokenizer.encode_prompt(args.prompt), (args.batch_size, 1))
   result = generate(model, params, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
@@ -247,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
       f"\n[{args.scheme}] step {step}, recipe {spec.recipe}: parameters {inference.weight_bytes(params) / 2**20:.1f} "
       f"MiB (checkpoint float32 {linear_bytes / 2**20:.1f} MiB); prompt {prompt.shape[1]} tokens, prefill "
       f"{result.prefill_s * 1e3:.1f} ms; {result.tokens.shape[1]} new tokens x {args.batch_size}: decode "
-      f"{result.decode_tokens_per_s:.1f} tokens/s (compile {result.compile_s:.1f} s, {jax.devices()[0].device_kind})",
+      f"{result.decode_tokens_per_s:.1f} tokens/s, KV cache {args.kv_cache_dtype} (compile {result.compile_s:.1f} s, "
+      f"{jax.devices()[0].device_kind})",
       flush=True,
   )
   return 0

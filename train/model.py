@@ -75,6 +75,7 @@ from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, TensorParallel, TensorSplit
 from jaxlowbit_numerics.stats import Split
 from pallas_kernels.quantize import GATE_ACTIVATIONS
+from train import kv_cache
 
 # Named rematerialization policies (``ModelConfig.remat_policy``). "none" does not wrap the
 # block at all; the others are ``jax.checkpoint_policies`` that say what the backward may
@@ -541,6 +542,7 @@ class Attention(nn.Module):
   config: ModelConfig
   decode: bool = False
   execution: ExecutionOptions | None = None
+  kv_cache_dtype: str = "auto"  # decode: train.kv_cache.KV_CACHE_DTYPES
 
   @nn.compact
   def __call__(self, x, positions: jax.Array) -> jax.Array:
@@ -560,40 +562,15 @@ class Attention(nn.Module):
     q = rope(q.reshape(-1, t, q.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
     k = rope(k.reshape(-1, t, k.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
     v = v.reshape(-1, t, v.shape[-1] // hd, hd)
-    mask = None
-    if self.decode:  # the mask is None while initializing (that allocates the cache)
-      k, v, mask = kv_cache_update(self, k, v, positions)
+    # decode: the whole cache after this call's write (None while initializing, which allocates it)
+    cached = kv_cache.update(self, k, v, positions, self.kv_cache_dtype) if self.decode else None
     with jax.named_scope("attention_core"):
-      if mask is None:
+      if cached is None:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
       else:
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        out = kv_cache.attend(q, cached)
     return projection(c, out.reshape(-1, out.shape[2] * hd), "layers.attn.out", c.d_model, _residual_std(c),
                       execution=e)
-
-
-# ---------------------------------------------------------------------------------------------
-# KV cache (decode mode, used by train/generate.py). The cache is the "cache" collection:
-# ``key``/``value`` ``[B, max_len, n_kv_heads, head_dim]`` per layer (stacked ``[n_layers, ...]``
-# under nn.scan) and ``index`` (tokens written so far) on the Transformer. Its size is the
-# token length the decode-mode model is initialized with.
-
-
-def kv_cache_update(module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array):
-  """Write ``k``, ``v`` ``[B, T, kv_heads, head_dim]`` at ``positions [T]`` into the cache of ``module``.
-
-  Returns ``(keys, values, mask)``: the whole cache ``[B, S, kv_heads, head_dim]`` and a bool
-  mask ``[1, 1, T, S]`` letting query ``t`` see cached positions ``<= positions[t]``.
-  """
-  cached_k = module.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
-  cached_v = module.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
-  if module.is_initializing():
-    return k, v, None
-  start = positions[0]
-  cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, start, 0, 0))
-  cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, start, 0, 0))
-  mask = jnp.arange(cached_k.value.shape[1])[None, :] <= positions[:, None]
-  return cached_k.value, cached_v.value, mask[None, None]
 
 
 class Mlp(nn.Module):
@@ -631,6 +608,7 @@ class Block(nn.Module):
   config: ModelConfig
   decode: bool = False
   execution: ExecutionOptions | None = None
+  kv_cache_dtype: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
@@ -644,7 +622,7 @@ class Block(nn.Module):
     # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
     h = rms_norm(c, "attn_norm", e)(x, quantize_for=c.fused_input_recipe(*attn_paths),
                                     split=ProjectionLayout.of(attn_paths[0], e).input_split)
-    x = x + dropout(Attention(c, self.decode, e, name="attn")(h, positions).reshape(x.shape))
+    x = x + dropout(Attention(c, self.decode, e, self.kv_cache_dtype, name="attn")(h, positions).reshape(x.shape))
     h = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
                                    split=ProjectionLayout.of(mlp_paths[0], e).input_split)
     x = x + dropout(Mlp(c, e, name="mlp")(h).reshape(x.shape))
@@ -655,8 +633,10 @@ class Transformer(nn.Module):
   """The decoder: ``tokens [B, T] int32 -> logits [B, T, vocab_size] float32``.
 
   ``decode=True`` runs incrementally from a KV cache (the ``"cache"`` collection, see
-  :func:`kv_cache_update`): initializing with ``[B, max_len]`` tokens sizes the cache, and each
+  :mod:`train.kv_cache`): initializing with ``[B, max_len]`` tokens sizes the cache, and each
   apply with ``mutable=["cache"]`` appends its tokens at the positions after those already seen.
+  ``kv_cache_dtype``: ``"auto"`` keeps keys and values in the compute dtype, ``"int8"`` in int8 with
+  one scale per token and kv head (about half the bytes, dequantized inside attention).
 
   ``execution`` (:class:`jaxlowbit.ExecutionOptions`, None: the defaults) is how the model runs: the
   kernels' backend, its producers' fused quantizers, and its tensor-parallel context. It is handed to
@@ -667,6 +647,7 @@ class Transformer(nn.Module):
   config: ModelConfig
   decode: bool = False
   execution: ExecutionOptions | None = None
+  kv_cache_dtype: str = "auto"
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -676,6 +657,7 @@ class Transformer(nn.Module):
     tp = _tensor_parallel(e)
     if tp is not None and self.decode:
       raise ValueError("Transformer: decoding with a KV cache runs on one device, not tensor-parallel")
+    kv_cache.check_kv_cache_dtype(self.kv_cache_dtype, "Transformer")
     embed = nn.Embed(
         c.vocab_size,
         c.d_model,
@@ -704,10 +686,10 @@ class Transformer(nn.Module):
           in_axes=nn.broadcast,
           length=c.n_layers,
       )
-      x, _ = stack(c, self.decode, e, name="layers")(x, positions)
+      x, _ = stack(c, self.decode, e, self.kv_cache_dtype, name="layers")(x, positions)
     else:
       for i in range(c.n_layers):
-        x, _ = block(c, self.decode, e, name=f"layers_{i}")(x, positions)
+        x, _ = block(c, self.decode, e, self.kv_cache_dtype, name=f"layers_{i}")(x, positions)
 
     lead = x.shape[:-1]
     if c.tie_embeddings:
@@ -721,7 +703,6 @@ class Transformer(nn.Module):
 __all__ = [
     "ModelConfig",
     "Transformer",
-    "kv_cache_update",
     "param_count",
     "projection_paths",
     "rope",
