@@ -46,11 +46,21 @@ from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, check_gate_activation, round_to
 
 
-def fused_quantization(recipe: Recipe | None, options: ExecutionOptions | None = None) -> OperandQuantization | None:
-  """What a producer delivers for ``recipe``'s linear under ``options``, or None where it feeds it high precision."""
-  if recipe is None or not (options or ExecutionOptions()).fused_quantizers:
+def fused_quantization(recipe: Recipe | None, options: ExecutionOptions | None = None,
+                       split: Split = NO_SPLIT) -> OperandQuantization | None:
+  """What a producer delivers for ``recipe``'s linear under ``options``, or None where it feeds it high precision.
+
+  Rows split over the tensor axis (``options.tensor_parallel``; the producer feeds its gather): what
+  the gather sends (``TensorParallel.sent_quantization``: x^T is made after the gather, as a rule).
+  """
+  options = options or ExecutionOptions()
+  if recipe is None or not options.fused_quantizers:
     return None
-  return recipe.input_quantization()
+  how = recipe.input_quantization()
+  tp = options.tensor_parallel
+  if tp is not None and tp.axis_name in split.rows:
+    how = tp.sent_quantization(how)
+  return how
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +157,7 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
-  how = fused_quantization(recipe, options)
+  how = fused_quantization(recipe, options, split)
   if how is None:
     return rms_norm(x, scale, eps, dtype, split)
   # Inside shard_map the scale's gradient varies with the tokens: autodiff of this cast sums it.

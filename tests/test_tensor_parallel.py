@@ -23,6 +23,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from helpers import fresh_key
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fused
 from jaxlowbit.fsdp import gather_activation
+from jaxlowbit.operand import QuantizedMatrix
+from jaxlowbit.parallel.tensor import REQUANTIZE, TRANSPOSED_MODES, derives_transposed
 from jaxlowbit.recipes.base import quantize_operand
 from jaxlowbit_numerics.formats import QuantSpec, quantize
 from jaxlowbit_numerics.stats import Split
@@ -96,13 +98,21 @@ RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
-def test_gather_activation_is_the_whole_operand(recipe, mesh):
-  x = jax.random.normal(fresh_key(), (N * 8, 64), jnp.float32)
+@pytest.mark.parametrize("transposed", TRANSPOSED_MODES)
+def test_gather_activation_is_the_whole_operand(recipe, transposed, mesh):
+  """The rows as the whole matrix's quantization; x^T too where it is the rows' codes or it was sent
+  (SEND), else (REQUANTIZE) the gathered codes' values quantized per column, within half a step of
+  each quantization of x."""
+  x = jax.random.normal(fresh_key(), (N * 8, 64), jnp.float32) * jnp.linspace(0.1, 10, 64)
   how = recipe.input_quantization()
   want_rows, want_t = quantize_operand(x, how)
+  requantized = transposed == REQUANTIZE and not derives_transposed(how)
+  if requantized:
+    codes, scale = quantize(want_rows.dequantize(x.dtype), how.transposed, 0)  # per column, over all rows
+    want_t = QuantizedMatrix(codes.T, scale.reshape(-1, 1), how.transposed)
 
   def gathered(t):  # every device's copy of the whole operand, stacked
-    operand = gather_activation(t, recipe, AXIS)
+    operand = gather_activation(t, recipe, AXIS, transposed=transposed)
     parts = (operand.rows.data, operand.rows.scale, operand.transposed.data, operand.transposed.scale)
     return tuple(a[None] for a in parts)
 
@@ -112,6 +122,10 @@ def test_gather_activation_is_the_whole_operand(recipe, mesh):
     assert copies.shape == (N, *w.shape) and copies.dtype == w.dtype, (copies.shape, w.shape)
     for copy in copies:  # codes exactly; scales up to jit-vs-eager rounding of FP8's 1 / scale
       np.testing.assert_allclose(np.asarray(copy, np.float32), np.asarray(w, np.float32), rtol=1e-6 if i % 2 else 0)
+  if requantized and how.transposed.is_int8:  # two roundings of x: half a step of each scale at most
+    x_t = np.asarray(got[2][0], np.float32) * np.asarray(got[3][0])
+    bound = 0.5 * np.asarray(want_rows.scale).T + 0.5 * np.asarray(got[3][0])
+    assert np.all(np.abs(x_t - np.asarray(x).T) <= bound * (1 + 1e-5)), np.max(np.abs(x_t - np.asarray(x).T) / bound)
 
 
 def test_gather_gradient_is_the_summed_dx_reduce_scattered(mesh):

@@ -28,6 +28,7 @@ from jaxlowbit import BitNet, fsdp
 from jaxlowbit.recipes import named_recipes
 from jaxlowbit.optim import OPTIMIZERS
 from jaxlowbit.parallel.fsdp.config import GRAD_REDUCE_DTYPES
+from jaxlowbit.parallel.tensor import TRANSPOSED_MODES
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 from train.io.hf_config import model_config_from_hf, read_config
 from train.model import ModelConfig
@@ -118,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.fsdp.remat = "save_gathered"  # save_gathered | regather: gathered weight kept for the backward or not
   # float32 | bfloat16: what FSDP's gradient reduce-scatters sum in (bfloat16: half the bytes; FsdpConfig says more)
   config.fsdp.grad_reduce_dtype = "float32"
+  # requantize | send: a tensor-parallel gather's x^T for INT8 / FP8 rowwise grad_weight made from the
+  # gathered codes (1 byte per element on the tensor axis) or sent beside them (2; the unsplit numbers exactly)
+  config.fsdp.tensor_transposed = "requantize"
 
   # Logging, evaluation, checkpoints.
   config.log_every = 10
@@ -535,8 +539,11 @@ def fsdp_config(config: ml_collections.ConfigDict) -> fsdp.FsdpConfig:
   if options.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
     raise ConfigError(f"config.fsdp.grad_reduce_dtype={options.grad_reduce_dtype!r}; choose one of "
                       f"{GRAD_REDUCE_DTYPES}")
+  transposed = options.get("tensor_transposed", TRANSPOSED_MODES[0])  # configs saved before the field
+  if transposed not in TRANSPOSED_MODES:
+    raise ConfigError(f"config.fsdp.tensor_transposed={transposed!r}; choose one of {TRANSPOSED_MODES}")
   return fsdp.FsdpConfig(int8_weight_scaling=options.int8_weight_scaling, remat=options.remat,
-                         grad_reduce_dtype=options.grad_reduce_dtype)
+                         grad_reduce_dtype=options.grad_reduce_dtype, tensor_transposed=transposed)
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

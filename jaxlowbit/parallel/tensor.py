@@ -28,17 +28,27 @@ its features (per token over all K: ``pmax``) give the codes the unsplit matrix 
 tensor-parallel step computes what the same tokens compute on one device, up to the order of
 floating-point sums (and, for BitNet, the abs-mean weight scale summed over shards).
 
-What travels in one activation gather (per device, ``M / n`` rows of ``K``):
+What travels in one activation gather (per device, ``M / n`` rows of ``K``): the rows the forward
+GEMM reads, once, 1 byte per element plus a float32 scale per row. Where the recipe's grad_weight
+reads x^T with scales of its own (per input feature: INT8, FP8 rowwise), each device makes it after
+the gather from the gathered codes (:data:`REQUANTIZE`, the default): the rows dequantized to the
+compute dtype and quantized per column over the whole sequence, one more rounding than the unsplit
+step's quantization of x (grad_weight only; the forward and grad_input are unchanged). :data:`SEND`
+keeps the unsplit step's numbers exactly by quantizing x^T before the gather and sending it too
+(2 bytes per element):
 
-=====================  ======================================  =======================
-recipe                 message                                 bytes per element
-=====================  ======================================  =======================
-FP8 tensorwise         e4m3 rows (one scale: reduced first)    1 (x^T transposed after)
-BitNet                 int8 rows + per-token scales            1 (x^T: the rows' codes)
-INT8, FP8 rowwise      per-token rows + scales, and x^T per     2 (two quantizations)
-                       input feature (pmax-ed column scales)
-high precision         the compute dtype                       2 (bf16)
-=====================  ======================================  =======================
+=====================  ========================================  ===================================
+recipe                 message                                   bytes per element (REQUANTIZE/SEND)
+=====================  ========================================  ===================================
+FP8 tensorwise         e4m3 rows (one scale: reduced first)      1 / 1 (x^T: the rows' codes)
+BitNet                 int8 rows + per-token scales              1 / 1 (x^T: the rows' codes)
+INT8, FP8 rowwise      per-token rows + scales                   1 / 2 (SEND: and x^T per input
+                                                                 feature, column scales pmax-ed)
+high precision         the compute dtype                         2 / 2 (bf16)
+=====================  ========================================  ===================================
+
+The row-parallel backward's gather of ``g`` travels the same way (INT8's g per output feature for
+grad_weight is requantized from the gathered per-token codes under :data:`REQUANTIZE`).
 
 :func:`jaxlowbit.parallel.apply` hands the model its :class:`TensorParallel` explicitly: a model
 that declares an ``execution`` field runs as ``model.clone(execution=...)`` with
@@ -76,6 +86,18 @@ class TensorSplit(enum.Enum):
 
 COLUMN, ROW, FEATURES = TensorSplit.COLUMN, TensorSplit.ROW, TensorSplit.FEATURES
 
+# How a gathered operand's transposed copy (x^T for grad_weight) is made where the recipe quantizes
+# it with scales of its own (module docstring). REQUANTIZE: after the gather, from the gathered rows'
+# codes (1 byte per element crosses the axis); SEND: quantized before the gather and sent with the
+# rows (2 bytes per element, the unsplit step's numbers exactly).
+REQUANTIZE, SEND = "requantize", "send"
+TRANSPOSED_MODES = (REQUANTIZE, SEND)
+
+
+def check_transposed_mode(mode: str, who: str = "tensor parallelism") -> None:
+  if mode not in TRANSPOSED_MODES:
+    raise ValueError(f"{who}: transposed={mode!r}; choose one of {TRANSPOSED_MODES} (jaxlowbit.parallel.tensor)")
+
 
 def _rows_slice(a: jax.Array, axis_name: str) -> jax.Array:
   """This device's ``[M / n, ...]`` contiguous rows of ``a [M, ...]``."""
@@ -99,51 +121,78 @@ class _GatherLayout:
   how: OperandQuantization | None  # None: the rows travel in their own (high-precision) dtype
   low_bit_input: bool  # the rows arrive quantized (a fused producer's operand)
   options: ExecutionOptions = ExecutionOptions()  # resolved: the backend the rows are quantized on
+  transposed: str = REQUANTIZE  # how a transposed copy with scales of its own is made (TRANSPOSED_MODES)
 
   @property
   def derived_transposed(self) -> bool:
     """Whether the transposed layout is the gathered rows' codes transposed (so it does not travel):
     BitNet's rows' codes, or one scale per tensor in both layouts (FP8 tensorwise)."""
-    how = self.how
-    if how.transposed_from_rows:
-      return True
-    return how.transposed is not None and how.transposed == how.rows and how.rows.per_tensor
+    return derives_transposed(self.how)
+
+  @property
+  def sends_transposed(self) -> bool:
+    """Whether x^T is quantized before the gather and travels beside the rows (SEND)."""
+    return self.how.transposed is not None and not self.derived_transposed and self.transposed == SEND
+
+  @property
+  def sent(self) -> OperandQuantization:
+    """What this device quantizes before the gather: the rows, and x^T only where it travels."""
+    return self.how if self.sends_transposed else OperandQuantization(self.how.rows)
 
 
-def _gather_quantized(rows: QuantizedMatrix | None, transposed: QuantizedMatrix | None, layout: _GatherLayout,
+def derives_transposed(how: OperandQuantization) -> bool:
+  """Whether ``how``'s transposed layout is its rows' codes transposed, so a gather derives it exactly:
+  BitNet's (``transposed_from_rows``), or one scale per tensor in both layouts (FP8 tensorwise)."""
+  if how.transposed_from_rows:
+    return True
+  return how.transposed is not None and how.transposed == how.rows and how.rows.per_tensor
+
+
+def sent_quantization(how: OperandQuantization | None, transposed: str = REQUANTIZE) -> OperandQuantization | None:
+  """What the producer of a gathered activation quantizes (``how``: what its readers read): the rows
+  alone, unless ``transposed`` is :data:`SEND` and x^T has scales of its own (then ``how``)."""
+  if how is None or (transposed == SEND and how.transposed is not None and not derives_transposed(how)):
+    return how
+  return OperandQuantization(how.rows)
+
+
+def _gather_quantized(rows: QuantizedMatrix, transposed: QuantizedMatrix | None, layout: _GatherLayout,
                       carrier: jax.Array) -> LowBitOperand:
-  """One all-gather of this device's quantized rows (and x^T where it cannot be derived) -> the whole operand.
+  """One all-gather of this device's quantized rows (and x^T under SEND) -> the whole operand.
 
   ``carrier``: this device's ``[M / n, K]`` carrier or array (dtype, varying axes of the result's carrier).
+  ``transposed``: this device's x^T ``[K, M / n]``, read only where it travels (``layout.sends_transposed``).
   """
   axis, how = layout.axis_name, layout.how
   m, k = carrier.shape
-  parts, layouts = [], []
-  if rows is not None:
-    parts.append(rows.data)
-    layouts.append(((m, k), rows.data.dtype))
-    if not rows.per_tensor:  # per-token scales differ per device; reduced ones are the same everywhere
-      parts.append(rows.scale)
-      layouts.append(((m, 1), jnp.float32))
-  send_transposed = transposed is not None and not layout.derived_transposed
-  if send_transposed:
+  parts, layouts = [rows.data], [((m, k), rows.data.dtype)]
+  if not rows.per_tensor:  # per-token scales differ per device; reduced ones are the same everywhere
+    parts.append(rows.scale)
+    layouts.append(((m, 1), jnp.float32))
+  if layout.sends_transposed:
+    if transposed is None:
+      raise ValueError(f"gather: transposed={SEND!r} but the rows arrived without their x^T; quantize them with "
+                       "sent_quantization(how, SEND)")
     parts.append(transposed.data)
     layouts.append(((k, m), transposed.data.dtype))
   messages = lax.all_gather(wire.pack(parts), axis, axis=0, tiled=False)  # [n, L]: the one collective
   n = messages.shape[0]
   unpacked = iter(wire.unpack(messages, layouts))
-  whole_rows = whole_t = None
-  if rows is not None:
-    data = next(unpacked).reshape(n * m, k)
-    scale = rows.scale if rows.per_tensor else next(unpacked).reshape(n * m, 1)
-    whole_rows = QuantizedMatrix(data, scale, rows.spec)
-  if send_transposed:
+  data = next(unpacked).reshape(n * m, k)
+  scale = rows.scale if rows.per_tensor else next(unpacked).reshape(n * m, 1)
+  whole_rows = QuantizedMatrix(data, scale, rows.spec)
+  whole_t = None
+  if layout.sends_transposed:
     data = jnp.transpose(next(unpacked), (1, 0, 2)).reshape(k, n * m)  # [n, K, M/n] -> [K, M]
     whole_t = QuantizedMatrix(data, transposed.scale, transposed.spec)  # per input feature: reduced, the same
-  elif transposed is not None:
+  elif layout.derived_transposed:
     # The rows' codes transposed (BitNet: scales per token; FP8 tensorwise: the one scale).
-    scale = whole_rows.scale if whole_rows.per_tensor else whole_rows.scale.reshape(1, -1)
-    whole_t = QuantizedMatrix(whole_rows.data.T, scale, transposed.spec)
+    t_scale = whole_rows.scale if whole_rows.per_tensor else whole_rows.scale.reshape(1, -1)
+    whole_t = QuantizedMatrix(whole_rows.data.T, t_scale, how.transposed or how.rows)
+  elif how.transposed is not None:
+    # REQUANTIZE: x^T per input feature over the whole sequence, from the gathered codes (all local now).
+    values = whole_rows.dequantize(carrier.dtype)
+    _, whole_t = quantize_operand(values, OperandQuantization(None, how.transposed), layout.options.dispatch())
   return LowBitOperand(whole_rows, whole_t, carrier_like((n * m, k), carrier.dtype, carrier))
 
 
@@ -154,7 +203,7 @@ def _gather_rows(x, layout: _GatherLayout):
   if layout.how is None:
     return lax.all_gather(x, layout.axis_name, axis=0, tiled=True)
   # Amaxes over tokens reduce over all devices' tokens: the scales of the whole sequence.
-  rows, transposed = quantize_operand(x, layout.how, layout.options.dispatch(Split(rows=(layout.axis_name,))))
+  rows, transposed = quantize_operand(x, layout.sent, layout.options.dispatch(Split(rows=(layout.axis_name,))))
   return _gather_quantized(rows, transposed, layout, x)
 
 
@@ -178,7 +227,8 @@ def _gather_bwd(layout, _, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_activation(x, recipe: Recipe | None, axis_name: str, options: ExecutionOptions | None = None):
+def gather_activation(x, recipe: Recipe | None, axis_name: str, options: ExecutionOptions | None = None,
+                      transposed: str = REQUANTIZE):
   """This device's rows ``[M / n, K]`` -> the whole ``[M, K]``, all-gathered over ``axis_name``.
 
   Args:
@@ -189,12 +239,17 @@ def gather_activation(x, recipe: Recipe | None, axis_name: str, options: Executi
       (or a recipe that reads x in high precision) gathers the array in its dtype.
     axis_name: the tensor mesh axis.
     options: the backend the rows are quantized on (:class:`jaxlowbit.ExecutionOptions`; None: the defaults).
+    transposed: how x^T is made where it has scales of its own (:data:`REQUANTIZE`: from the gathered
+      codes; :data:`SEND`: quantized here and sent too). A low-bit x must carry what
+      :func:`sent_quantization` says for it (x^T only under SEND).
 
   Returns:
     A ``[M, K]`` low-bit operand quantized as ``recipe.input_quantization()`` says, with scales
-    of the whole matrix, moved in ONE all-gather; or the gathered array. Its gradient (the sum
-    of its readers' ``dx``) is reduce-scattered back to ``[M / n, K]`` in the compute dtype.
+    of the whole matrix (x^T: as ``transposed`` says), moved in ONE all-gather; or the gathered
+    array. Its gradient (the sum of its readers' ``dx``) is reduce-scattered back to ``[M / n, K]``
+    in the compute dtype.
   """
+  check_transposed_mode(transposed, "gather")
   how = None if recipe is None else recipe.input_quantization()
   if is_low_bit(x):
     if how is None:
@@ -203,7 +258,7 @@ def gather_activation(x, recipe: Recipe | None, axis_name: str, options: Executi
       raise ValueError(f"gather: a low-bit x must be [M / n, K], got shape {x.shape}")
   elif x.ndim != 2:
     raise ValueError(f"gather: x must be this device's rows [M / n, K], got shape {x.shape}")
-  return _gather(x, _GatherLayout(axis_name, how, is_low_bit(x), resolve(options)))
+  return _gather(x, _GatherLayout(axis_name, how, is_low_bit(x), resolve(options), transposed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,10 +309,12 @@ class RowParallel:
   backward: this device's ``g [M / n, N]`` is quantized as ``recipe.gradient_quantization()``
   says (amaxes over tokens reduced over the axis) and all-gathered 8-bit in one collective, or
   gathered in its dtype when the recipe reads g in high precision; then the recipe's backward
-  runs on the whole ``[M, N]`` gradient.
+  runs on the whole ``[M, N]`` gradient. ``transposed``: how g's per-output-feature copy for
+  grad_weight is made where it has scales of its own (:data:`TRANSPOSED_MODES`).
   """
 
   axis_name: str
+  transposed: str = REQUANTIZE
 
   @property
   def forward_split(self) -> Split:
@@ -271,7 +328,8 @@ class RowParallel:
     return lax.psum_scatter(y, self.axis_name, scatter_dimension=0, tiled=True)
 
   def gather_gradient(self, g: jax.Array, recipe: Recipe, options: ExecutionOptions):
-    return _gather_rows(g, _GatherLayout(self.axis_name, recipe.gradient_quantization(), False, resolve(options)))
+    layout = _GatherLayout(self.axis_name, recipe.gradient_quantization(), False, resolve(options), self.transposed)
+    return _gather_rows(g, layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,10 +343,17 @@ class TensorParallel:
   Attributes:
     axis_name: the tensor mesh axis.
     size: devices on it.
+    transposed: how a gathered operand's transposed copy with scales of its own is made:
+      :data:`REQUANTIZE` (default; 1 byte per element crosses the axis) or :data:`SEND` (2 bytes, the
+      unsplit step's numbers exactly); module docstring.
   """
 
   axis_name: str
   size: int
+  transposed: str = REQUANTIZE
+
+  def __post_init__(self):
+    check_transposed_mode(self.transposed, "TensorParallel")
 
   @property
   def token_split(self) -> Split:
@@ -310,13 +375,18 @@ class TensorParallel:
   def gather(self, x, recipe: Recipe | None, options: ExecutionOptions | None = None):
     """:func:`gather_activation` over this axis: this device's rows -> the whole sequence (8-bit where
     ``recipe`` reads it so)."""
-    return gather_activation(x, recipe, self.axis_name, options)
+    return gather_activation(x, recipe, self.axis_name, options, self.transposed)
+
+  def sent_quantization(self, how: OperandQuantization | None) -> OperandQuantization | None:
+    """What a producer of this device's rows quantizes for a gather whose readers read ``how``
+    (:func:`sent_quantization`): the rows, and x^T only where it travels."""
+    return sent_quantization(how, self.transposed)
 
   def column(self) -> ColumnParallel:
     return ColumnParallel(self.axis_name)
 
   def row(self) -> RowParallel:
-    return RowParallel(self.axis_name)
+    return RowParallel(self.axis_name, self.transposed)
 
 
 def tensor_parallel(execution: ExecutionOptions | None) -> TensorParallel | None:
@@ -333,7 +403,13 @@ __all__ = [
     "ColumnParallel",
     "RowParallel",
     "TensorParallel",
+    "REQUANTIZE",
+    "SEND",
+    "TRANSPOSED_MODES",
     "TensorSplit",
+    "derives_transposed",
     "gather_activation",
+    "check_transposed_mode",
+    "sent_quantization",
     "tensor_parallel",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from jaxlowbit.parallel.mesh import MeshAxes
+from jaxlowbit.parallel.tensor import REQUANTIZE, check_transposed_mode
 from jaxlowbit.scaling import INT8_WEIGHT_SCALINGS
 
 REMAT_MODES = ("save_gathered", "regather")
@@ -48,11 +49,16 @@ class FsdpConfig(MeshAxes):
       (relative error <= 2^-9) before the sum, and the collective adds in bfloat16.
       The gradient all-reduce over the ``data`` axis (HSDP) and of replicated parameters stays in
       the parameter's dtype.
+    tensor_transposed: how a tensor-parallel gather makes x^T (and g's copy) where the recipe scales it
+      on its own (INT8, FP8 rowwise): ``"requantize"`` (default) from the gathered codes, 1 byte per
+      element on the tensor axis; ``"send"`` quantized before the gather and sent too, 2 bytes, the
+      unsplit step's numbers exactly (``jaxlowbit.parallel.tensor``).
   """
 
   int8_weight_scaling: Literal["tensor", "row"] = "row"
   remat: Literal["save_gathered", "regather"] = "save_gathered"
   grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+  tensor_transposed: Literal["requantize", "send"] = REQUANTIZE
 
   def __post_init__(self):
     super().__post_init__()
@@ -65,6 +71,7 @@ class FsdpConfig(MeshAxes):
     if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
       raise ValueError(f"FsdpConfig.grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got "
                        f"{self.grad_reduce_dtype!r}")
+    check_transposed_mode(self.tensor_transposed, "FsdpConfig.tensor_transposed")
 
 
 __all__ = ["GRAD_REDUCE_DTYPES", "REMAT_MODES", "FsdpConfig"]

@@ -117,7 +117,9 @@ class FsdpPlan:
   @property
   def tensor_parallel(self) -> TensorParallel | None:
     """The tensor axis the model runs over inside ``shard_map``, or None (size 1 or no mesh)."""
-    return TensorParallel(self.config.tensor_axis, self.tensor_size) if self.tensor_size > 1 else None
+    if self.tensor_size == 1:
+      return None
+    return TensorParallel(self.config.tensor_axis, self.tensor_size, self.config.tensor_transposed)
 
   def collective(self, path: Path) -> ColumnParallel | RowParallel | None:
     """The tensor-parallel collective of the linear whose kernel is at ``path`` (None: not split)."""
