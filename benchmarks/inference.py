@@ -1,21 +1,29 @@
-"""Low-bit inference: one linear's latency per M and scheme, weight memory, and 1B decode tokens/s.
+"""Low-bit inference: one linear's latency and bandwidth per M and scheme, and 1B decode tokens/s.
 
-    PYTHONPATH=. python benchmarks/inference.py --out benchmarks/results/inference_h100.json
+    PYTHONPATH=. python benchmarks/inference.py --out benchmarks/results/inference_h100.json   # ~5 min, H100
+    PYTHONPATH=. python benchmarks/inference.py --smoke --out /tmp/inference_cpu.json            # CPU, ~2 min
 
-1. Linear ``y = x @ W`` for ``W`` 4096 x 14336 and 14336 x 4096 (K x N, Llama-3-8B MLP shapes)
-   at M = 1 ... 4096 tokens: ``bf16`` (XLA, bf16 weights) against the converted schemes run
-   through ``jaxlowbit.inference.quantized_linear`` (what a converted model runs, activation
-   quantization included) on the default dispatch, plus ``*_xla`` (``JAXLOWBIT_BACKEND=xla``:
-   the reference path) and ``w8a16_kernel`` (the Triton kernel forced at every M) so the
-   crossover of each path shows. Every row is first checked against the XLA path of its scheme.
-2. Weight bytes of that linear per scheme.
-3. Decode tokens/s of the ~1B model (``configs/bf16_1b.py``; ``configs/bitnet_1b.py`` for
-   ternary, which adds BitNet's norms), random weights, batch ``--decode-batch``, after a
-   ``--prompt-len`` prefill, ``--new-tokens`` steps in one ``lax.scan`` (``train.generate``).
+Every time is the median of ``--runs`` (>= 5) timed runs, with their min and max; a row whose
+spread ``(max - min) / median`` exceeds 15% is marked ``unstable`` (issue 28: a swing that large is a bug).
 
-Prints a table last, writes JSON to ``--out`` and, when matplotlib is importable, a crossover
-plot next to it (``.png``). One process, ~5 minutes on one H100/H200 with the defaults. On
-CPU, ``--shapes 256,512 --m 1 16 --decode-config tiny`` checks that it runs.
+1. Linear ``y = x @ W`` (``W`` K x N) for the Llama-3-8B MLP shapes in both orientations (4096 x 14336,
+   14336 x 4096) and its attention shapes (the fused qkv 4096 x 6144, the output 4096 x 4096), at
+   M = 1, 4, 16 tokens: ``bf16`` (XLA, bf16 weights) against the converted schemes run through
+   ``jaxlowbit.inference.quantized_linear`` (what a converted model runs, activation quantization
+   included) on the default dispatch. ``--variants`` adds ``*_xla`` (the reference path) and
+   ``w8a16_kernel`` (the Triton kernel forced). Each row: microseconds, the bandwidth reached
+   (``(weight bytes + activation bytes in and out) / time``, GB/s) and that bandwidth as a % of the
+   bf16 row's; every row is first checked against the XLA path of its scheme.
+2. Weight bytes of each linear per scheme.
+3. Decode tokens/s of the ~1B model (``configs/bf16_1b.py``; ``configs/bitnet_1b.py`` for ternary, which
+   adds BitNet's norms), random weights, ``train.generate``'s prefill and ``lax.scan`` decode: each scheme at
+   ``--decode-batches`` (1 and 8) after a ``--prompt-len`` prompt, then ``--long-schemes`` at a
+   ``--long-context`` cache (2048 tokens, prompt filling all but ``--new-tokens``) with the bf16 and the
+   int8 KV cache. Each decode row also counts the cache-sized copies in the compiled step
+   (``train.kv_cache.cache_copies``; 0 = the cache is written in place).
+
+Prints tables last, writes JSON to ``--out`` and, when matplotlib is importable, a plot next to it
+(``.png``).
 """
 
 from __future__ import annotations
@@ -33,12 +41,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import table, time_ms, write_json  # noqa: E402
+from benchmarks.common import table, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
-SHAPES = ((4096, 14336), (14336, 4096))  # (K, N)
-MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+# (K, N): Llama-3-8B's MLP up/gate and down, its fused q/k/v (4096 + 2 x 1024 outputs) and attention output.
+SHAPES = ((4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096))
+MS = (1, 4, 16)
+MIN_RUNS = 5
+# A spread (max - min) / median above this marks a row unstable (issue 28).
+UNSTABLE_SPREAD = 0.15
+ACTIVATION_BYTES = 2  # bf16 x in, bf16 y out
+SMOKE = dict(shapes=["256,512", "512,256"], m=[1, 4], decode_config="tiny", decode_batches=[1, 2], long_context=64,
+             new_tokens=9, prompt_len=8, iters=3, layers=2)
 # variant -> (scheme, forced backend or None for the default dispatch)
 VARIANTS = {
     "bf16": (None, None),
@@ -50,12 +65,38 @@ VARIANTS = {
     "ternary": ("ternary", None),
     "ternary_xla": ("ternary", "xla"),
 }
-# Issue 7 targets (speed-up over bf16): w8a16 for M <= 16, ternary at M = 1, w8a8 for M >= 1024.
-TARGETS = {"w8a16": (lambda m: m <= 16, 1.6), "ternary": (lambda m: m == 1, 2.5), "w8a8": (lambda m: m >= 1024, 1.5)}
+# Issue 28 targets per linear (speed-up over bf16): (largest M it applies to, target), the first that applies.
+TARGETS = {"ternary": ((1, 3.0), (16, 2.0)), "w8a16": ((1, 1.8), (16, 1.5)), "w8a8": ((1, 1.8), (16, 1.5))}
+
+
+def target_for(scheme: str, m: int) -> float | None:
+  return next((target for max_m, target in TARGETS.get(scheme, ()) if m <= max_m), None)
 # Agreement with the scheme's XLA path: int8-activation schemes are bit-identical; w8a16 sums in
 # another order (float32) and rounds to bf16 once.
 CHECK_REL_ERR = {"w8a16": 1e-2, "w8a8": 1e-6, "ternary": 1e-6}
 DECODE_CONFIGS = {"1b": ("configs/bf16_1b.py", "configs/bitnet_1b.py"), "tiny": ("configs/tiny.py", "configs/tiny.py")}
+
+
+def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int = 1) -> dict:
+  """Microseconds per call (divided by ``per_call``) of ``fn(*args)``: median, min and max of ``runs`` timed runs
+  of ``iters`` back-to-back calls (no host sync inside a run), after ``warmup`` calls; ``unstable`` when the
+  spread exceeds :data:`UNSTABLE_SPREAD`."""
+  out = None
+  for _ in range(warmup):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  samples = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) * 1e6 / iters / per_call)
+  median = float(np.median(samples))
+  stats = {"us": median, "us_min": min(samples), "us_max": max(samples), "runs": runs}
+  stats["spread"] = (stats["us_max"] - stats["us_min"]) / median
+  stats["unstable"] = stats["spread"] > UNSTABLE_SPREAD
+  return stats
 
 
 def rel_err(a, b) -> float:
@@ -87,8 +128,9 @@ def chain(fn):
   return jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
 
 
-def bench_linears(shapes, ms, variants, iters: int, reps: int, layers: int) -> list[dict]:
-  """Per (K, N), M and variant: microseconds per linear, averaged over a chain of ``layers`` distinct weights."""
+def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> list[dict]:
+  """Per (K, N), M and variant: microseconds per linear (median, min, max of ``runs``), each run ``iters`` calls
+  of a chain of ``layers`` distinct weights; the bandwidth reached and its share of the bf16 row's."""
   rows = []
   for k, n in shapes:
     kw, kx = jax.random.split(jax.random.key(k * 31 + n))
@@ -104,7 +146,7 @@ def bench_linears(shapes, ms, variants, iters: int, reps: int, layers: int) -> l
     for m in ms:
       xs = [jax.random.normal(jax.random.fold_in(kx, m * 1000 + i), (m, k), jnp.float32).astype(jnp.bfloat16)
             for i in range(layers)]
-      base_us, xla_out = None, {}
+      base_us, base_gbps, xla_out = None, None, {}
       for variant in variants:
         scheme, backend = VARIANTS[variant]
         ws = weights[scheme or "bf16"]
@@ -120,13 +162,16 @@ def bench_linears(shapes, ms, variants, iters: int, reps: int, layers: int) -> l
                 xla_out[scheme] = jax.jit(fn)(xs[0], ws[0])
             row["rel_err_vs_xla"] = rel_err(out, xla_out[scheme])
             row["ok"] = row["rel_err_vs_xla"] <= CHECK_REL_ERR[scheme]
-          us = time_ms(compiled, xs, ws, iters=iters, reps=reps) * 1e3 / layers
-          row["us"] = us
+          row.update(time_runs(compiled, xs, ws, iters=iters, runs=runs, per_call=layers))
+          us = row["us"]
+          moved = mem[scheme or "bf16"] + ACTIVATION_BYTES * m * (k + n)
+          row["gbps"] = moved / (us * 1e-6) / 1e9
+          row["weight_gbps"] = mem[scheme or "bf16"] / (us * 1e-6) / 1e9
           if variant == "bf16":
-            base_us = us
+            base_us, base_gbps = us, row["gbps"]
           if base_us:
             row["speedup"] = base_us / us
-          row["weight_gbps"] = mem[scheme or "bf16"] / (us * 1e-6) / 1e9
+            row["pct_of_bf16_gbps"] = 100 * row["gbps"] / base_gbps
         except Exception as e:  # keep going: one failing variant must not lose the run
           row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
           traceback.print_exc()
@@ -146,7 +191,7 @@ SWEEP = {
 }
 
 
-def bench_kernel_sweep(shapes, iters: int, reps: int, layers: int) -> list[dict]:
+def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int) -> list[dict]:
   """The Pallas kernels alone at M = 1 for each tiling in :data:`SWEEP` (chained like the linears)."""
   from pallas_kernels import int8_gemv, w8a16
 
@@ -186,8 +231,8 @@ def bench_kernel_sweep(shapes, iters: int, reps: int, layers: int) -> list[dict]
             args, nbytes = (xq, wp if packed else wq), n * k_bytes
           row["split_k"] = config.split_k
           compiled = fn.lower(*args).compile()
-          us = time_ms(compiled, *args, iters=iters, reps=reps) * 1e3 / layers
-          row.update(us=us, weight_gbps=nbytes / (us * 1e-6) / 1e9)
+          row.update(time_runs(compiled, *args, iters=iters, runs=runs, per_call=layers))
+          row["weight_gbps"] = nbytes / (row["us"] * 1e-6) / 1e9
         except Exception as e:
           row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -195,49 +240,94 @@ def bench_kernel_sweep(shapes, iters: int, reps: int, layers: int) -> list[dict]
   return rows
 
 
-def bench_decode(config_files, schemes, batch: int, prompt_len: int, new_tokens: int, reps: int,
-                 scan_layers: bool = False) -> list[dict]:
+def _decode_cases(schemes, batches, prompt_len, long_schemes, long_context, new_tokens):
+  """``(scheme, kv_cache_dtype, batch, cache start)`` to time: every scheme and batch after a short prompt, then
+  ``long_schemes`` with each KV cache dtype at a ``long_context`` cache."""
+  from train.kv_cache import KV_CACHE_DTYPES
+
+  cases = [(scheme, "auto", b, prompt_len) for scheme in schemes for b in batches]
+  if long_context:
+    cases += [(scheme, kv, b, long_context - new_tokens) for scheme in long_schemes for kv in KV_CACHE_DTYPES
+              for b in batches]
+  return cases
+
+
+def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: int, runs: int, long_schemes=(),
+                 long_context: int = 0, scan_layers: bool = False) -> list[dict]:
+  """Decode ms/token and tokens/s (median, min, max of ``runs``) per (scheme, KV cache dtype, batch, context).
+
+  Short-context rows prefill a ``prompt_len`` random prompt (``train.generate``'s prefill); long-context rows
+  start from a zero cache whose index says ``long_context - new_tokens`` tokens are in it: a step's attention
+  reads all S cached positions whatever they hold, so the time is that of a real cache, without a 2k-token
+  prefill to compile and run per row.
+  """
   from train import config as train_config
+  from train import kv_cache
   from train.generate import init_cache, make_generator, prepare
   from train.model import Transformer
 
+  cases = _decode_cases(schemes, batches, prompt_len, long_schemes, long_context, new_tokens)
   rows = []
-  for scheme in schemes:
+  for scheme in dict.fromkeys(case[0] for case in cases):  # each scheme's weights built and converted once
     path = config_files[1] if scheme == "ternary" else config_files[0]
-    row = {"config": path, "scheme": scheme, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
-           "scan_layers": scan_layers}
+    mine = [case for case in cases if case[0] == scheme]
     try:
-      config = train_config.load_file(path)
-      model_config = train_config.model_config(config)
-      start = time.perf_counter()
-      params = jax.jit(Transformer(model_config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-      model, params = prepare(model_config, params, scheme, scan_layers=scan_layers)
-      row["params_gib"] = inference.weight_bytes(params) / 2**30
-      gen = make_generator(model, new_tokens)
-      prompt = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, 256)
-      cache = init_cache(model, batch, prompt_len + new_tokens)
-      key = jax.random.key(2)
-      prefill = gen.prefill.lower(params, cache, prompt, key).compile()
-      decode = gen.decode.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), key).compile()
-      row["setup_s"] = time.perf_counter() - start
-      times = []
-      for _ in range(reps):
-        cache = init_cache(model, batch, prompt_len + new_tokens)
-        cache, token = jax.block_until_ready(prefill(params, cache, prompt, key))
-        start = time.perf_counter()
-        jax.block_until_ready(decode(params, cache, token, key))
-        times.append(time.perf_counter() - start)
-      decode_s = float(np.median(times))
-      row.update(decode_ms_per_token=decode_s * 1e3 / (new_tokens - 1),
-                 tokens_per_s=batch * (new_tokens - 1) / decode_s)
-      del params, cache
+      model_config = train_config.model_config(train_config.load_file(path))
+      master = jax.jit(Transformer(model_config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+      prepared = {kv: prepare(model_config, master, scheme, scan_layers=scan_layers, kv_cache_dtype=kv)
+                  for kv in dict.fromkeys(case[1] for case in mine)}
+      del master
     except Exception as e:
-      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       traceback.print_exc()
-    rows.append(row)
-    print(row, flush=True)
-  base = next((r.get("tokens_per_s") for r in rows if r["scheme"] == "bf16"), None)
-  for r in rows:
+      rows += [{"config": path, "scheme": scheme, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+      continue
+    for _, kv, batch, start_len in mine:
+      long = start_len != prompt_len or kv != "auto"
+      row = {"config": path, "scheme": scheme, "kv_cache": kv, "batch": batch, "context": start_len + new_tokens,
+             "prefill": not long, "new_tokens": new_tokens, "scan_layers": scan_layers}
+      try:
+        model, params = prepared[kv]
+        row["params_gib"] = inference.weight_bytes(params) / 2**30
+        gen = make_generator(model, new_tokens)
+        key = jax.random.key(2)
+        max_len = start_len + new_tokens
+        prompt = jax.random.randint(jax.random.key(1), (batch, start_len), 0, model_config.vocab_size)
+
+        def fresh_cache():
+          cache = init_cache(model, batch, max_len)
+          return {**cache, "index": jnp.full((), start_len, jnp.int32)} if long else cache
+
+        cache = fresh_cache()
+        row["cache_mib"] = inference.weight_bytes(cache) / 2**20
+        start = time.perf_counter()
+        prefill = None if long else gen.prefill.lower(params, cache, prompt, key).compile()
+        decode = gen.decode.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), key).compile()
+        row["compile_s"] = time.perf_counter() - start
+        row["cache_copies"] = len(kv_cache.cache_copies(decode.as_text(), cache))
+        samples = []
+        for _ in range(runs + 1):  # the first run warms up
+          cache = fresh_cache()
+          token = jnp.zeros((batch,), jnp.int32)
+          if prefill is not None:
+            cache, token = prefill(params, cache, prompt, key)
+          jax.block_until_ready((cache, token))
+          start = time.perf_counter()
+          jax.block_until_ready(decode(params, cache, token, key))
+          samples.append((time.perf_counter() - start) * 1e3 / (new_tokens - 1))
+        samples = samples[1:]
+        median = float(np.median(samples))
+        row.update(ms_per_token=median, ms_min=min(samples), ms_max=max(samples), runs=runs,
+                   spread=(max(samples) - min(samples)) / median, tokens_per_s=batch * 1e3 / median)
+        row["unstable"] = row["spread"] > UNSTABLE_SPREAD
+      except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+      rows.append(row)
+      print(row, flush=True)
+    del prepared
+  for r in rows:  # against bf16 weights with the bf16 cache at the same batch and context
+    base = next((b.get("tokens_per_s") for b in rows if b.get("scheme") == "bf16" and b.get("kv_cache") == "auto"
+                 and (b.get("batch"), b.get("context")) == (r.get("batch"), r.get("context"))), None)
     if base and r.get("tokens_per_s"):
       r["speedup"] = r["tokens_per_s"] / base
   return rows
@@ -252,10 +342,13 @@ def summary(rows: list[dict]) -> list[dict]:
       for r in rows:
         if (r["k"], r["n"], r["m"]) == (k, n, m) and "us" in r:
           cell[f"{r['variant']}_us"] = r["us"]
+          cell[f"{r['variant']}_gbps"] = r.get("gbps")
           if r["variant"] in ("w8a16", "w8a8", "ternary"):
             cell[f"{r['variant']}_x"] = r.get("speedup")
-      for scheme, (applies, target) in TARGETS.items():
-        if applies(m) and cell.get(f"{scheme}_x") is not None:
+            cell[f"{r['variant']}_pct"] = r.get("pct_of_bf16_gbps")
+      for scheme in TARGETS:
+        target = target_for(scheme, m)
+        if target is not None and cell.get(f"{scheme}_x") is not None:
           cell.setdefault("targets", []).append(f"{scheme}{'>=' if cell[f'{scheme}_x'] >= target else '<'}{target}")
       if "targets" in cell:
         cell["targets"] = " ".join(cell["targets"])
@@ -294,31 +387,41 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", nargs="*", default=[f"{k},{n}" for k, n in SHAPES], help="K,N")
   parser.add_argument("--m", type=int, nargs="*", default=list(MS))
-  parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--variants", nargs="*", default=["bf16", *inference.SCHEMES], choices=list(VARIANTS))
+  parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timed run")
+  parser.add_argument("--runs", type=int, default=MIN_RUNS, help=f"timed runs per figure (>= {MIN_RUNS})")
   parser.add_argument("--layers", type=int, default=8, help="distinct weights chained in one call (> L2 in total)")
   parser.add_argument("--sweep", action="store_true", help="also time the kernels' tilings at M = 1")
   parser.add_argument("--decode-scan", action="store_true", help="decode with nn.scan over layers (default: unrolled)")
-  parser.add_argument("--reps", type=int, default=3)
-  parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS), help="'' or none to skip")
+  parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS))
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
-  parser.add_argument("--decode-batch", type=int, default=1)
+  parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
   parser.add_argument("--prompt-len", type=int, default=16)
-  parser.add_argument("--new-tokens", type=int, default=129)
+  parser.add_argument("--new-tokens", type=int, default=65, help="decode steps + 1 (the first token is the prefill's)")
+  parser.add_argument("--long-context", type=int, default=2048, help="cache length of the KV-cache rows (0: none)")
+  parser.add_argument("--long-schemes", nargs="*", default=["bf16", "ternary"])
   parser.add_argument("--skip-decode", action="store_true")
+  parser.add_argument("--smoke", action="store_true", help=f"CPU check that everything runs: tiny shapes ({SMOKE})")
   parser.add_argument("--out")
   args = parser.parse_args(argv)
+  if args.smoke:
+    for name, value in SMOKE.items():
+      setattr(args, name, value)
+  if args.runs < MIN_RUNS:
+    parser.error(f"--runs {args.runs}: every figure is the median of at least {MIN_RUNS} runs")
   if "bf16" not in args.variants:
     args.variants.insert(0, "bf16")  # every speed-up is against it
 
   shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
   start = time.perf_counter()
-  linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.reps, args.layers)
-  sweep_rows = bench_kernel_sweep(shapes, args.iters, args.reps, args.layers) if args.sweep else []
+  linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.runs, args.layers)
+  sweep_rows = bench_kernel_sweep(shapes, args.iters, args.runs, args.layers) if args.sweep else []
+  write_json("inference", linear_rows, args.out, sweep=sweep_rows, partial=True)  # kept if decode runs out of time
   decode_rows = []
   if not args.skip_decode:
-    decode_rows = bench_decode(DECODE_CONFIGS[args.decode_config], args.decode_schemes, args.decode_batch,
-                               args.prompt_len, args.new_tokens, args.reps, args.decode_scan)
+    decode_rows = bench_decode(DECODE_CONFIGS[args.decode_config], args.decode_schemes, args.decode_batches,
+                               args.prompt_len, args.new_tokens, args.runs, args.long_schemes, args.long_context,
+                               args.decode_scan)
   memory = [{"k": k, "n": n, **{s: r["weight_mib"] for s in ("bf16", *inference.SCHEMES)
                                 for r in linear_rows if (r["k"], r["n"]) == (k, n) and r["variant"] == s}}
             for k, n in shapes]
@@ -328,22 +431,29 @@ def main(argv=None):
   png = plot(linear_rows, os.path.splitext(path)[0] + ".png")
 
   failed = [r for r in linear_rows if "error" in r or r.get("ok") is False]
+  unstable = [r for r in linear_rows + decode_rows if r.get("unstable")]
   print("\nweight memory of one linear (MiB):")
   print(table(memory, ["k", "n", "bf16", "w8a16", "w8a8", "ternary"]))
   if sweep_rows:
     print("\nkernel tilings at M = 1:")
     print(table(sweep_rows, ["k", "n", "kernel", "block_n", "block_k", "split_k", "us", "weight_gbps", "error"]))
+  print(f"\nper linear (median of {args.runs} runs, min, max; GB/s = (weight + activation bytes) / time):")
+  print(table(linear_rows, ["k", "n", "m", "variant", "us", "us_min", "us_max", "gbps", "pct_of_bf16_gbps", "speedup",
+                            "unstable", "error"]))
   if decode_rows:
-    print("\ndecode (random weights):")
-    print(table(decode_rows, ["config", "scheme", "batch", "scan_layers", "params_gib", "decode_ms_per_token",
-                              "tokens_per_s", "speedup", "error"]))
+    print("\ndecode (random weights; speedup against bf16 weights and cache at the same batch and context):")
+    print(table(decode_rows, ["scheme", "kv_cache", "batch", "context", "params_gib", "cache_mib", "ms_per_token",
+                              "ms_min", "ms_max", "tokens_per_s", "speedup", "cache_copies", "compile_s", "unstable",
+                              "error"]))
   if failed:
     print(f"\n{len(failed)} linear rows failed or disagreed with XLA:")
     print(table(failed, ["k", "n", "m", "variant", "rel_err_vs_xla", "error"]))
+  if unstable:
+    print(f"\n{len(unstable)} figures spread over {UNSTABLE_SPREAD:.0%} between runs (issue 28: a bug to find)")
+  print("\nspeed-up over bf16 and % of the bf16 row's bandwidth (default dispatch):")
+  print(table(cells, ["k", "n", "m", "bf16_us", "bf16_gbps", "w8a16_x", "w8a16_pct", "w8a8_x", "w8a8_pct",
+                      "ternary_x", "ternary_pct", "targets"]))
   print(f"\nwrote {path}" + (f" and {png}" if png else "") + f" in {time.perf_counter() - start:.0f} s")
-  print("\nlinear latency (us) and speed-up over bf16 (default dispatch):")
-  print(table(cells, ["k", "n", "m", "bf16_us", "w8a16_us", "w8a16_x", "w8a8_us", "w8a8_x", "ternary_us", "ternary_x",
-                      "w8a16_kernel_us", "w8a16_xla_us", "w8a8_xla_us", "ternary_xla_us", "targets"]))
 
 
 if __name__ == "__main__":

@@ -64,25 +64,6 @@ def _teacher_forced_logits(model, params, tokens, prefill: int, max_len: int):
 # ---------------------------------------------------------------------------------------------
 # Structure of the compiled loop
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
-
-
-def _cache_sized_copies(hlo: str, cache_sizes: set[int]) -> list[str]:
-  """Instructions of a compiled module that copy or transpose a buffer of one of ``cache_sizes`` elements
-  with a ``MAX_LEN`` axis (a cache leaf, or one layer's slice of it, in any layout)."""
-  found = []
-  for line in hlo.splitlines():
-    match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    name, _, dims, opcode = match.groups()
-    dims = [int(d) for d in dims.split(",") if d]
-    moves = opcode in ("copy", "transpose") or (opcode == "fusion" and re.match(r"(copy|transpose)", name))
-    if moves and MAX_LEN in dims and int(np.prod(dims)) in cache_sizes:
-      found.append(line.strip()[:200])
-  return found
-
-
 def _aliased_parameter_shapes(hlo: str) -> list[str]:
   """Shapes (``dtype[dims]``) of the entry parameters that ``input_output_alias`` lets the outputs reuse."""
   header = hlo.splitlines()[0]
@@ -111,11 +92,6 @@ def _compiled_loop(kv_cache_dtype: str, scan_layers: bool):
                  gen.prefill.lower(params, cache, prompt, key).compile().as_text()]
 
 
-def _cache_sizes(cache) -> set[int]:
-  leaves = [x for x in jax.tree.leaves(cache) if x.ndim >= 3]  # [(L,) B, H, S(, D)]
-  return {x.size for x in leaves} | {x.size // x.shape[0] for x in leaves}  # whole, or one layer under scan
-
-
 @pytest.mark.parametrize("kv_cache_dtype", kv_cache.KV_CACHE_DTYPES)
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_decode_loop_donates_the_cache(kv_cache_dtype, scan_layers):
@@ -133,22 +109,23 @@ def test_decode_loop_donates_the_cache(kv_cache_dtype, scan_layers):
 def test_decode_loop_writes_the_bf16_cache_in_place(scan_layers):
   cache, hlos = _compiled_loop("auto", scan_layers)
   for hlo in hlos:
-    assert not _cache_sized_copies(hlo, _cache_sizes(cache)), _cache_sized_copies(hlo, _cache_sizes(cache))
+    assert not kv_cache.cache_copies(hlo, cache), kv_cache.cache_copies(hlo, cache)
 
 
 @pytest.mark.xfail(strict=True, reason="XLA:CPU fuses the key cache's write into its int8 -> bf16 convert (see "
                                        "train/kv_cache.py); measured on the GPU by benchmarks/inference.py")
 def test_decode_loop_writes_the_int8_cache_in_place():
   cache, hlos = _compiled_loop("int8", False)
-  assert not _cache_sized_copies(hlos[0], _cache_sizes(cache))
+  assert not kv_cache.cache_copies(hlos[0], cache)
 
 
 def test_the_structure_check_sees_a_transposed_cache():
   """The HLO check above flags the copy the earlier [B, S, H, D] layout made: a transpose of the cache."""
-  keys = jnp.zeros((3, MAX_LEN, 2, 16), jnp.bfloat16)
+  cache = {"key": jnp.zeros((3, 2, MAX_LEN, 16), jnp.bfloat16)}  # what the check takes: [B, H, S, D] leaves
+  keys = jnp.zeros((3, MAX_LEN, 2, 16), jnp.bfloat16)  # the old layout
   q = jnp.zeros((3, 1, 4, 16), jnp.bfloat16)
   attend = jax.jit(lambda q, k: jax.nn.dot_product_attention(q, k, k, implementation="xla"))
-  assert _cache_sized_copies(attend.lower(q, keys).compile().as_text(), {keys.size})
+  assert kv_cache.cache_copies(attend.lower(q, keys).compile().as_text(), cache)
 
 
 def test_greedy_decode_equals_the_full_forward():

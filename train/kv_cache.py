@@ -20,7 +20,8 @@ whole key and value cache of every layer on every token (seen in the compiled st
 fuses a second copy of the key cache's write into the int8 -> bf16 convert that feeds the score product,
 which then reads the cache as it was before the write, so the write is no longer in place and the key
 cache is copied every step (an optimization barrier does not survive to fusion; a scatter is rewritten
-to the same update). ``benchmarks/inference.py`` counts such copies in the GPU-compiled step.
+to the same update). Nor at batch 1 on CPU, where XLA transposes the key cache (D before S) for its dot.
+``benchmarks/inference.py`` counts such copies in the GPU-compiled step.
 
 int8 (symmetric): one float32 scale per sequence, kv head and position, over D: ``scale = amax/127``,
 ``q = clip(round_half_even(x / scale), -127, 127)`` (``quantize_int8``, as everywhere in jaxlowbit).
@@ -34,7 +35,8 @@ D = 128), so the int8 cache holds ``(D + 4) / 2D`` of the bf16 one's bytes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import re
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -155,3 +157,32 @@ def attend_reference(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
   probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, MASKED_SCORE), axis=-1)
   out = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(jnp.float32), precision="highest")
   return out.reshape(b, t, n, d)
+
+
+# A compiled HLO instruction: name, element type, dims, opcode.
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+
+
+def cache_copies(hlo: str, cache: Any) -> list[str]:
+  """Instructions of a compiled module (``compiled.as_text()``) that copy or transpose a cache-sized buffer.
+
+  Cache-sized: as many elements as a leaf of ``cache`` (the tree :func:`train.generate.init_cache` builds)
+  or one layer's slice of a stacked leaf, with an axis of the cache's length S. A decode step that writes its
+  cache in place has none.
+  """
+  leaves = [x for x in jax.tree.leaves(cache) if x.ndim >= 3]  # [(L,) B, H, S(, D)]
+  if not leaves:
+    return []
+  sizes = {x.size for x in leaves} | {x.size // x.shape[0] for x in leaves}
+  max_len = max(leaves, key=lambda x: x.ndim).shape[-2]  # keys and values [..., S, D] (scales [..., S])
+  found = []
+  for line in hlo.splitlines():
+    match = _HLO_INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, _, dims, opcode = match.groups()
+    dims = [int(d) for d in dims.split(",") if d]
+    moves = opcode in ("copy", "transpose") or (opcode == "fusion" and re.match(r"(copy|transpose)", name))
+    if moves and max_len in dims and int(np.prod(dims)) in sizes:
+      found.append(line.strip()[:200])
+  return found
