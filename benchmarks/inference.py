@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
+from pallas_kernels import dispatch, ternary_gemv  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
 # (K, N): Llama-3-8B's MLP up/gate and down, its fused q/k/v (4096 + 2 x 1024 outputs) and attention output.
@@ -64,6 +65,7 @@ VARIANTS = {
     "w8a8_xla": ("w8a8", "xla"),
     "ternary": ("ternary", None),
     "ternary_xla": ("ternary", "xla"),
+    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.ternary_gemv forced (M <= 4), whatever the dispatch says
 }
 # Issue 28 targets per linear (speed-up over bf16): (largest M it applies to, target), the first that applies.
 TARGETS = {"ternary": ((1, 3.0), (16, 2.0)), "w8a16": ((1, 1.8), (16, 1.5)), "w8a8": ((1, 1.8), (16, 1.5))}
@@ -121,6 +123,13 @@ class Backend:
       os.environ[BACKEND_ENV] = self.saved
 
 
+def ternary_gemv_linear(x, leaves):
+  """``quantized_linear(x, leaves, "ternary")`` with the CUDA-core GEMV forced: x ``[M <= 4, K]`` bf16."""
+  xq, sx = dispatch.quantize_rows(x, inference.weights.BITNET_TOKENS)
+  return ternary_gemv.a8w2_gemv_kernel(xq, sx, leaves[inference.weights.KERNEL_PACKED],
+                                       leaves[inference.weights.KERNEL_SCALE], x.dtype)
+
+
 def chain(fn):
   """``run(xs, ws) = [fn(x, w) for x, w in zip(xs, ws)]`` jitted: ``len(ws)`` distinct layers per call, so the
   device runs them back to back (no host dispatch between layers, as in a model) and the weights, together
@@ -153,6 +162,10 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
         row = {"k": k, "n": n, "m": m, "variant": variant, "weight_mib": mem[scheme or "bf16"] / 2**20}
         try:
           fn = (lambda x, w: x @ w) if scheme is None else (lambda x, w, s=scheme: inference.quantized_linear(x, w, s))
+          if backend == "gemv":
+            if m > ternary_gemv.MAX_M:
+              continue
+            fn, backend = ternary_gemv_linear, None
           with Backend(backend):
             compiled = chain(fn).lower(xs, ws).compile()
           out = compiled(xs, ws)[0]
@@ -387,7 +400,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", nargs="*", default=[f"{k},{n}" for k, n in SHAPES], help="K,N")
   parser.add_argument("--m", type=int, nargs="*", default=list(MS))
-  parser.add_argument("--variants", nargs="*", default=["bf16", *inference.SCHEMES], choices=list(VARIANTS))
+  parser.add_argument("--variants", nargs="*", default=["bf16", *inference.SCHEMES, "ternary_gemv"],
+                      choices=list(VARIANTS))
   parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timed run")
   parser.add_argument("--runs", type=int, default=MIN_RUNS, help=f"timed runs per figure (>= {MIN_RUNS})")
   parser.add_argument("--layers", type=int, default=8, help="distinct weights chained in one call (> L2 in total)")
@@ -411,6 +425,8 @@ def main(argv=None):
     parser.error(f"--runs {args.runs}: every figure is the median of at least {MIN_RUNS} runs")
   if "bf16" not in args.variants:
     args.variants.insert(0, "bf16")  # every speed-up is against it
+  if jax.default_backend() != "gpu":  # forced Pallas GPU kernels run on a GPU only
+    args.variants = [v for v in args.variants if VARIANTS[v][1] not in ("pallas", "gemv")]
 
   shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
   start = time.perf_counter()
@@ -452,7 +468,7 @@ def main(argv=None):
     print(f"\n{len(unstable)} figures spread over {UNSTABLE_SPREAD:.0%} between runs (issue 28: a bug to find)")
   print("\nspeed-up over bf16 and % of the bf16 row's bandwidth (default dispatch):")
   print(table(cells, ["k", "n", "m", "bf16_us", "bf16_gbps", "w8a16_x", "w8a16_pct", "w8a8_x", "w8a8_pct",
-                      "ternary_x", "ternary_pct", "targets"]))
+                      "ternary_x", "ternary_pct", "ternary_gemv_us", "targets"]))
   print(f"\nwrote {path}" + (f" and {png}" if png else "") + f" in {time.perf_counter() - start:.0f} s")
 
 

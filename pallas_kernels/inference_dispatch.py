@@ -92,11 +92,24 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype, backend)
 
 
+def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
+  """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``:
+  M up to ``policy.TERNARY_GEMV_MAX_M`` (0, off, until measured) and a weight it tiles."""
+  from pallas_kernels import ternary_gemv
+
+  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes, ternary_gemv.config_for(n, k_bytes))
+
+
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
                    options: DispatchOptions | None = None) -> jax.Array:
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
   backend = _backend(options)
+  if ternary_gemv_wanted(xq.shape[0], *w_packed.shape) and policy.use_inference_kernel("ternary GEMV", True, True,
+                                                                                      backend):
+    from pallas_kernels.ternary_gemv import a8w2_gemv_kernel
+
+    return a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype)
   if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, policy.TERNARY_KERNEL_MAX_M, A8W2_BASE, backend):
     from pallas_kernels.int8_gemv import a8w2_matmul_kernel
 
