@@ -201,6 +201,8 @@ SWEEP = {
     "a8w8": [(32, 256, 1), (32, 512, 1), (64, 256, 1), (64, 256, None), (128, 128, None)],
     "a8w2": [(16, 128, 1), (32, 128, 1), (64, 64, 1), (32, 64, None), (64, 128, None), (128, 64, None),
              (128, 32, None)],
+    "ternary_gemv": [(32, 128, None), (16, 256, None), (8, 512, None), (16, 512, None), (32, 256, None),
+                     (64, 64, None), (8, 1024, 1), (16, 256, 1)],
 }
 
 
@@ -222,7 +224,15 @@ def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int) -> list[dict]
       for block_n, block_k, split in grid:
         row = {"k": k, "n": n, "kernel": kernel, "block_n": block_n, "block_k": block_k}
         try:
-          if kernel == "w8a16":
+          if kernel == "ternary_gemv":
+            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4), block_n=block_n, block_k=block_k,
+                                         split_k=1)
+            if split is None:
+              config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k // 4, block_k,
+                                                                                 w8a16.num_sms()))
+            fn = chain(lambda a, w, c=config: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c))
+            args, nbytes = (xq, wp), n * k // 4
+          elif kernel == "w8a16":
             auto = w8a16.config_for(1, n, k)
             config = dataclasses.replace(auto, block_n=block_n, block_k=block_k, split_k=1)
             if split is None:
