@@ -19,8 +19,9 @@ spread ``(max - min) / median`` exceeds 15% is marked ``unstable`` (issue 28: a 
    adds BitNet's norms), random weights, ``train.generate``'s prefill and ``lax.scan`` decode: each scheme at
    ``--decode-batches`` (1 and 8) after a ``--prompt-len`` prompt, then ``--long-schemes`` at a
    ``--long-context`` cache (2048 tokens, prompt filling all but ``--new-tokens``) with the bf16 and the
-   int8 KV cache. Each decode row also counts the cache-sized copies in the compiled step
-   (``train.kv_cache.cache_copies``; 0 = the cache is written in place).
+   int8 KV cache. Each decode row also counts the cache-sized buffers the compiled step writes besides the
+   cache (``train.kv_cache.cache_copies``: copies, transposes, a dequantized int8 cache; 0 = read where it lies,
+   written in place).
 
 Prints tables last, writes JSON to ``--out`` and, when matplotlib is importable, a plot next to it
 (``.png``).

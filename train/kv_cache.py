@@ -161,28 +161,45 @@ def attend_reference(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
 
 # A compiled HLO instruction: name, element type, dims, opcode.
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+_HLO_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8"}
 
 
 def cache_copies(hlo: str, cache: Any) -> list[str]:
-  """Instructions of a compiled module (``compiled.as_text()``) that copy or transpose a cache-sized buffer.
+  """Instructions of a compiled module (``compiled.as_text()``) that write a cache-sized buffer besides the cache.
 
-  Cache-sized: as many elements as a leaf of ``cache`` (the tree :func:`train.generate.init_cache` builds)
-  or one layer's slice of a stacked leaf, with an axis of the cache's length S. A decode step that writes its
-  cache in place has none.
+  Cache-sized: as many elements as a leaf of ``cache`` (the tree :func:`train.generate.init_cache` builds) or one
+  layer's slice of a stacked leaf, with an axis of the cache's length S. Flagged: a copy or transpose of one,
+  and any buffer of that size in another dtype than the cache's keys and values (an int8 cache dequantized
+  into memory). Instructions inside fusions write nothing to memory and are skipped. A decode step that reads
+  its cache where it lies and writes it in place has none.
   """
   leaves = [x for x in jax.tree.leaves(cache) if x.ndim >= 3]  # [(L,) B, H, S(, D)]
   if not leaves:
     return []
-  sizes = {x.size for x in leaves} | {x.size // x.shape[0] for x in leaves}
-  max_len = max(leaves, key=lambda x: x.ndim).shape[-2]  # keys and values [..., S, D] (scales [..., S])
-  found = []
+  kv = max(leaves, key=lambda x: x.ndim)  # keys and values [..., S, D] (scales [..., S])
+  max_len, kv_dtype = kv.shape[-2], _HLO_DTYPE_NAMES.get(jnp.dtype(kv.dtype).name)
+  kv_leaves = [x for x in leaves if x.ndim == kv.ndim]
+  kv_sizes = {x.size for x in kv_leaves} | {x.size // x.shape[0] for x in kv_leaves}
+  sizes = kv_sizes | {x.size for x in leaves} | {x.size // x.shape[0] for x in leaves}
+  fused = set(re.findall(r"calls=%([\w.-]+)", hlo))
+  found, inside_fusion = [], False
   for line in hlo.splitlines():
-    match = _HLO_INSTRUCTION.match(line)
-    if not match:
+    header = re.match(r"^(?:ENTRY )?%([\w.-]+) ", line)
+    if header:
+      inside_fusion = header.group(1) in fused
       continue
-    name, _, dims, opcode = match.groups()
+    match = _HLO_INSTRUCTION.match(line)
+    if inside_fusion or not match:
+      continue
+    name, dtype, dims, opcode = match.groups()
     dims = [int(d) for d in dims.split(",") if d]
-    moves = opcode in ("copy", "transpose") or (opcode == "fusion" and re.match(r"(copy|transpose)", name))
-    if moves and max_len in dims and int(np.prod(dims)) in sizes:
+    if max_len not in dims or int(np.prod(dims)) not in sizes:
+      continue
+    # A fusion named for a copy or transpose writes a moved buffer, unless it is the in-place write itself
+    # (a dynamic-update-slice whose small update was transposed on the way in).
+    moves = opcode in ("copy", "transpose") or (opcode == "fusion" and re.match(r"(copy|transpose)", name)
+                                                 and "dynamic-update-slice" not in name)
+    other_dtype = int(np.prod(dims)) in kv_sizes and dtype != kv_dtype
+    if moves or other_dtype:
       found.append(line.strip()[:200])
   return found
