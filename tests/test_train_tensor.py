@@ -63,6 +63,8 @@ TENSOR_VS_UNSHARDED = [
     ("bf16", (2, 2, 2), (1, 1)),
     ("int8", (2, 2, 2), (4, 1)),
     ("int8+send", (1, 4, 2), (4, 1)),  # x^T sent beside the rows: the data-parallel run's numbers exactly
+    ("bf16+fused", (1, 4, 2), (1, 1)),  # fused qkv / gate_up: each device [q_d | k_d | v_d], [gate_d | up_d]
+    ("int8+fused", (1, 2, 4), (2, 1)),
 ]
 # INT8's losses with x^T requantized from the gathered codes, against the data-parallel run (micro model,
 # 5 steps, seeds 1, 2, 5, 6): relative differences 2.0e-6, 4.3e-6, 3.3e-6, 4.0e-6 (x^T sent: 2.0e-6,
@@ -80,13 +82,16 @@ def seed() -> int:
 
 def tp_config(corpus: str, seed: int, recipe: str, data: int, fsdp_size: int, tensor: int):
   """``recipe``: a recipe name, ``"bitnet+sub"``: configs/bitnet_*.py's form (sub-norms, tied embeddings),
-  or ``"<recipe>+send"``: the gathers send x^T (``config.fsdp.tensor_transposed``, default requantize)."""
+  or ``"<recipe>+send"``: the gathers send x^T (``config.fsdp.tensor_transposed``, default requantize),
+  or ``"<recipe>+fused"``: the fused qkv and gate_up kernels (split by their groups)."""
   recipe, _, variant = recipe.partition("+")
   if variant == "send":
     form = {"fsdp__tensor_transposed": "send"}
+  elif variant == "fused":
+    form = {"model__fused_projections": True}
   else:
     form = {"model__bitnet_norm_placement": variant, "model__tie_embeddings": True} if variant else {}
-  return run_config(corpus, seed, recipe, fsdp_size, data, mesh__tensor=tensor, **TP_MODEL, **form)
+  return run_config(corpus, seed, recipe, fsdp_size, data, mesh__tensor=tensor, **{**TP_MODEL, **form})
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +116,7 @@ def run(corpus, seed, tmp_path_factory):
 def test_tensor_parallel_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus, seed):
   """Per-step training losses and the final validation loss as in test_train_fsdp; the run really split."""
   run_dir = run(recipe, *mesh)
-  rtol = REQUANTIZED_RTOL if recipe in REQUANTIZED else rtol_for(recipe)
+  rtol = REQUANTIZED_RTOL if recipe.partition("+")[0] in REQUANTIZED else rtol_for(recipe)
   assert_same_run(run_dir, run(recipe, *reference_mesh), rtol=rtol)
 
   data, fsdp_size, tensor = mesh
@@ -120,20 +125,22 @@ def test_tensor_parallel_run_equals_unsharded_run(recipe, mesh, reference_mesh, 
   assert plan.tensor_size == tensor
   # The scanned stack's kernels [layers, K, N]: q's K over fsdp and its heads over tensor; down's
   # K over both, tensor-major (each tensor device's hidden units, FSDP-sharded within them).
-  q, down = plan.spec(("layers", "attn", "q", "kernel")), plan.spec(("layers", "mlp", "down", "kernel"))
+  q = plan.spec(("layers", "attn", "qkv" if recipe.endswith("+fused") else "q", "kernel"))
+  down = plan.spec(("layers", "mlp", "down", "kernel"))
   assert q == P(None, "fsdp", "tensor") and down == P(None, ("tensor", "fsdp")), (q, down)
 
 
-def test_tensor_parallel_checkpoint_resumes_on_another_mesh(run, corpus, seed, tmp_path, capsys):
+@pytest.mark.parametrize("recipe", ["bf16", "bf16+fused"])
+def test_tensor_parallel_checkpoint_resumes_on_another_mesh(recipe, run, corpus, seed, tmp_path, capsys):
   """A bf16 run on (fsdp 4, tensor 2) stopped at step 3 resumes on (fsdp 2, tensor 4) and continues the
-  uninterrupted run: the checkpoint holds whole parameters whatever the mesh (the compiled steps are
-  those of the equality runs above)."""
-  uninterrupted = run("bf16", 1, 4, 2)
+  uninterrupted run: the checkpoint holds whole parameters whatever the mesh, fused kernels included
+  (the compiled steps are those of the equality runs above)."""
+  uninterrupted = run(recipe, 1, 4, 2)
   run_dir = tmp_path / "stopped"
-  result = loop.train(tp_config(corpus, seed, "bf16", 1, 4, 2), run_dir, should_stop=lambda step: step == 3)
+  result = loop.train(tp_config(corpus, seed, recipe, 1, 4, 2), run_dir, should_stop=lambda step: step == 3)
   assert result.status == "interrupted" and result.checkpoint_step == 3
   capsys.readouterr()
-  config = tp_config(corpus, seed, "bf16", 1, 2, 4)
+  config = tp_config(corpus, seed, recipe, 1, 2, 4)
   config.resume = True
   result = loop.train(config, run_dir)
   assert result.status == "completed" and result.step == STEPS
@@ -270,8 +277,7 @@ def test_mesh_shape_with_tensor_resolves_and_rejects(corpus):
     shape(mesh__tensor=3, **auto)
   with pytest.raises(ValueError, match="data=1 x fsdp=4 x tensor=4 needs 16 devices but 8 are visible"):
     shape(mesh__tensor=4, mesh__fsdp=4)
-  with pytest.raises(ValueError, match="fused_projections=False"):
-    shape(mesh__tensor=2, model__fused_projections=True, **auto)
+  assert shape(mesh__tensor=2, model__fused_projections=True, **auto) == (1, 4, 2)  # split by groups
   with pytest.raises(ValueError, match=r"tensor=8 does not divide config.model.n_kv_heads=4.*divides n_heads"):
     shape(mesh__tensor=8, model__n_heads=16, **auto)
   with pytest.raises(ValueError, match=r"tensor=4 does not divide config.model.d_ff=66"):
@@ -282,9 +288,10 @@ def test_mesh_shape_with_tensor_resolves_and_rejects(corpus):
 
 
 def test_main_runs_tensor_parallel(tmp_path, corpus):
-  """``python -m train.main --config.mesh.tensor=2`` on 8 devices: (fsdp 4, tensor 2), exit 0, the loss falls."""
+  """``python -m train.main --config.mesh.tensor=2`` on 8 devices with the default (fused) projections:
+  (fsdp 4, tensor 2), exit 0, the loss falls."""
   fields = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 64,
-            "model.dtype": "float32", "model.fused_projections": False, "mesh.tensor": 2, "recipe": "int8",
+            "model.dtype": "float32", "mesh.tensor": 2, "recipe": "int8",
             "data.path": corpus, "steps": 2, "batch_size": 8, "seq_len": 32, "warmup_steps": 1, "log_every": 1,
             "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2, "tensorboard": False}
   run_dir = tmp_path / "main"

@@ -109,7 +109,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict()
   config.mesh.fsdp = MESH_AUTO  # devices per FSDP group: 0 = all visible devices / (mesh.data x mesh.tensor); 1 = off
   config.mesh.data = 1  # FSDP groups (data-parallel replicas)
-  config.mesh.tensor = 1  # devices per tensor-parallel group; > 1 needs model.fused_projections=False
+  config.mesh.tensor = 1  # devices per tensor-parallel group (fused_projections=False moves no weights over it)
   # True: a step over several GPUs compiles with XLA's latency-hiding scheduler and pipelined collectives, so
   # weight gathers and gradient reduce-scatters overlap the GEMMs (jaxlowbit.parallel.overlap lists the options);
   # no effect on one device or on CPUs. False: XLA's defaults.
@@ -411,13 +411,8 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_tensor_parallel(config: ml_collections.ConfigDict) -> None:
-  """ConfigError for a model that ``config.mesh.tensor`` cannot split (heads, hidden units, fused kernels)."""
+  """ConfigError for a model that ``config.mesh.tensor`` cannot split (heads, hidden units)."""
   tensor, model = config.mesh.tensor, config.model
-  if model.fused_projections:
-    raise ConfigError(
-        f"config.mesh.tensor={tensor} splits q, k, v and gate, up by heads and hidden units, which fused qkv / "
-        "gate_up kernels cannot be split into: set --config.model.fused_projections=False (the checkpoint then "
-        "holds separate kernels, on every mesh)")
   for field in ("n_heads", "n_kv_heads", "d_ff"):
     if model[field] % tensor:
       raise ConfigError(f"config.mesh.tensor={tensor} does not divide config.model.{field}={model[field]}: each "

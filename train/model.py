@@ -48,12 +48,15 @@ of the scanned stack carry a leading ``[n_layers]`` axis: ``params["layers"]["at
 ["kernel"]`` is ``[n_layers, d_model, (n_heads + 2 n_kv_heads) head_dim]``.
 
 Tensor parallelism (``jaxlowbit.fsdp.apply`` on a mesh with a ``tensor`` axis, rules from
-:func:`tensor_parallel_rules`; needs ``fused_projections=False``): the residual stream, the
-embedding, the norms and the LM head work on this device's ``B T / n`` token rows; each group of
-column-parallel projections (q, k, v; gate, up) reads the whole sequence, gathered once (8-bit
-when the group's input arrives quantized from the norm), and computes this device's heads or
-hidden units; attention runs over the whole sequence with the local heads; the row-parallel
-projections (attention output, down) reduce-scatter their output back to the token rows. The
+:func:`tensor_parallel_rules`): the residual stream, the embedding, the norms and the LM head work
+on this device's ``B T / n`` token rows; each group of column-parallel projections (q, k, v; gate,
+up; or the fused qkv, gate_up) reads the whole sequence, gathered once (8-bit when the group's input
+arrives quantized from the norm), and computes this device's heads or hidden units; attention runs
+over the whole sequence with the local heads; the row-parallel projections (attention output, down)
+reduce-scatter their output back to the token rows. A fused kernel is split by its groups
+(``jaxlowbit.parallel.ColumnGroups``): device ``d`` computes ``[q_d | k_d | v_d]`` (whole heads) and
+``[gate_d | up_d]`` (each gate unit next to its up unit), at the price of one all-gather of the
+kernel over ``tensor`` per call (``fused_projections=False`` moves no weights over ``tensor``). The
 parameters are the same on every mesh, so checkpoints move between meshes.
 """
 
@@ -72,7 +75,7 @@ import jaxlowbit.fused
 from jaxlowbit.interception import LayerFilter
 from jaxlowbit.operand import is_low_bit
 from jaxlowbit.execution import ExecutionOptions
-from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, TensorParallel, TensorSplit
+from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, ColumnGroups, TensorParallel, TensorSplit
 from jaxlowbit_numerics.stats import Split
 from pallas_kernels.quantize import GATE_ACTIVATIONS
 from train import kv_cache
@@ -248,23 +251,30 @@ class ModelConfig:
 
 
 # How tensor parallelism splits each projection (by name; jaxlowbit.fsdp.tensor): column-parallel
-# projections compute this device's heads / hidden units of the whole sequence, row-parallel ones
-# read them and reduce-scatter. The LM head and the norms are not split.
-TENSOR_PARALLEL = {"q": COLUMN, "k": COLUMN, "v": COLUMN, "out": ROW, "gate": COLUMN, "up": COLUMN, "down": ROW}
+# projections compute this device's heads / hidden units of the whole sequence (the fused qkv and
+# gate_up: of each of their groups), row-parallel ones read them and reduce-scatter. The LM head
+# and the norms are not split.
+TENSOR_PARALLEL = {"q": COLUMN, "k": COLUMN, "v": COLUMN, "out": ROW, "gate": COLUMN, "up": COLUMN, "down": ROW,
+                   "qkv": COLUMN, "gate_up": COLUMN}
+
+
+def output_groups(config: ModelConfig, name: str) -> tuple[int, ...]:
+  """The output groups of a fused projection (``qkv``: q, k, v widths; ``gate_up``: gate, up), else ``()``."""
+  q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+  return {"qkv": (q, kv, kv), "gate_up": (config.d_ff, config.d_ff)}.get(name, ())
 
 
 def tensor_parallel_rules(config: ModelConfig) -> dict:
   """The ``jaxlowbit.fsdp.plan_for_model(tensor_parallel=...)`` rules of this model: every split
-  projection, and the BitNet norms in front of row-parallel ones (over the features they split)."""
-  if config.fused_projections:
-    raise ValueError("tensor parallelism splits q, k, v and gate, up by heads and hidden units, which fused qkv / "
-                     "gate_up kernels cannot be split into: set fused_projections=False (model.fused_projections)")
+  projection, and the BitNet norms in front of row-parallel ones (over the features they split).
+  A fused projection is column-parallel by its groups (:func:`output_groups`)."""
   rules = {}
   for path in projection_paths(config):
     kind, name = path.split(".")[-2:] if "." in path else ("", path)
     if name not in TENSOR_PARALLEL:
       continue
-    rules[f"{kind}.{name}"] = TENSOR_PARALLEL[name]
+    groups = output_groups(config, name)
+    rules[f"{kind}.{name}"] = ColumnGroups(groups) if groups else TENSOR_PARALLEL[name]
     if TENSOR_PARALLEL[name] is ROW and config.norm_before(path):
       rules[f"{kind}.{name}_norm"] = FEATURES
   return rules
@@ -531,11 +541,6 @@ def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float,
                      execution=execution) for path, n in paths.items()]
 
 
-def _check_unfused(config: ModelConfig, execution: ExecutionOptions | None) -> None:
-  if config.fused_projections and _tensor_parallel(execution) is not None:
-    tensor_parallel_rules(config)  # raises: the error that says what to change
-
-
 class Attention(nn.Module):
   """Grouped-query causal self-attention with RoPE (``decode``: keys and values from a KV cache)."""
 
@@ -550,11 +555,11 @@ class Attention(nn.Module):
     ``[B T, d_model]`` (dtype). Tensor-parallel: x and the result are this device's ``[B T / n,
     d_model]`` token rows; attention runs over the whole sequences with this device's heads."""
     c, e = self.config, self.execution
-    _check_unfused(c, e)
     t, hd, q_dim, kv_dim = positions.shape[0], c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     if c.fused_projections:
       qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std, execution=e)
-      q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
+      n = 1 if _tensor_parallel(e) is None else _tensor_parallel(e).size  # tensor-parallel: [q_d | k_d | v_d]
+      q, k, v = jnp.split(qkv, [q_dim // n, (q_dim + kv_dim) // n], axis=-1)
     else:
       q, k, v = group_projections(c, x, {"layers.attn.q": q_dim, "layers.attn.k": kv_dim, "layers.attn.v": kv_dim},
                                   c.init_std, e)
@@ -585,8 +590,7 @@ class Mlp(nn.Module):
     """``x [..., d_model]`` (or its ``[M, d_model]`` low-bit operand) -> ``[M, d_model]`` (``M``: the
     tokens; tensor-parallel: this device's token rows, the hidden units split over the devices)."""
     c, e = self.config, self.execution
-    _check_unfused(c, e)
-    if c.fused_projections:
+    if c.fused_projections:  # tensor-parallel: [gate_d | up_d], this device's hidden units
       gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e)
     else:
       gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std, e)
@@ -618,7 +622,6 @@ class Block(nn.Module):
     attn_paths = ("layers.attn.qkv",) if c.fused_projections else ("layers.attn.q", "layers.attn.k", "layers.attn.v")
     mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
     e = self.execution
-    _check_unfused(c, e)  # before the norms: their split is that of q, k, v and gate, up
     # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
     h = rms_norm(c, "attn_norm", e)(x, quantize_for=c.fused_input_recipe(*attn_paths),
                                     split=ProjectionLayout.of(attn_paths[0], e).input_split)
@@ -707,6 +710,7 @@ __all__ = [
     "projection_paths",
     "rope",
     "rope_frequencies",
+    "output_groups",
     "tensor_parallel_rules",
     "train_flops_per_token",
 ]

@@ -86,6 +86,24 @@ class TensorSplit(enum.Enum):
 
 COLUMN, ROW, FEATURES = TensorSplit.COLUMN, TensorSplit.ROW, TensorSplit.FEATURES
 
+
+@dataclasses.dataclass(frozen=True)
+class ColumnGroups:
+  """A column-parallel rule for a fused kernel ``[K, N]`` whose output is groups side by side
+  (``[q | k | v]``, ``[gate | up]``): ``widths`` of them, summing to N, each split over the devices.
+
+  The kernel is stored as a COLUMN one (contiguous ``N / n`` blocks, the same parameter on every
+  mesh); each linear call all-gathers it over the tensor axis and keeps this device's slice of every
+  group (:meth:`ColumnParallel.regroup`), so device ``d`` computes ``[q_d | k_d | v_d]`` (its heads)
+  or ``[gate_d | up_d]`` (its hidden units, each gate next to its up).
+  """
+
+  widths: tuple[int, ...]
+
+  def __post_init__(self):
+    if not self.widths or any(w <= 0 for w in self.widths):
+      raise ValueError(f"ColumnGroups: widths must be positive, got {self.widths!r}")
+
 # How a gathered operand's transposed copy (x^T for grad_weight) is made where the recipe quantizes
 # it with scales of its own (module docstring). REQUANTIZE: after the gather, from the gathered rows'
 # codes (1 byte per element crosses the axis); SEND: quantized before the gather and sent with the
@@ -277,6 +295,7 @@ class ColumnParallel:
   """
 
   axis_name: str
+  groups: tuple[int, ...] = ()  # a fused kernel's output groups (ColumnGroups.widths); () one group
 
   @property
   def forward_split(self) -> None:
@@ -294,10 +313,28 @@ class ColumnParallel:
     return g
 
   def local_columns(self, a: jax.Array) -> jax.Array:
-    """This device's ``[..., N / n]`` of a per-output-channel ``a [..., N]`` (weight scales)."""
-    n = lax.axis_size(self.axis_name)
-    width = a.shape[-1] // n
-    return lax.dynamic_slice_in_dim(a, lax.axis_index(self.axis_name) * width, width, axis=a.ndim - 1)
+    """This device's ``[..., N / n]`` of a per-output-channel ``a [..., N]`` (weight scales): its
+    slice of every output group, in group order."""
+    n, index = lax.axis_size(self.axis_name), lax.axis_index(self.axis_name)
+    parts, offset = [], 0
+    for group in self.groups or (a.shape[-1],):
+      width = group // n
+      parts.append(lax.dynamic_slice_in_dim(a, offset + index * width, width, axis=a.ndim - 1))
+      offset += group
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+  def regroup(self, a: jax.Array) -> jax.Array:
+    """A grouped kernel's stored ``[..., N / n]`` block (or bias) -> this device's slice of every group.
+
+    One all-gather over the axis in ``a``'s dtype (the gradient: its reduce-scatter), then
+    :meth:`local_columns`; a no-op without groups.
+    """
+    if not self.groups:
+      return a
+    if sum(self.groups) != a.shape[-1] * lax.axis_size(self.axis_name):
+      raise ValueError(f"ColumnParallel: groups {self.groups} do not add up to the kernel's "
+                       f"{a.shape[-1]} x {lax.axis_size(self.axis_name)} output columns")
+    return self.local_columns(lax.all_gather(a, self.axis_name, axis=a.ndim - 1, tiled=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,8 +419,8 @@ class TensorParallel:
     (:func:`sent_quantization`): the rows, and x^T only where it travels."""
     return sent_quantization(how, self.transposed)
 
-  def column(self) -> ColumnParallel:
-    return ColumnParallel(self.axis_name)
+  def column(self, groups: tuple[int, ...] = ()) -> ColumnParallel:
+    return ColumnParallel(self.axis_name, tuple(groups))
 
   def row(self) -> RowParallel:
     return RowParallel(self.axis_name, self.transposed)
@@ -399,6 +436,7 @@ def tensor_parallel(execution: ExecutionOptions | None) -> TensorParallel | None
 __all__ = [
     "COLUMN",
     "FEATURES",
+    "ColumnGroups",
     "ROW",
     "ColumnParallel",
     "RowParallel",

@@ -75,6 +75,8 @@ def fsdp_linear(
       raise TypeError(f"fsdp_linear: {name} must be floating point, got {a.dtype}")
   if w.ndim != 2:
     raise ValueError(f"fsdp_linear: w must be a 2-D [K/n, N] shard, got shape {w.shape}")
+  if isinstance(tensor, ColumnParallel):
+    w = tensor.regroup(w)  # a fused kernel's stored block -> this device's slice of every group
   num_shards = 1 if axis_name is None else lax.axis_size(axis_name)
   k = w.shape[0] * num_shards
   if x.ndim < 1 or x.shape[-1] != k:

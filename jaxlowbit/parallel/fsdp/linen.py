@@ -39,6 +39,7 @@ from jaxlowbit.parallel.fsdp.gather import gather_param
 from jaxlowbit.parallel.fsdp.linear import fsdp_linear
 from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRules, flatten, make_plan, unflatten
 from jaxlowbit.parallel.fsdp.scales import Scales
+from jaxlowbit.parallel.tensor import ColumnParallel
 from jaxlowbit.interception import PASS, as_filter, dense_interceptor
 from jaxlowbit.layers import DenseCall, LowBitDense, dense_general, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
@@ -220,6 +221,9 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
     matmul = _fsdp_matmul(linear, scale, axis_name, plan.config, plan.collective(kernel_path) if sharded else None,
                           getattr(module, "execution", None))  # a jaxlowbit layer's own options
     bias = module.get_variable("params", "bias") if module.use_bias else None  # tensor-parallel: its share
+    collective = plan.collective(kernel_path) if sharded else None
+    if bias is not None and isinstance(collective, ColumnParallel):
+      bias = collective.regroup(bias)  # a fused linear's bias: this device's slice of every group
     return dense_general(module, inputs, matmul, kernel=module.get_variable("params", "kernel"), bias=bias)
 
   tp = plan.tensor_parallel if sharded else None

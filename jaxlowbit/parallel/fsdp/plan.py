@@ -19,7 +19,10 @@ FEATURES}``) and split their parameters over ``tensor`` as well, never gathered 
 - ``ROW``: the kernel along K, tensor-major: ``P(("tensor", "fsdp"))``, so the FSDP gather
   returns this device's ``[K / n_tensor, N]`` rows;
 - ``FEATURES``: every parameter of the module along its last dimension (a norm's scale over the
-  features a row-parallel linear reads).
+  features a row-parallel linear reads);
+- ``ColumnGroups(widths)``: a fused column-parallel kernel (``[q | k | v]``, ``[gate | up]``), stored
+  as ``COLUMN``; its linear regroups the blocks into this device's slice of every group
+  (``ColumnParallel.regroup``: one all-gather of the kernel over ``tensor`` per call).
 
 Everything else is replicated over ``tensor`` (its gradient is summed over it, as over ``data``).
 """
@@ -38,7 +41,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlowbit.parallel.fsdp.config import FsdpConfig
 from jaxlowbit.parallel.fsdp.gather import weight_scaling
-from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, ColumnParallel, RowParallel, TensorParallel, TensorSplit
+from jaxlowbit.parallel.tensor import (
+    COLUMN,
+    FEATURES,
+    ROW,
+    ColumnGroups,
+    ColumnParallel,
+    RowParallel,
+    TensorParallel,
+    TensorSplit,
+)
 from jaxlowbit.scaling import WeightScaling
 from jaxlowbit.recipes import Recipe, check_recipe
 
@@ -94,6 +106,8 @@ class FsdpPlan:
     tensor_dims: ``{path: dim}``: the dimension split over the tensor axis (only where it has
       more than one device).
     tensor_splits: ``{kernel path: COLUMN or ROW}`` of the tensor-parallel linears.
+    tensor_groups: ``{kernel or bias path: group widths}`` of the fused column-parallel linears
+      (:class:`~jaxlowbit.parallel.tensor.ColumnGroups`).
   """
 
   mesh: Mesh | None
@@ -102,6 +116,7 @@ class FsdpPlan:
   shard_dims: Mapping[Path, int | None]
   tensor_dims: Mapping[Path, int] = dataclasses.field(default_factory=dict)
   tensor_splits: Mapping[Path, TensorSplit] = dataclasses.field(default_factory=dict)
+  tensor_groups: Mapping[Path, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
   @property
   def fsdp_size(self) -> int:
@@ -126,7 +141,7 @@ class FsdpPlan:
     tp, split = self.tensor_parallel, self.tensor_splits.get(path)
     if tp is None or split is None:
       return None
-    return tp.column() if split is COLUMN else tp.row()
+    return tp.column(self.tensor_groups.get(path, ())) if split is COLUMN else tp.row()
 
   def split_axes(self, path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(axes splitting K, axes splitting N)`` of the kernel at ``path``: what its statistics reduce over."""
@@ -215,7 +230,7 @@ def shard_dim(shape: tuple[int, ...], fsdp_size: int, linear: LinearWeight | Non
   return None if size % fsdp_size else dim
 
 
-TensorRules = Mapping[str, "TensorSplit | str"]
+TensorRules = Mapping[str, "TensorSplit | ColumnGroups | str"]
 
 
 def _module_matches(path: Path, rule: str) -> bool:
@@ -225,13 +240,16 @@ def _module_matches(path: Path, rule: str) -> bool:
 
 
 def _tensor_layout(flat: Mapping[Path, Any], linears: Mapping[Path, LinearWeight], rules: TensorRules,
-                   tensor_size: int) -> tuple[dict[Path, int], dict[Path, TensorSplit]]:
-  """``(tensor_dims, tensor_splits)`` of the parameters the rules name (module docstring); ValueError for
-  rules that name nothing, kernels that are not 2-D ``[K, N]`` linears, and sizes that do not split."""
+                   tensor_size: int) -> tuple[dict[Path, int], dict[Path, TensorSplit], dict[Path, tuple[int, ...]]]:
+  """``(tensor_dims, tensor_splits, tensor_groups)`` of the parameters the rules name (module docstring);
+  ValueError for rules that name nothing, kernels that are not 2-D ``[K, N]`` linears, and sizes that
+  do not split."""
   dims: dict[Path, int] = {}
   splits: dict[Path, TensorSplit] = {}
+  groups: dict[Path, tuple[int, ...]] = {}
   for rule, split in dict(rules).items():
-    split = TensorSplit(split)
+    widths = split.widths if isinstance(split, ColumnGroups) else None
+    split = COLUMN if widths else TensorSplit(split)
     matched = [path for path in flat if _module_matches(path, rule)]
     if not matched:
       raise ValueError(f"tensor_parallel: no parameter belongs to a module named {rule!r}; rules name modules by the "
@@ -256,7 +274,12 @@ def _tensor_layout(flat: Mapping[Path, Any], linears: Mapping[Path, LinearWeight
         raise ValueError(f"tensor_parallel: {'/'.join(path)} has {size} entries along the dim split over tensor, "
                          f"which do not divide by tensor={tensor_size}; choose a tensor size that divides the "
                          "heads and hidden sizes")
-  return dims, splits
+      if widths:
+        if sum(widths) != size or any(w % tensor_size for w in widths):
+          raise ValueError(f"tensor_parallel: {'/'.join(path)} has {size} output columns in groups {widths}, which "
+                           f"must add up to them and each divide by tensor={tensor_size}")
+        groups[path] = tuple(widths)
+  return dims, splits, groups
 
 
 def make_plan(
@@ -288,13 +311,13 @@ def make_plan(
     raise ValueError(f"make_plan: linears name paths that are not parameters: {missing}")
   size = 1 if mesh is None else mesh.shape[config.fsdp_axis]
   tensor_size = 1 if mesh is None or config.tensor_axis not in mesh.axis_names else mesh.shape[config.tensor_axis]
-  tensor_dims, tensor_splits = _tensor_layout(flat, linears, tensor_parallel, tensor_size)
+  tensor_dims, tensor_splits, tensor_groups = _tensor_layout(flat, linears, tensor_parallel, tensor_size)
   if tensor_size == 1:
     tensor_dims = {}
   dims = {path: shard_dim(tuple(leaf.shape), size, linears.get(path), tensor_dims.get(path), tensor_size)
           for path, leaf in flat.items()}
   return FsdpPlan(mesh=mesh, config=config, linears=linears, shard_dims=dims, tensor_dims=tensor_dims,
-                  tensor_splits=tensor_splits)
+                  tensor_splits=tensor_splits, tensor_groups=tensor_groups)
 
 
 def _global_array(value, sharding: NamedSharding) -> jax.Array:
