@@ -15,20 +15,24 @@
 #   2. INT8 sending x^T beside the rows (fsdp.tensor_transposed=send, the message before issue 29: 2 bytes per
 #      element), unfused, for the bytes and tokens/s that change bought (compare with row 2 of process 1).
 # What to look for: the 8-bit rows' tensor all-gathers are u8 at <= 0.55x the bf16 row's bytes, and "vs bf16".
+# A CPU smoke run of the same calls: PYTHON=.venv/bin/python XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+#   CONFIGS=configs/tiny.py SEND_CONFIG=configs/tiny.py BATCH=4 STEPS=1 bash benchmarks/tp_check.sh
 set -u
 OUT=${OUT:-/tmp/out}
 STEPS=${STEPS:-10}
 SITE=${SITE:-/tmp/site}
+PYTHON=${PYTHON:-python3}
+CONFIGS=${CONFIGS:-configs/bf16_1b.py,configs/int8_1b.py,configs/fp8_1b.py}
+SEND_CONFIG=${SEND_CONFIG:-configs/int8_1b.py}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$SITE"
 TP=(--set mesh.fsdp=1 --set mesh.tensor=2 --set batch_size="${BATCH:-16}" --steps "$STEPS" --warmup 2)
 
-timeout 400 python3 benchmarks/train_throughput.py "${TP[@]}" --time_budget_s 300 \
-  --configs configs/bf16_1b.py,configs/int8_1b.py,configs/fp8_1b.py \
+timeout 400 "$PYTHON" benchmarks/train_throughput.py "${TP[@]}" --time_budget_s 300 --configs "$CONFIGS" \
   --variants "model.fused_projections=False;" --out "$OUT/tp.json" > "$OUT/tp.log" 2>&1
 echo "tensor parallelism: exit $?"
-timeout 90 python3 benchmarks/train_throughput.py "${TP[@]}" --configs configs/int8_1b.py \
+timeout 90 "$PYTHON" benchmarks/train_throughput.py "${TP[@]}" --configs "$SEND_CONFIG" \
   --set model.fused_projections=False --set fsdp.tensor_transposed=send --out "$OUT/tp_send.json" \
   > "$OUT/tp_send.log" 2>&1
 echo "INT8 sending x^T: exit $?"
