@@ -287,6 +287,18 @@ def test_xla_overlap_options_reach_multi_gpu_steps_only():
     jax.jit(lambda x: x + 2, compiler_options={"xla_gpu_enable_async_all_gather": True})(x)
 
 
+def test_xla_overlap_drops_the_options_this_xla_does_not_know():
+  """jax 0.11.2's XLA no longer knows the pipelined all-gather option: the step must still compile."""
+  from jaxlowbit.parallel import overlap
+
+  options = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_async_all_gather": True}
+  with pytest.warns(UserWarning, match="xla_gpu_enable_async_all_gather"):
+    known = overlap.known_options(options)
+  assert known == {"xla_gpu_enable_latency_hiding_scheduler": True}
+  x = jnp.arange(4.0)
+  np.testing.assert_array_equal(jax.jit(lambda x: x + 1, compiler_options=known)(x), x + 1)
+
+
 def test_xla_overlap_is_a_mesh_choice_recorded_in_the_spec():
   from train import spec, steps
 

@@ -24,9 +24,11 @@ option (``--<name>=true`` in ``XLA_FLAGS``)          XLA default  what it does h
 ==================================================  ===========  ==========================================
 
 The names are fields of XLA's ``DebugOptions`` (``xla/debug_options_flags.cc`` sets their defaults)
-in jaxlib 0.10.2 (``tests/test_train_config.py`` compiles with them) and in the XLA sources after
-it; an unknown name fails the compile with "No such compile option", so
-``benchmarks/multi_gpu_check.sh`` on jax 0.11.2 would say so. :func:`compiler_options` hands them to ``jax.jit(..., compiler_options=)``,
+in jaxlib 0.10.2 (``tests/test_train_config.py`` compiles with them), but XLA drops flags as its
+defaults change: jax 0.11.2's XLA (2 x H200, 2026-11-25) no longer knows the two pipelined ones and
+failed every multi-GPU compile with "No such compile option". So :func:`compiler_options` keeps only
+the options the running XLA accepts (:func:`known_options`: one trivial compile per name, once per
+process) and warns once naming the ones it dropped. It hands them to ``jax.jit(..., compiler_options=)``,
 per compiled function: nothing global, no ``XLA_FLAGS`` to set before the backend starts, and a
 benchmark can compile the same step with and without them in one process. The same set as
 ``XLA_FLAGS`` text: :func:`xla_flags`.
@@ -38,7 +40,12 @@ both by its memory limit, ``--xla_gpu_memory_limit_slop_factor``).
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
 
 # XLA:GPU DebugOptions that overlap collectives with compute (module docstring).
 GPU_OVERLAP_OPTIONS: Mapping[str, bool] = {
@@ -63,7 +70,41 @@ def compiler_options(devices: Iterable, enabled: bool = True) -> dict[str, bool]
   devices = list(devices)
   if not enabled or len(devices) < 2 or any(d.platform not in GPU_PLATFORMS for d in devices):
     return {}
-  return dict(GPU_OVERLAP_OPTIONS)
+  return known_options(GPU_OVERLAP_OPTIONS)
+
+
+def known_options(options: Mapping[str, bool]) -> dict[str, bool]:
+  """The entries of ``options`` that the default backend's XLA accepts as compile options.
+
+  An unknown name (a flag XLA removed) is dropped with one warning naming it, instead of failing
+  every compile of the step.
+  """
+  known = {name: value for name, value in options.items() if _accepts(name, value)}
+  dropped = sorted(set(options) - set(known))
+  if dropped:
+    _warn_dropped(tuple(dropped))
+  return known
+
+
+NO_SUCH_OPTION = "No such compile option"
+
+
+@functools.cache
+def _accepts(name: str, value: bool) -> bool:
+  """Whether XLA compiles a trivial function with ``name=value`` (cached: once per process)."""
+  try:
+    jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(jnp.zeros((), jnp.float32)).compile()
+  except Exception as err:  # noqa: BLE001  (jaxlib's error type varies by version; the message does not)
+    if NO_SUCH_OPTION in str(err):
+      return False
+    raise
+  return True
+
+
+@functools.cache
+def _warn_dropped(names: tuple[str, ...]) -> None:
+  warnings.warn(f"this XLA does not know the collective-overlap option(s) {', '.join(names)}; "
+                "the step compiles without them", stacklevel=3)
 
 
 def xla_flags(options: Mapping[str, bool] = GPU_OVERLAP_OPTIONS) -> str:
@@ -71,4 +112,4 @@ def xla_flags(options: Mapping[str, bool] = GPU_OVERLAP_OPTIONS) -> str:
   return " ".join(f"--{name}={str(value).lower()}" for name, value in options.items())
 
 
-__all__ = ["GPU_OVERLAP_OPTIONS", "GPU_PLATFORMS", "compiler_options", "xla_flags"]
+__all__ = ["GPU_OVERLAP_OPTIONS", "GPU_PLATFORMS", "compiler_options", "known_options", "xla_flags"]
