@@ -16,8 +16,8 @@ import jax
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 
-def time_ms(fn: Callable, *args, iters: int = 10, reps: int = 5, warmup: int = 2) -> float:
-  """Median milliseconds per call of a jitted ``fn``: ``reps`` runs of ``iters`` back-to-back calls.
+def time_samples(fn: Callable, *args, iters: int = 10, reps: int = 5, warmup: int = 2) -> list[float]:
+  """Seconds per call of a jitted ``fn``, one sample per run of ``iters`` back-to-back calls (``reps`` runs).
 
   Calls within a run are queued without host syncs (device time, not launch latency); the
   first ``warmup`` calls (compilation, autotuning) are discarded.
@@ -32,8 +32,13 @@ def time_ms(fn: Callable, *args, iters: int = 10, reps: int = 5, warmup: int = 2
     for _ in range(iters):
       out = fn(*args)
     jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) * 1e3 / iters)
-  return statistics.median(samples)
+    samples.append((time.perf_counter() - start) / iters)
+  return samples
+
+
+def time_ms(fn: Callable, *args, iters: int = 10, reps: int = 5, warmup: int = 2) -> float:
+  """Median milliseconds per call of a jitted ``fn`` (:func:`time_samples`)."""
+  return statistics.median(time_samples(fn, *args, iters=iters, reps=reps, warmup=warmup)) * 1e3
 
 
 def commit() -> str:

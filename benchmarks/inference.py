@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import table, time_samples, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
 from pallas_kernels import dispatch, ternary_gemv  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
@@ -84,17 +84,7 @@ def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int =
   """Microseconds per call (divided by ``per_call``) of ``fn(*args)``: median, min and max of ``runs`` timed runs
   of ``iters`` back-to-back calls (no host sync inside a run), after ``warmup`` calls; ``unstable`` when the
   spread exceeds :data:`UNSTABLE_SPREAD`."""
-  out = None
-  for _ in range(warmup):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  samples = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) * 1e6 / iters / per_call)
+  samples = [s * 1e6 / per_call for s in time_samples(fn, *args, iters=iters, reps=runs, warmup=warmup)]
   median = float(np.median(samples))
   stats = {"us": median, "us_min": min(samples), "us_max": max(samples), "runs": runs}
   stats["spread"] = (stats["us_max"] - stats["us_min"]) / median
