@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import table, time_samples, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
-from pallas_kernels import dispatch, ternary_gemv  # noqa: E402
+from pallas_kernels import ternary_gemv  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
 # (K, N): Llama-3-8B's MLP up/gate and down, its fused q/k/v (4096 + 2 x 1024 outputs) and attention output.
@@ -115,10 +115,9 @@ class Backend:
 
 
 def ternary_gemv_linear(x, leaves):
-  """``quantized_linear(x, leaves, "ternary")`` with the CUDA-core GEMV forced: x ``[M <= 4, K]`` bf16."""
-  xq, sx = dispatch.quantize_rows(x, inference.weights.BITNET_TOKENS)
-  return ternary_gemv.a8w2_gemv_kernel(xq, sx, leaves[inference.weights.KERNEL_PACKED],
-                                       leaves[inference.weights.KERNEL_SCALE], x.dtype)
+  """``quantized_linear(x, leaves, "ternary")`` with the CUDA-core GEMV forced (quantizer inside): x ``[M <= 4, K]``."""
+  return ternary_gemv.quantize_a8w2_gemv_kernel(x, leaves[inference.weights.KERNEL_PACKED],
+                                                leaves[inference.weights.KERNEL_SCALE], inference.weights.BITNET_TOKENS)
 
 
 def chain(fn):

@@ -4,7 +4,8 @@
 
 - :func:`w8a16_matmul`  bf16 ``x [M, K]`` x int8 ``wq [N, K]`` (+ per-channel scale)
 - :func:`w8a8_matmul`   int8 ``xq [M, K]`` x int8 ``wq [N, K]`` (+ per-token and per-channel scales)
-- :func:`ternary_matmul` int8 ``xq [M, K]`` x packed 2-bit ``[N, K/4]`` (+ per-token scales, one weight scale)
+- :func:`ternary_matmul` int8 ``xq [M, K]`` x packed 2-bit ``[N, K/4]`` (+ per-token scales, one weight scale),
+  and :func:`ternary_linear`, which takes the float activations (at decode M the quantizer runs inside the GEMV)
 
 Implementations under ``auto``, by M (the thresholds and the H200 measurements behind them are in
 :mod:`pallas_kernels.policy`):
@@ -16,8 +17,10 @@ w8a16         ``pallas_kernels.w8a16`` (Triton, split-K)   XLA: its GEMM fusion 
               at M = 1 and 16..32; XLA at M = 2..15        on the fly (no bf16 weight in memory)
 w8a8          XLA int8 dot (ties the A8W8 kernel)          Hopper wgmma (``dispatch.scaled_matmul``)
                                                            once the output fills the GPU, else XLA
-ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
-              weights unpacked in registers), M <= 32
+ternary       M = 1: ``pallas_kernels.ternary_gemv`` (CUDA   unpack to int8 ``[N, K]`` once, then as w8a8
+              cores, the activation quantizer inside);
+              M = 2..32: ``pallas_kernels.int8_gemv`` A8W2
+              (2-bit weights unpacked in registers)
 ============  ===========================================  ==========================================
 
 Everywhere else (CPU, GPUs older than sm80, shapes a kernel does not tile) the XLA
@@ -94,10 +97,29 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
 
 def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
   """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``:
-  M up to ``policy.TERNARY_GEMV_MAX_M`` (0, off, until measured) and a weight it tiles."""
+  M up to ``policy.TERNARY_GEMV_MAX_M`` and a weight it tiles."""
   from pallas_kernels import ternary_gemv
 
-  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes, ternary_gemv.config_for(n, k_bytes))
+  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes,
+                                                                   ternary_gemv.config_for(n, k_bytes, m=m))
+
+
+def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
+  """BitNet's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times packed ``[N, K/4]``.
+
+  Decode-sized M runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the quantizer inside the GEMV);
+  otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. Same numbers either way, up to the
+  quantizer's rounding ties (as between its kernel and XLA).
+  """
+  out_dtype = out_dtype or x.dtype
+  options = DispatchOptions.from_environment() if options is None else options
+  if (x.ndim == 2 and ternary_gemv_wanted(x.shape[0], *w_packed.shape)
+      and policy.use_inference_kernel("ternary GEMV", True, True, options.backend)):
+    from pallas_kernels.ternary_gemv import quantize_a8w2_gemv_kernel
+
+    return quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec, out_dtype)
+  xq, sx = dispatch.quantize_rows(x, spec, options=options)
+  return ternary_matmul(xq, sx, w_packed, w_scale, out_dtype, options=options)
 
 
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,

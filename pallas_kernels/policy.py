@@ -69,9 +69,10 @@ W8A8_KERNEL_MAX_M = 0
 GEMV_MAX_M = 64
 # Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
 TERNARY_KERNEL_MAX_M = 32
-# Ternary on CUDA cores (pallas_kernels.ternary_gemv, M <= 4): bit-identical in the interpreter, not yet timed on a
-# GPU; 0 keeps it off until benchmarks/inference.py's ternary_gemv rows beat the A8W2 kernel's.
-TERNARY_GEMV_MAX_M = 0
+# Ternary on CUDA cores (pallas_kernels.ternary_gemv, quantizer inside): one H100 (ternary_gemv_sweep_h100.json), the
+# GEMV alone at M = 1 took 17.7 / 18.6 us on 4096 x 14336 / 14336 x 4096 against 31.3 / 30.7 for quantizer + A8W2
+# kernel; at M = 4 its best tiling took 43 / 40 us against 37.5 / 50.8, so only M = 1 goes there.
+TERNARY_GEMV_MAX_M = 1
 # Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
 # M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
 WGMMA_TILE_M, WGMMA_TILE_N = 128, 256

@@ -249,8 +249,8 @@ def _col_chunk(c: int, chunk: int) -> int:
   return chunk
 
 
-def _scales(amax: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
-  """(what ``_apply`` takes, dequantization scale) for an amax, as float32.
+def code_scales(amax: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+  """(what ``encode`` takes, dequantization scale) for an amax, as float32.
 
   int8 divides by its scale and FP8 multiplies by its multiplier, as the reference does;
   folding either into the other form would round differently.
@@ -279,7 +279,9 @@ def _rint(y: jax.Array, native: bool) -> jax.Array:
                                     result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
 
 
-def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax.Array:
+def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax.Array:
+  """Float32 ``x`` -> ``spec``'s codes with ``param`` from :func:`code_scales` (inside a kernel; ``native``:
+  PTX rounding on the GPU, the exact floor-based form in interpret mode)."""
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
   x = jnp.where(x != x, 0.0, x)
@@ -290,7 +292,8 @@ def _apply(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)
 
 
-def _magnitude(x: jax.Array) -> jax.Array:
+def magnitude(x: jax.Array) -> jax.Array:
+  """``|x|`` with NaN as inf, the element-wise part of ``stats.absmax`` (inside a kernel)."""
   return jnp.where(x != x, jnp.inf, jnp.abs(x))  # NaN counts as inf (stats.absmax)
 
 
@@ -318,18 +321,18 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
     return resident if resident is not None else prologue.values(inputs, rows, pl.ds(j * chunk, chunk), stat)
 
   def sweep_amax(j, amax):
-    magnitude = _magnitude(values(j))
+    mags = magnitude(values(j))
     if colmax_ref is not None:
-      colmax_ref[pl.ds(i, 1), pl.ds(j * chunk, chunk)] = jnp.max(magnitude, axis=0)[None, :]
-    return jnp.maximum(amax, jnp.max(magnitude, axis=1))
+      colmax_ref[pl.ds(i, 1), pl.ds(j * chunk, chunk)] = jnp.max(mags, axis=0)[None, :]
+    return jnp.maximum(amax, jnp.max(mags, axis=1))
 
   amax = lax.fori_loop(0, n_chunks, sweep_amax, jnp.zeros((block_rows,), jnp.float32))
   if write:
     q_ref, s_ref = outs[0], outs[1]
-    param, scale = _scales(amax, spec)
+    param, scale = code_scales(amax, spec)
 
     def sweep_write(j, _):
-      q_ref[rows, pl.ds(j * chunk, chunk)] = _apply(values(j), param[:, None], spec, native)
+      q_ref[rows, pl.ds(j * chunk, chunk)] = encode(values(j), param[:, None], spec, native)
       return 0
 
     lax.fori_loop(0, n_chunks, sweep_write, 0)
@@ -357,9 +360,9 @@ def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_
   stat = stat_ref[rows] if stat_ref is not None else None
   values = prologue.values(inputs, rows, cols, stat)
   t_param = t_param_ref[rows][:, None] if per_row else t_param_ref[cols][None, :]
-  qt_ref[cols, rows] = _apply(values, t_param, spec, native).T
+  qt_ref[cols, rows] = encode(values, t_param, spec, native).T
   if with_rows:
-    rest[0][rows, cols] = _apply(values, r_param_ref[rows][:, None], spec, native)
+    rest[0][rows, cols] = encode(values, r_param_ref[rows][:, None], spec, native)
 
 
 def _tile_stats_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int, int]):
@@ -372,9 +375,9 @@ def _tile_stats_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int
   tile_r, tile_c = tile
   rows, cols = pl.ds(i * tile_r, tile_r), pl.ds(j * tile_c, tile_c)
   stat = stat_ref[rows] if stat_ref is not None else None
-  magnitude = _magnitude(prologue.values(inputs, rows, cols, stat))
-  rowmax_ref[pl.ds(j, 1), rows] = jnp.max(magnitude, axis=1)[None, :]
-  colmax_ref[pl.ds(i, 1), cols] = jnp.max(magnitude, axis=0)[None, :]
+  mags = magnitude(prologue.values(inputs, rows, cols, stat))
+  rowmax_ref[pl.ds(j, 1), rows] = jnp.max(mags, axis=1)[None, :]
+  colmax_ref[pl.ds(i, 1), cols] = jnp.max(mags, axis=0)[None, :]
 
 
 def _values_kernel(*refs, prologue: SwiGLUGrad, n_inputs: int, tile: tuple[int, int]):
@@ -532,7 +535,7 @@ def fused_quantize_kernel(
                      "which falls back to XLA")
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
-    param, scale = _scales(reduce_rows(jnp.max(amax)), spec)
+    param, scale = code_scales(reduce_rows(jnp.max(amax)), spec)
     stat = stat[0] if stat else None
     r_param = jnp.broadcast_to(param, (r,)) if rows_spec is not None else None
     outs = _tile_call(inputs, prologue, stat, jnp.broadcast_to(param, (c,)), spec, per_row=False,
@@ -547,8 +550,8 @@ def fused_quantize_kernel(
     if prologue.stats:
       stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)[-1]
     rowmax, colmax = _tile_stats_call(inputs, prologue, stat, interpret)
-    param_t, scale_t = _scales(reduce_rows(colmax), spec)
-    param_r, scale_r = _scales(rowmax, spec) if rows_spec is not None else (None, None)
+    param_t, scale_t = code_scales(reduce_rows(colmax), spec)
+    param_r, scale_r = code_scales(rowmax, spec) if rows_spec is not None else (None, None)
     outs = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
     rows = (outs[1], scale_r[:, None]) if rows_spec is not None else None
     return rows, (outs[0], scale_t[:, None]), stat
@@ -558,10 +561,10 @@ def fused_quantize_kernel(
   rows = (outs[0], outs[1][:, None]) if rows_spec is not None else None
   if cols_spec is not None:
     colmax = outs[2 if rows_spec is not None else 1]
-    param_t, scale_t = _scales(reduce_rows(jnp.max(colmax, axis=0)), spec)
+    param_t, scale_t = code_scales(reduce_rows(jnp.max(colmax, axis=0)), spec)
     qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret)[0]
     return rows, (qt, scale_t[:, None]), stat
-  if rows_t:  # int8 divides by its dequantization scale itself (see _scales)
+  if rows_t:  # int8 divides by its dequantization scale itself (see code_scales)
     qt = _tile_call(inputs, prologue, stat, outs[1], spec, per_row=True, interpret=interpret)[0]
     return rows, (qt, outs[1][None, :]), stat
   return rows, None, stat

@@ -4,19 +4,21 @@
 :func:`pallas_kernels.int8_gemv.a8w2_matmul_kernel`, ``out[m, n] = (sum_k xq[m, k] w[n, k]) * x_scale[m] *
 w_scale[n]`` with exact int32 sums and the float32 epilogue in the reference's order (bit-identical to
 :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`), for decode-sized M.
+``quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec)`` takes the float activations instead and quantizes them
+in the same launch (BitNet's per-token int8), as ``pallas_kernels.quantize`` would.
 
 Why another kernel: the A8W2 GEMM pads M to 16 and feeds int8 mma. At M = 1 it moves 14 MiB in ~30 us (H200,
 ~0.5 TB/s): every decoded weight tile is converted from the load's register layout to the mma operand layout
 (through shared memory) four times, once per 2-bit position, for 15 padding rows. Here each program streams
 ``[block_n, block_k]`` packed bytes (rows of W are K-major, so a row's bytes are contiguous), decodes the four
-codes of each byte with two shifts, multiplies them by the matching activations (``x_perm``, as in
-``int8_gemv``: no interleave) in int32 and keeps ``[block_n, block_k]`` partial sums in registers, reduced
-across K once at the end: no layout conversion, no shared memory, no padding rows. K is split across
-programs (split-K) so small-N weights still give every SM work; the int32 partials are added by XLA (exact).
+codes of each byte with two shifts and multiplies code ``j`` by the activations ``x[4 i + j]`` (a strided load of
+a row that sits in L2: no interleave, no permuted copy), summing in int32 registers: no layout conversion, no
+shared memory, no padding rows. K is split across programs (split-K) where N alone gives the SMs too little
+work; the int32 partials are then added by XLA (exact).
 
-Status: bit-identical in the Pallas interpreter and lowers for sm90 (tests/test_inference_ternary_gemv.py); not yet
-measured on a GPU, so ``pallas_kernels.policy.TERNARY_GEMV_MAX_M`` keeps the dispatch off
-(``benchmarks/inference.py --variants ternary_gemv`` times it).
+Decode at M = 1 pays per launch as much as per byte (a 4096 x 4096 ternary weight is 4 MiB, ~2 us of HBM), so
+the activation quantizer runs inside the GEMV: one launch per linear. Tilings and the M the dispatch sends here
+come from the H100 sweep recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``).
 """
 
 from __future__ import annotations
@@ -30,31 +32,43 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
+from pallas_kernels import quantize
 from pallas_kernels.int8_gemv import BYTE_TOP_SHIFT, CODE_BITS, INT32_TOP_SHIFT, check_a8w2
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import choose_split_k, fit_block, num_sms
 
 # Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block.
 MAX_M = 4
-MIN_BLOCK_N, MIN_BLOCK_K = 16, 16
+MIN_BLOCK_N, MIN_BLOCK_K = 8, 16
 
 
 @dataclasses.dataclass(frozen=True)
 class TernaryGemvConfig:
   """Tiling (powers of two): ``block_n`` weight rows and ``block_k`` packed bytes per step; ``split_k``
-  programs share a row block; Triton's ``num_warps`` and ``num_stages``."""
+  programs share a row block; Triton's ``num_warps`` and ``num_stages``. ``reduce_per_step`` sums each step's
+  products across K at once (``[block_n]`` partial sums per row of x instead of ``[block_n, block_k]``): fewer
+  registers for M > 1, one cross-lane reduction per step."""
 
   block_n: int = 32
   block_k: int = 128
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  reduce_per_step: bool = False
 
 
-def config_for(n: int, k_bytes: int, sms: int | None = None) -> TernaryGemvConfig:
-  """The tiling for an ``[N, k_bytes]`` packed weight: split-K up to ~4 programs per SM."""
-  base = TernaryGemvConfig()
+# Tilings from the H100 sweep (2026-11-26, benchmarks/results/ternary_gemv_sweep_h100.json), best per M:
+# M = 1: 16 rows x 512 bytes, one K reduction per step (4096 x 14336: 17.7 us; the old 32 x 128 default: 21.2).
+# M = 2..4: 64 rows x 128 bytes on 8 warps (4096 x 14336 at M = 4: 43 us, 4 warps: 70).
+DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4, reduce_per_step=True)
+BATCH_TILING = TernaryGemvConfig(block_n=64, block_k=128, num_warps=8, reduce_per_step=True)
+
+
+def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
+  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to ~4 programs per SM."""
+  base = DECODE_TILING if m == 1 else BATCH_TILING
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   split = choose_split_k(max(n // block_n, 1), k_bytes, block_k, sms or num_sms())
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
@@ -66,57 +80,105 @@ def supports(m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> bool:
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
 
 
-def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: TernaryGemvConfig, k_per_split: int, m: int):
-  """One ``block_n`` slice of the outputs over one K split; ``x_ref`` int8 ``[4, m, K/4]`` (``x_perm``)."""
+def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool):
+  """One ``block_n`` slice of the outputs over one K split.
+
+  Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the packed weight
+  ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]``; out, then (``spec``
+  and split-K) the activation scales ``[m]``.
+  """
+  if spec is None:
+    x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
+  else:
+    x_ref, w_ref, sw_ref, o_ref, *scale_out = refs
   i_n, i_s = pl.program_id(0), pl.program_id(1)
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
   k0 = i_s * k_per_split
+  if spec is None:
+    scales = [sx_ref[r] for r in range(m)]
+  else:
+    # The row's amax over all of K (every program reads the whole row, a few KiB from L2), then its scale.
+    chunk = VALUES_PER_BYTE * bk
+
+    def row_amax(t, amaxes):
+      return tuple(jnp.maximum(a, jnp.max(quantize.magnitude(x_ref[pl.ds(r * k + t * chunk, chunk)].astype(jnp.float32))))
+                   for r, a in enumerate(amaxes))
+
+    amaxes = lax.fori_loop(0, k // chunk, row_amax, tuple(jnp.float32(0) for _ in range(m)))
+    params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
+
+  def x_codes(r, j, start):
+    # x[r, 4 i + j] for the step's bytes i: the activations that meet code j of each byte (no interleave).
+    x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
+    if spec is not None:
+      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
+    return x.astype(jnp.int32)
 
   def step(t, accs):
-    ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
-    p = w_ref[cols, ks].astype(jnp.int32)  # [bn, bk] packed bytes
-    accs = list(accs)
-    for j in range(VALUES_PER_BYTE):
-      # Code j of each byte, sign-extended (0b11 -> -1, 0b01 -> 1, 0b00 -> 0), as int8_gemv decodes it.
-      w = lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
-      for r in range(m):
-        accs[r] = accs[r] + w * x_ref[j, r, ks].astype(jnp.int32)[None, :]
-    return tuple(accs)
+    start = pl.multiple_of(k0 + t * bk, bk)
+    p = w_ref[cols, pl.ds(start, bk)].astype(jnp.int32)  # [bn, bk] packed bytes
+    # Code j of each byte, sign-extended (0b11 -> -1, 0b01 -> 1, 0b00 -> 0), as int8_gemv decodes it.
+    codes = [lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
+             for j in range(VALUES_PER_BYTE)]
+    products = [sum(w * x_codes(r, j, start)[None, :] for j, w in enumerate(codes)) for r in range(m)]
+    if config.reduce_per_step:
+      products = [jnp.sum(prod, axis=1) for prod in products]
+    return tuple(acc + prod for acc, prod in zip(accs, products))
 
-  zeros = tuple(jnp.zeros((bn, bk), jnp.int32) for _ in range(m))
+  acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
+  zeros = tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m))
   accs = lax.fori_loop(0, k_per_split // bk, step, zeros)
   for r in range(m):
-    total = jnp.sum(accs[r], axis=1)  # [bn] int32, exact
+    total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)  # [bn] int32, exact
     if config.split_k == 1:  # the reference's epilogue, same order
-      out = (total.astype(jnp.float32) * sx_ref[r] * sw_ref[cols]).astype(o_ref.dtype)
-      o_ref[r, cols] = out
+      o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw_ref[cols]).astype(o_ref.dtype)
     else:
       o_ref[i_s * m + r, cols] = total
+  if spec is not None and scale_out:  # split-K: XLA's epilogue needs the scales; one program writes them
+
+    @pl.when((i_n == 0) & (i_s == 0))
+    def _write_scales():
+      for r in range(m):
+        scale_out[0][r] = scales[r]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _call(xq, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, interpret: bool):
-  m = xq.shape[0]
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
+def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, spec: QuantSpec | None,
+          interpret: bool):
+  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel."""
+  m = x.shape[0]
   n, k_bytes = w_packed.shape
-  sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
   sw = jnp.broadcast_to(w_scale.astype(jnp.float32).reshape(-1), (n,))
-  x_perm = xq.reshape(m, k_bytes, VALUES_PER_BYTE).transpose(2, 0, 1)  # x_perm[j, r, i] = xq[r, 4 i + j]
   split = config.split_k
-  out_shape = (out_struct((m, n), out_dtype, xq, w_packed, sx, sw) if split == 1
-               else out_struct((split * m, n), jnp.int32, xq, w_packed, sx, sw))
+  if spec is None:
+    sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
+    operands = (x.reshape(-1), w_packed, sx, sw)
+  else:
+    operands = (x.reshape(-1), w_packed, sw)
+  out_shape = out_struct((m, n), out_dtype, *operands) if split == 1 else out_struct((split * m, n), jnp.int32, *operands)
+  if spec is not None and split > 1:
+    out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
-      functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m=m),
+      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec, native=not interpret),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="jaxlowbit_ternary_gemv",
-  )(x_perm, w_packed, sx, sw)
+  )(*operands)
   if split > 1:
+    out, sx = out if spec is not None else (out, sx)
     acc = out.reshape(split, m, n).sum(axis=0)
     out = (acc.astype(jnp.float32) * sx[:, None] * sw[None, :]).astype(out_dtype)
   return out
+
+
+def _check_fits(who: str, m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> None:
+  if not supports(m, n, k_bytes, config):
+    raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
+                     f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
+                     f"{config.block_k * config.split_k}); use a8w2_matmul_kernel or the reference")
 
 
 def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, config: TernaryGemvConfig | None = None,
@@ -135,9 +197,38 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
   check_a8w2(xq, x_scale, w_packed, w_scale)
   m = xq.shape[0]
   n, k_bytes = w_packed.shape
-  config = config or config_for(n, k_bytes)
-  if not supports(m, n, k_bytes, config):
-    raise ValueError(f"a8w2_gemv_kernel: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
-                     f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
-                     f"{config.block_k * config.split_k}); use a8w2_matmul_kernel or the reference")
-  return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, interpret=interpret)
+  config = config or config_for(n, k_bytes, m=m)
+  _check_fits("a8w2_gemv_kernel", m, n, k_bytes, config)
+  return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
+               interpret=interpret)
+
+
+def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
+                              config: TernaryGemvConfig | None = None, interpret: bool = False) -> jax.Array:
+  """Float activations x packed-ternary weights for M <= :data:`MAX_M`, the activations quantized in the kernel.
+
+  One launch instead of a quantizer and a GEMV: each program finds the amax of the whole ``x`` row (a few KiB,
+  read from L2), takes ``spec``'s scale and quantizes the slice it multiplies as the quantize kernels do
+  (``pallas_kernels.quantize.encode``).
+
+  Args:
+    x: ``[M, K]`` float activations (bf16/f16/f32). spec: per-row int8 :class:`QuantSpec` (BitNet's tokens).
+    w_packed: ``[N, K / 4]`` int8 from ``pack_2bit(w_ternary [N, K], axis=-1)``; w_scale: float32 ``[N]`` or one.
+    out_dtype: result dtype (default ``x.dtype``). config, interpret: as :func:`a8w2_gemv_kernel`.
+
+  Returns:
+    ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)``, the same numbers
+    up to the quantizer's rounding ties (``pallas_kernels.quantize``; exact in interpret mode).
+  """
+  if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")
+  if not spec.is_int8 or spec.per_tensor or spec.ternary:
+    raise ValueError(f"quantize_a8w2_gemv_kernel: spec must quantize rows to int8, got {spec}")
+  check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
+             w_scale)
+  m = x.shape[0]
+  n, k_bytes = w_packed.shape
+  config = config or config_for(n, k_bytes, m=m)
+  _check_fits("quantize_a8w2_gemv_kernel", m, n, k_bytes, config)
+  return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
+               interpret=interpret)

@@ -7,8 +7,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from pallas_kernels import policy
+from pallas_kernels.reference import quantize_rows_reference
 
 _counter = itertools.count()
 
@@ -76,3 +80,35 @@ def run_distributed_workers(worker: str, args: list[list[str]], timeout: float) 
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
   return outputs
+
+
+def inference_kernel_table(m: int) -> tuple[tuple[str, str, bool], ...]:
+  """``(scheme, kernel name in the lowered program, whether policy sends M rows to it)`` for a converted linear
+  (``jaxlowbit.inference.quantized_linear``), as ``pallas_kernels.policy`` states it; the CPU test (faked H100)
+  and the GPU test check lowered programs against it."""
+  return (
+      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),
+      ("ternary", "jaxlowbit_ternary_gemv", m <= policy.TERNARY_GEMV_MAX_M),
+      ("ternary", "jaxlowbit_a8w2_matmul", policy.TERNARY_GEMV_MAX_M < m <= policy.TERNARY_KERNEL_MAX_M),
+      ("w8a8", "jaxlowbit_a8w8_matmul", m <= policy.W8A8_KERNEL_MAX_M),
+  )
+
+
+TIE_MARGIN = 1e-3  # |x / scale - (n + 1/2)| below this (in code units) counts as a rounding tie
+
+
+def tie_free_activations(key: jax.Array, m: int, k: int, spec) -> jax.Array:
+  """bf16 ``[m, k]`` activations, rows of different magnitude, with no element on an int8 rounding tie.
+
+  Elements whose ``x / scale`` (``spec``'s per-row int8 scale) lies within :data:`TIE_MARGIN` of a .5 are set to
+  0: float32 division may land on either side of such a tie (XLA:CPU's vectorized division is not correctly
+  rounded, PTX's is), so a kernel and the reference could round them apart. The amax element maps to 127
+  exactly and is never one of them, so the scales do not move.
+  """
+  kx, kr = jax.random.split(key)
+  rows = jnp.exp(jax.random.uniform(kr, (m, 1), minval=-3.0, maxval=3.0))
+  x = np.asarray((jax.random.normal(kx, (m, k)) * rows).astype(jnp.bfloat16), np.float64)
+  scale = np.asarray(quantize_rows_reference(jnp.asarray(x, jnp.bfloat16), spec)[1], np.float64)
+  quotient = x / scale
+  ties = np.abs(quotient - np.floor(quotient) - 0.5) < TIE_MARGIN
+  return jnp.asarray(np.where(ties, 0.0, x), jnp.bfloat16)

@@ -30,7 +30,7 @@ from jaxlowbit_numerics.int8 import quantize_int8
 from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
 from pallas_kernels import inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
-from helpers import fresh_key, rel_err
+from helpers import fresh_key, inference_kernel_table, rel_err
 
 H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                                   platform="gpu"))
@@ -110,11 +110,7 @@ def test_dispatch_takes_the_kernels_where_the_table_says_lowered_for_cuda(m, mon
   leaves = {scheme: inference.quantize_weight(jax.random.normal(fresh_key(), (2048, 1024)), scheme)
             for scheme in ("w8a16", "ternary", "w8a8")}  # quantized on the real (CPU) device
   monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
-  for scheme, name, takes in (
-      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),
-      ("ternary", "jaxlowbit_a8w2_matmul", m <= policy.TERNARY_KERNEL_MAX_M),
-      ("w8a8", "jaxlowbit_a8w8_matmul", m <= policy.W8A8_KERNEL_MAX_M),
-  ):
+  for scheme, name, takes in inference_kernel_table(m):
     with jax.sharding.use_abstract_mesh(H100):
       fn = jax.jit(lambda x, leaves=leaves[scheme], scheme=scheme: inference.quantized_linear(x, leaves, scheme))
       hlo = fn.trace(jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()

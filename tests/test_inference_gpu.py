@@ -15,10 +15,11 @@ import pytest
 
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
+from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import int8_gemv, policy, w8a16
-from pallas_kernels.reference import scaled_matmul_reference
-from helpers import fresh_key, rel_err
+from pallas_kernels import int8_gemv, policy, ternary_gemv, w8a16
+from pallas_kernels.reference import quantize_rows_reference, scaled_matmul_reference
+from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
 pytestmark = pytest.mark.gpu
 
@@ -67,11 +68,7 @@ def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
 @pytest.mark.parametrize("m", [1, 4, 16, 48, 256])
 def test_dispatch_takes_the_kernels_where_the_table_says(m):
 
-  for scheme, name, takes in (
-      ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),
-      ("ternary", "jaxlowbit_a8w2_matmul", m <= policy.TERNARY_KERNEL_MAX_M),
-      ("w8a8", "jaxlowbit_a8w8_matmul", m <= policy.W8A8_KERNEL_MAX_M),
-  ):
+  for scheme, name, takes in inference_kernel_table(m):
     leaves = inference.quantize_weight(jax.random.normal(fresh_key(), (2048, 1024)), scheme)
     x = jnp.ones((m, 2048), jnp.bfloat16)
     hlo = jax.jit(lambda x: inference.quantized_linear(x, leaves, scheme)).lower(x).as_text()
@@ -136,3 +133,20 @@ def test_decode_on_gpu_matches_full_forward():
     got.append(logits)
   # bf16 attention over the cache's (masked) 16 keys vs the causal 12: bf16-level differences.
   assert rel_err(jnp.concatenate(got, axis=1), full) < 2e-2
+
+
+@needs_sm80
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (2048, 1024)])
+def test_quantizing_ternary_gemv_matches_the_reference_on_gpu(k, n):
+  """Decode's one launch per linear (the quantizer inside the GEMV, M = 1) == quantize_rows_reference, then the
+  A8W2 reference, and == the pre-quantized GEMV, bit for bit, on activations without rounding ties."""
+  key = fresh_key()
+  x = tie_free_activations(key, 1, k, BITNET_TOKENS)
+  wt = jax.random.randint(jax.random.fold_in(key, 1), (n, k), -1, 2, jnp.int32).astype(jnp.int8)
+  w_packed, w_scale = pack_2bit(wt), jnp.float32(0.02)
+  fused = jax.jit(lambda x: ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS))(x)
+  xq, sx = quantize_rows_reference(x, BITNET_TOKENS)
+  want = int8_gemv.a8w2_matmul_reference(xq, sx, w_packed, w_scale)
+  np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(want, np.float32))
+  prequantized = ternary_gemv.a8w2_gemv_kernel(xq, sx, w_packed, w_scale)
+  np.testing.assert_array_equal(np.asarray(prequantized, np.float32), np.asarray(want, np.float32))

@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from jaxlowbit.inference.weights import BITNET_TOKENS
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import pack_2bit
 from pallas_kernels import inference_dispatch, int8_gemv, policy, ternary_gemv
-from helpers import fresh_key
+from pallas_kernels.reference import quantize_rows_reference
+from helpers import fresh_key, tie_free_activations
 
 H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                                   platform="gpu"))
@@ -29,10 +32,21 @@ def _operands(key, m, n, k):
   return xq, x_scale, pack_2bit(w, axis=-1), jnp.float32(0.037)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 64, 512, 1), (2, 128, 2048, 4), (3, 64, 1024, 2), (4, 32, 256, 1)])
-def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split):
+def _tiling(m, n, k, split, reduce_per_step):
+  """The default tiling for M rows, with ``split`` K parts (block_k shrunk to fit) and the reduction asked for."""
+  config = ternary_gemv.config_for(n, k // 4, sms=4, m=m)
+  return dataclasses.replace(config, split_k=split, block_k=min(config.block_k, k // 4 // split),
+                             reduce_per_step=reduce_per_step)
+
+
+CASES = [(1, 64, 512, 1, False), (2, 128, 2048, 4, True), (3, 64, 1024, 2, False), (4, 32, 256, 1, True),
+         (1, 32, 1024, 2, True)]  # (m, n, k, split_k, reduce_per_step)
+
+
+@pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
+def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce_per_step):
   xq, x_scale, w_packed, w_scale = _operands(fresh_key(), m, n, k)
-  config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, sms=4), split_k=split)
+  config = _tiling(m, n, k, split, reduce_per_step)
   for out_dtype in (jnp.bfloat16, jnp.float32):
     got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, config=config, interpret=True)
     want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
@@ -57,7 +71,61 @@ def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
     ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, interpret=True)
 
 
-def test_dispatch_leaves_the_gemv_off_until_measured():
-  """The dispatch takes the GEMV only for M <= policy.TERNARY_GEMV_MAX_M, 0 until a GPU run says otherwise."""
-  assert policy.TERNARY_GEMV_MAX_M == 0
-  assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
+def test_dispatch_sends_decode_rows_to_the_gemv_only():
+  """policy.TERNARY_GEMV_MAX_M (1, from the H100 sweep): M = 1 on the Llama shapes goes to the GEMV, M = 2 does not,
+  nor a weight it cannot tile."""
+  assert policy.TERNARY_GEMV_MAX_M == 1
+  assert inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
+  assert inference_dispatch.ternary_gemv_wanted(1, 4096, 3584)
+  assert not inference_dispatch.ternary_gemv_wanted(2, 14336, 1024)
+  assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024)
+
+
+@pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
+def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split, reduce_per_step):
+  """x quantized inside the kernel (BitNet's per-token int8) == quantize_rows_reference, then the A8W2 reference."""
+  key = fresh_key()
+  x = tie_free_activations(key, m, k, BITNET_TOKENS)
+  _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), m, n, k)
+  config = _tiling(m, n, k, split, reduce_per_step)
+  xq, x_scale = quantize_rows_reference(x, BITNET_TOKENS)
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    got = ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, out_dtype, config=config,
+                                                 interpret=True)
+    want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
+    assert got.dtype == want.dtype and got.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there():
+  """A NaN in one row makes that row's amax inf (stats.absmax): its outputs are NaN, the other row's are exact."""
+  key = fresh_key()
+  x = tie_free_activations(key, 2, 512, BITNET_TOKENS).at[1, 7].set(jnp.nan)
+  _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), 2, 64, 512)
+  got = np.asarray(ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, jnp.float32,
+                                                          interpret=True))
+  want = np.asarray(int8_gemv.a8w2_matmul_reference(*quantize_rows_reference(x, BITNET_TOKENS), w_packed, w_scale,
+                                                    jnp.float32))
+  assert np.isnan(got[1]).all() and np.isnan(want[1]).all()
+  np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096)])
+def test_quantizing_gemv_lowers_for_cuda(m, k, n):
+  f = jax.ShapeDtypeStruct
+  shapes = (f((m, k), jnp.bfloat16), f((n, k // 4), jnp.int8), f((), jnp.float32))
+  with jax.sharding.use_abstract_mesh(H100):
+    fn = jax.jit(lambda x, w, s: ternary_gemv.quantize_a8w2_gemv_kernel(x, w, s, BITNET_TOKENS))
+    text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+
+
+def test_quantizing_gemv_refuses_codes_and_other_specs():
+  _, _, w_packed, w_scale = _operands(fresh_key(), 1, 64, 512)
+  with pytest.raises(ValueError, match="float"):
+    ternary_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.int8), w_packed, w_scale, BITNET_TOKENS,
+                                           interpret=True)
+  with pytest.raises(ValueError, match="rows to int8"):
+    ternary_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.bfloat16), w_packed, w_scale,
+                                           QuantSpec("int8", per_tensor=True), interpret=True)

@@ -187,7 +187,6 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str,
     xq, sx = dispatch.quantize_rows(x2, INT8_TOKENS, options=kernels)
     y = inference_dispatch.w8a8_matmul(xq, sx, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
   else:
-    xq, sx = dispatch.quantize_rows(x2, BITNET_TOKENS, options=kernels)
-    y = inference_dispatch.ternary_matmul(xq, sx, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
+    y = inference_dispatch.ternary_linear(x2, BITNET_TOKENS, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
                                           options=kernels)
   return y.reshape(*batch_shape, n)
