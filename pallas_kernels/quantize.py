@@ -279,14 +279,25 @@ def _rint(y: jax.Array, native: bool) -> jax.Array:
                                     result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
 
 
-def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax.Array:
+def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
+  """``x / y`` rounded to nearest (PTX ``div.rn.f32``), as XLA divides; Triton's ``/`` is the approximate
+  ``div.full.f32`` (2 ulp), which rounds some near-ties of ``x / scale`` the other way."""
+  y = jnp.broadcast_to(y, x.shape)
+  return plt.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+                                    result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool, exact_division: bool = False) -> jax.Array:
   """Float32 ``x`` -> ``spec``'s codes with ``param`` from :func:`code_scales` (inside a kernel; ``native``:
-  PTX rounding on the GPU, the exact floor-based form in interpret mode)."""
+  PTX rounding on the GPU, the exact floor-based form in interpret mode). ``exact_division``: int8 divides as
+  XLA does (correctly rounded), so the codes equal the XLA reference's bit for bit, at a few more instructions
+  per element; otherwise Triton's division (module docstring: up to rounding ties)."""
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
   x = jnp.where(x != x, 0.0, x)
   if spec.is_int8:
-    y = _rint(x / param, native)
+    y = _divide_rn(x, param) if native and exact_division else x / param
+    y = _rint(y, native)
     return jnp.clip(y, -int8.INT8_MAX, int8.INT8_MAX).astype(jnp.int8)
   fmax = fp8.fp8_max(spec.jnp_dtype)
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)

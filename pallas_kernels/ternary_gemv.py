@@ -112,7 +112,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     # x[r, 4 i + j] for the step's bytes i: the activations that meet code j of each byte (no interleave).
     x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
     if spec is not None:
-      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
+      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native, exact_division=True)
     return x.astype(jnp.int32)
 
   def step(t, accs):
@@ -208,8 +208,7 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
   """Float activations x packed-ternary weights for M <= :data:`MAX_M`, the activations quantized in the kernel.
 
   One launch instead of a quantizer and a GEMV: each program finds the amax of the whole ``x`` row (a few KiB,
-  read from L2), takes ``spec``'s scale and quantizes the slice it multiplies as the quantize kernels do
-  (``pallas_kernels.quantize.encode``).
+  read from L2), takes ``spec``'s scale and quantizes the slice it multiplies (``pallas_kernels.quantize.encode``).
 
   Args:
     x: ``[M, K]`` float activations (bf16/f16/f32). spec: per-row int8 :class:`QuantSpec` (BitNet's tokens).
@@ -217,8 +216,8 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
     out_dtype: result dtype (default ``x.dtype``). config, interpret: as :func:`a8w2_gemv_kernel`.
 
   Returns:
-    ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)``, the same numbers
-    up to the quantizer's rounding ties (``pallas_kernels.quantize``; exact in interpret mode).
+    ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)`` bit for bit (the
+    codes divide as XLA does, correctly rounded; ``quantize.encode(exact_division=True)``).
   """
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")

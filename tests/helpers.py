@@ -101,8 +101,8 @@ def tie_free_activations(key: jax.Array, m: int, k: int, spec) -> jax.Array:
   """bf16 ``[m, k]`` activations, rows of different magnitude, with no element on an int8 rounding tie.
 
   Elements whose ``x / scale`` (``spec``'s per-row int8 scale) lies within :data:`TIE_MARGIN` of a .5 are set to
-  0: float32 division may land on either side of such a tie (XLA:CPU's vectorized division is not correctly
-  rounded, PTX's is), so a kernel and the reference could round them apart. The amax element maps to 127
+  0: float32 division may land on either side of such a tie (XLA:CPU's vectorized division and Triton's
+  default one are not correctly rounded), so a kernel and the reference could round them apart. The amax element maps to 127
   exactly and is never one of them, so the scales do not move.
   """
   kx, kr = jax.random.split(key)
