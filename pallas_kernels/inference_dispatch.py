@@ -108,8 +108,8 @@ def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: Dispatch
   """BitNet's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times packed ``[N, K/4]``.
 
   Decode-sized M runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the quantizer inside the GEMV);
-  otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The GEMV's codes are XLA's bit for bit
-  (it divides as XLA does); the quantize kernel's are the same up to rounding ties.
+  otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes are XLA's bit for bit
+  (``pallas_kernels.quantize.encode``).
   """
   out_dtype = out_dtype or x.dtype
   options = DispatchOptions.from_environment() if options is None else options

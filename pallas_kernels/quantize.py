@@ -33,9 +33,10 @@ Public entry points: :func:`quantize_rows_kernel`, :func:`quantize_cols_t_kernel
 :func:`fused_quantize_reference` is the XLA definition of :func:`fused_quantize_kernel`: the
 prologue in jnp, then the references of ``pallas_kernels.reference``.
 
-Numerics are exactly those of the reference up to float rounding: ``round(x / scale)`` may land
-on the other side of a .5 tie, and the norm's sum of squares is added in another order (its
-rsqrt may differ in the last bit, which can move a rounded value by one step). The Triton
+Numerics are exactly those of the reference up to float rounding: int8 codes are ``round(x * (1 /
+scale))``, as XLA computes the reference's ``round(x / scale)`` (:func:`encode`), but a prologue's values
+may differ in the last bit (the norm's sum of squares is added in another order, so its rsqrt may
+differ), which can move a rounded value by one step. The Triton
 lowering has no round-half-even: on the GPU it is PTX's ``cvt.rni`` (one instruction), in interpret
 mode :func:`_round_half_even` builds it from floor (exactly).
 NaN or inf in a row (column) makes its amax inf, as in the reference (``stats.absmax``).
@@ -279,25 +280,20 @@ def _rint(y: jax.Array, native: bool) -> jax.Array:
                                     result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
 
 
-def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
-  """``x / y`` rounded to nearest (PTX ``div.rn.f32``), as XLA divides; Triton's ``/`` is the approximate
-  ``div.full.f32`` (2 ulp), which rounds some near-ties of ``x / scale`` the other way."""
-  y = jnp.broadcast_to(y, x.shape)
-  return plt.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
-                                    result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
-
-
-def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool, exact_division: bool = False) -> jax.Array:
+def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax.Array:
   """Float32 ``x`` -> ``spec``'s codes with ``param`` from :func:`code_scales` (inside a kernel; ``native``:
-  PTX rounding on the GPU, the exact floor-based form in interpret mode). ``exact_division``: int8 divides as
-  XLA does (correctly rounded), so the codes equal the XLA reference's bit for bit, at a few more instructions
-  per element; otherwise Triton's division (module docstring: up to rounding ties)."""
+  PTX rounding on the GPU, the exact floor-based form in interpret mode).
+
+  int8 multiplies by the scale's reciprocal, ``x * (1 / scale)``, which is what XLA computes for the
+  reference's ``x / scale`` (its algebraic simplifier turns a division by a broadcast into a multiplication by
+  the reciprocal; the reciprocal is ``div.full.f32`` on the GPU in XLA and in Triton alike): the same codes as the
+  reference, and one multiply per element instead of a division.
+  """
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
   x = jnp.where(x != x, 0.0, x)
   if spec.is_int8:
-    y = _divide_rn(x, param) if native and exact_division else x / param
-    y = _rint(y, native)
+    y = _rint(x * (1.0 / param), native)
     return jnp.clip(y, -int8.INT8_MAX, int8.INT8_MAX).astype(jnp.int8)
   fmax = fp8.fp8_max(spec.jnp_dtype)
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)

@@ -112,7 +112,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     # x[r, 4 i + j] for the step's bytes i: the activations that meet code j of each byte (no interleave).
     x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
     if spec is not None:
-      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native, exact_division=True)
+      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
     return x.astype(jnp.int32)
 
   def step(t, accs):
@@ -217,7 +217,7 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
 
   Returns:
     ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)`` bit for bit (the
-    codes divide as XLA does, correctly rounded; ``quantize.encode(exact_division=True)``).
+    codes are computed as XLA computes them: ``quantize.encode``).
   """
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")
