@@ -97,11 +97,13 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
 
 def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
   """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``:
-  M up to ``policy.TERNARY_GEMV_MAX_M`` and a weight it tiles."""
+  M up to ``policy.TERNARY_GEMV_MAX_M`` and a weight it tiles with the full decode tiling (``block_k`` 512 bytes,
+  ``policy.TERNARY_GEMV_BLOCK_K``)."""
   from pallas_kernels import ternary_gemv
 
-  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes,
-                                                                   ternary_gemv.config_for(n, k_bytes, m=m))
+  config = ternary_gemv.config_for(n, k_bytes, m=m)
+  return (m <= policy.TERNARY_GEMV_MAX_M and config.block_k == policy.TERNARY_GEMV_BLOCK_K
+          and ternary_gemv.supports(m, n, k_bytes, config))
 
 
 def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:

@@ -85,7 +85,8 @@ def test_the_low_bit_adamw_update_takes_explicit_options(environment):
   grads = {"w": jax.random.normal(fresh_key(), (64, 128))}
   environment.unset()
   tx = optim.make("adamw_8bit", 1e-3)
-  expected, _ = tx.update(grads, tx.init(params), params)
+  # Both under jit: op by op, XLA rounds some elements differently (1 ulp) than the fused program.
+  expected, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   environment.poisoned()
   tx = optim.make("adamw_8bit", 1e-3, execution=XLA)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)

@@ -79,6 +79,7 @@ def test_dispatch_sends_decode_rows_to_the_gemv_only():
   assert inference_dispatch.ternary_gemv_wanted(1, 4096, 3584)
   assert not inference_dispatch.ternary_gemv_wanted(2, 14336, 1024)
   assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024)
+  assert not inference_dispatch.ternary_gemv_wanted(1, 2048, 256)  # K = 1024: 256-byte steps, not verified
 
 
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
