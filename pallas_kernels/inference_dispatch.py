@@ -17,10 +17,10 @@ w8a16         ``pallas_kernels.w8a16`` (Triton, split-K)   XLA: its GEMM fusion 
               at M = 1 and 16..32; XLA at M = 2..15        on the fly (no bf16 weight in memory)
 w8a8          XLA int8 dot (ties the A8W8 kernel)          Hopper wgmma (``dispatch.scaled_matmul``)
                                                            once the output fills the GPU, else XLA
-ternary       M = 1: ``pallas_kernels.ternary_gemv`` (CUDA   unpack to int8 ``[N, K]`` once, then as w8a8
-              cores, the activation quantizer inside);
-              M = 2..32: ``pallas_kernels.int8_gemv`` A8W2
-              (2-bit weights unpacked in registers)
+ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
+              weights unpacked in registers), M <= 32;
+              ``ternary_gemv`` (quantizer inside) at M = 1
+              when ``policy.TERNARY_GEMV_MAX_M`` = 1
 ============  ===========================================  ==========================================
 
 Everywhere else (CPU, GPUs older than sm80, shapes a kernel does not tile) the XLA
@@ -97,20 +97,18 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
 
 def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
   """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``:
-  M up to ``policy.TERNARY_GEMV_MAX_M`` and a weight it tiles with the full decode tiling (``block_k`` 512 bytes,
-  ``policy.TERNARY_GEMV_BLOCK_K``)."""
+  M up to ``policy.TERNARY_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
   from pallas_kernels import ternary_gemv
 
-  config = ternary_gemv.config_for(n, k_bytes, m=m)
-  return (m <= policy.TERNARY_GEMV_MAX_M and config.block_k == policy.TERNARY_GEMV_BLOCK_K
-          and ternary_gemv.supports(m, n, k_bytes, config))
+  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes,
+                                                                   ternary_gemv.config_for(n, k_bytes, m=m))
 
 
 def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
   """BitNet's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times packed ``[N, K/4]``.
 
-  Decode-sized M runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the quantizer inside the GEMV);
-  otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes are XLA's bit for bit
+  M up to ``policy.TERNARY_GEMV_MAX_M`` runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the quantizer
+  inside the GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes are XLA's bit for bit
   (``pallas_kernels.quantize.encode``).
   """
   out_dtype = out_dtype or x.dtype

@@ -69,14 +69,13 @@ W8A8_KERNEL_MAX_M = 0
 GEMV_MAX_M = 64
 # Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
 TERNARY_KERNEL_MAX_M = 32
-# Ternary on CUDA cores (pallas_kernels.ternary_gemv, quantizer inside): one H100 (ternary_gemv_sweep_h100.json), the
-# GEMV alone at M = 1 took 17.7 / 18.6 us on 4096 x 14336 / 14336 x 4096 against 31.3 / 30.7 for quantizer + A8W2
-# kernel; at M = 4 its best tiling took 43 / 40 us against 37.5 / 50.8, so only M = 1 goes there.
-TERNARY_GEMV_MAX_M = 1
-# Bit-identical to the XLA path on the H100 with 512-byte K steps (K a multiple of 2048: every 1B and Llama-3-8B
-# projection); a 1024 x 2048 weight (256-byte steps) gave other outputs than BitNetDense's forward there
-# (tests/test_inference_gpu.py, cause not found yet), so smaller K stays on quantizer + A8W2.
-TERNARY_GEMV_BLOCK_K = 512
+# Ternary on CUDA cores (pallas_kernels.ternary_gemv, quantizer inside): one H100 (ternary_gemv_sweep_h100.json,
+# inference_linears_h100_57561a1.json, inference_decode_1b_h100_57561a1.json), M = 1: 4096 x 14336 in 19 us against
+# 31 for quantizer + A8W2 kernel, and 1B decode at batch 1 1293 tokens/s against 866 (bf16 789). Off by default: its int8 codes are round(x * (1 / scale)), as XLA
+# computes the quantizer in the converted model's program, but BitNetDense's training forward on the H100 rounds
+# some exact .5 ties of bf16 activations the other way, and a converted layer must reproduce its training forward
+# bit for bit (tests/test_inference_gpu.py). 1 turns it on for M = 1.
+TERNARY_GEMV_MAX_M = 0
 # Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
 # M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
 WGMMA_TILE_M, WGMMA_TILE_N = 128, 256
