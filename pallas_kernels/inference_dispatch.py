@@ -107,9 +107,9 @@ def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
 def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
   """BitNet's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times packed ``[N, K/4]``.
 
-  M up to ``policy.TERNARY_GEMV_MAX_M`` runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the quantizer
-  inside the GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes are XLA's bit for bit
-  (``pallas_kernels.quantize.encode``).
+  M up to ``policy.TERNARY_GEMV_MAX_M`` runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the
+  quantizer inside the GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes
+  are XLA's bit for bit (``pallas_kernels.quantize.encode``).
   """
   out_dtype = out_dtype or x.dtype
   options = DispatchOptions.from_environment() if options is None else options

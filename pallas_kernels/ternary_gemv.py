@@ -83,9 +83,9 @@ def supports(m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> bool:
 def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
-  Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the packed weight
-  ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]``; out, then (``spec``
-  and split-K) the activation scales ``[m]``.
+  Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the
+  packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]``; out, then
+  (``spec`` and split-K) the activation scales ``[m]``.
   """
   if spec is None:
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
@@ -102,8 +102,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     chunk = VALUES_PER_BYTE * bk
 
     def row_amax(t, amaxes):
-      return tuple(jnp.maximum(a, jnp.max(quantize.magnitude(x_ref[pl.ds(r * k + t * chunk, chunk)].astype(jnp.float32))))
-                   for r, a in enumerate(amaxes))
+      values = [x_ref[pl.ds(r * k + t * chunk, chunk)].astype(jnp.float32) for r in range(m)]
+      return tuple(jnp.maximum(a, jnp.max(quantize.magnitude(v))) for a, v in zip(amaxes, values))
 
     amaxes = lax.fori_loop(0, k // chunk, row_amax, tuple(jnp.float32(0) for _ in range(m)))
     params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
@@ -156,11 +156,13 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
     operands = (x.reshape(-1), w_packed, sx, sw)
   else:
     operands = (x.reshape(-1), w_packed, sw)
-  out_shape = out_struct((m, n), out_dtype, *operands) if split == 1 else out_struct((split * m, n), jnp.int32, *operands)
+  out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
+               else out_struct((split * m, n), jnp.int32, *operands))
   if spec is not None and split > 1:
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
-      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec, native=not interpret),
+      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
+                        native=not interpret),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

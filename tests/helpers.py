@@ -100,10 +100,10 @@ TIE_MARGIN = 1e-3  # |x / scale - (n + 1/2)| below this (in code units) counts a
 def tie_free_activations(key: jax.Array, m: int, k: int, spec) -> jax.Array:
   """bf16 ``[m, k]`` activations, rows of different magnitude, with no element on an int8 rounding tie.
 
-  Elements whose ``x / scale`` (``spec``'s per-row int8 scale) lies within :data:`TIE_MARGIN` of a .5 are set to
-  0: float32 division may land on either side of such a tie (XLA:CPU's vectorized division and Triton's
-  default one are not correctly rounded), so a kernel and the reference could round them apart. The amax element maps to 127
-  exactly and is never one of them, so the scales do not move.
+  Elements whose ``x / scale`` (``spec``'s per-row int8 scale) lies within :data:`TIE_MARGIN` of a .5 are set
+  to 0: a float32 quotient that close to a tie rounds by how it was computed (a correctly rounded division,
+  XLA's ``x * (1 / scale)``, Triton's approximate division), so two correct implementations could round it
+  apart. The amax element maps to 127 exactly and is never one of them, so the scales do not move.
   """
   kx, kr = jax.random.split(key)
   rows = jnp.exp(jax.random.uniform(kr, (m, 1), minval=-3.0, maxval=3.0))
