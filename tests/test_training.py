@@ -86,6 +86,8 @@ def test_recipe_trains_like_bf16(recipe):
 
 
 def test_bound_rejects_a_slower_learner():
+  """The 5% bound can fail: bf16 at a 30th of the learning rate ends 38-48% above (six seeds). At a 10th it
+  ended 5.5-7.2% above, too close to the bound to hold for every seed."""
   xs, labels = _teacher_data(fresh_key())
-  bf16, slow = _train(None, LR, xs, labels), _train(None, LR / 10, xs, labels)
+  bf16, slow = _train(None, LR, xs, labels), _train(None, LR / 30, xs, labels)
   assert _final(slow) > TOLERANCE * _final(bf16)
