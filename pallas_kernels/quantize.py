@@ -253,8 +253,9 @@ def _col_chunk(c: int, chunk: int) -> int:
 def code_scales(amax: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """(what ``encode`` takes, dequantization scale) for an amax, as float32.
 
-  int8 divides by its scale and FP8 multiplies by its multiplier, as the reference does;
-  folding either into the other form would round differently.
+  int8 takes its dequantization scale (:func:`encode` multiplies by its reciprocal, as XLA computes the
+  reference's division) and FP8 its multiplier, as the reference does; folding either into the other form
+  would round differently.
   """
   if spec.is_int8:
     scale = int8.int8_scale(amax, spec.eps)
@@ -571,7 +572,7 @@ def fused_quantize_kernel(
     param_t, scale_t = code_scales(reduce_rows(jnp.max(colmax, axis=0)), spec)
     qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret)[0]
     return rows, (qt, scale_t[:, None]), stat
-  if rows_t:  # int8 divides by its dequantization scale itself (see code_scales)
+  if rows_t:  # int8 takes its dequantization scale itself (see code_scales)
     qt = _tile_call(inputs, prologue, stat, outs[1], spec, per_row=True, interpret=interpret)[0]
     return rows, (qt, outs[1][None, :]), stat
   return rows, None, stat

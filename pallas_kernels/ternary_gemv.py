@@ -39,7 +39,8 @@ from pallas_kernels.int8_gemv import BYTE_TOP_SHIFT, CODE_BITS, INT32_TOP_SHIFT,
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import choose_split_k, fit_block, num_sms
 
-# Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block.
+# Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
+# (block_n with reduce_per_step).
 MAX_M = 4
 MIN_BLOCK_N, MIN_BLOCK_K = 8, 16
 
@@ -176,11 +177,15 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   return out
 
 
-def _check_fits(who: str, m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> None:
+def _tiling(who: str, m: int, w_packed, config: TernaryGemvConfig | None) -> TernaryGemvConfig:
+  """``config`` (default :func:`config_for`) after checking it takes M rows and the ``[N, K/4]`` packed weight."""
+  n, k_bytes = w_packed.shape
+  config = config or config_for(n, k_bytes, m=m)
   if not supports(m, n, k_bytes, config):
     raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
                      f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
                      f"{config.block_k * config.split_k}); use a8w2_matmul_kernel or the reference")
+  return config
 
 
 def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, config: TernaryGemvConfig | None = None,
@@ -197,10 +202,7 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`.
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  m = xq.shape[0]
-  n, k_bytes = w_packed.shape
-  config = config or config_for(n, k_bytes, m=m)
-  _check_fits("a8w2_gemv_kernel", m, n, k_bytes, config)
+  config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, config)
   return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
                interpret=interpret)
 
@@ -227,9 +229,6 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
     raise ValueError(f"quantize_a8w2_gemv_kernel: spec must quantize rows to int8, got {spec}")
   check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
              w_scale)
-  m = x.shape[0]
-  n, k_bytes = w_packed.shape
-  config = config or config_for(n, k_bytes, m=m)
-  _check_fits("quantize_a8w2_gemv_kernel", m, n, k_bytes, config)
+  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config)
   return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
                interpret=interpret)
