@@ -39,6 +39,7 @@ from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
+from pallas_kernels.quantize import to_compute_dtype
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -198,7 +199,7 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
     bias = jnp.asarray(bias, call.dtype)
   if not callable(matmul):
     matmul = recipe_matmul(matmul, getattr(module, "execution", None))
-  out = matmul(call, inputs if is_low_bit(inputs) else jnp.asarray(inputs, call.dtype), kernel)
+  out = matmul(call, inputs if is_low_bit(inputs) else to_compute_dtype(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
     # The bias's own feature dims: a tensor-parallel layer's (jaxlowbit.parallel) holds its share of them.

@@ -19,6 +19,7 @@ from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.layers import check_sizes
 from jaxlowbit.matmul import quantized_matmul
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, check_recipe
+from pallas_kernels.quantize import to_compute_dtype
 
 
 # Marks "no recipe argument given" (None already means high precision).
@@ -53,6 +54,8 @@ class _LowBitLinear(nnx.Linear):
       raise TypeError(f"{type(self).__name__}: inputs must be floating point, got {jnp.result_type(inputs)}")
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
+    if self.dtype is not None:  # narrowing rounds, as every layer's input cast does
+      inputs = to_compute_dtype(inputs, self.dtype)
     inputs, promoted_kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
     if self.recipe is None:
       y = jax.lax.dot_general(

@@ -71,13 +71,11 @@ GEMV_MAX_M = 64
 TERNARY_KERNEL_MAX_M = 32
 # Ternary on CUDA cores (pallas_kernels.ternary_gemv, quantizer inside): one H100 (ternary_gemv_sweep_h100.json,
 # inference_linears_h100_57561a1.json, inference_decode_1b_h100_57561a1.json), M = 1: 4096 x 14336 in 19 us against
-# 31 for quantizer + A8W2 kernel, and 1B decode at batch 1 1293 tokens/s against 866 (bf16 789). Off by default:
-# its outputs equal the XLA quantizer + A8W2 reference bit for bit on every shape tested on the H100, but a converted
-# 1024 x 2048 BitNetDense fed float32 activations did not reproduce its training forward there (71-76% of outputs
-# differed: tests/test_inference_gpu.py), and a converted layer must. Suspected, not yet verified: XLA drops
-# the float32 -> bf16 rounding of the input inside its fusion (excess precision; see quantize.round_to), so its
-# quantizer reads unrounded values while the kernel reads the bf16 operand. 1 turns it on for M = 1.
-TERNARY_GEMV_MAX_M = 0
+# 31 for quantizer + A8W2 kernel, and 1B decode at batch 1 1293 tokens/s against 866 (bf16 789). Its outputs equal
+# the XLA quantizer + A8W2 reference bit for bit; a converted layer reproduces its training forward also for float32
+# inputs since every layer rounds its input cast explicitly (quantize.to_compute_dtype: XLA had dropped the bare
+# float32 -> bf16 round trip inside its quantizer fusion). M = 2..4 tile too but are not faster than the A8W2 kernel.
+TERNARY_GEMV_MAX_M = 1
 # Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
 # M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
 WGMMA_TILE_M, WGMMA_TILE_N = 128, 256

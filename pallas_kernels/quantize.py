@@ -79,6 +79,16 @@ def round_to(y: jax.Array, dtype) -> jax.Array:
   return y.astype(dtype)
 
 
+def to_compute_dtype(x: jax.Array, dtype) -> jax.Array:
+  """A layer's input ``x`` in its compute ``dtype``: unchanged when it already is, else :func:`round_to`.
+
+  Every linear casts its input through this (``jaxlowbit.layers.dense_general``, the NNX layers), so a
+  float32 input to a bfloat16 layer is quantized from the same rounded values whether XLA fuses the cast
+  into its quantizer or a kernel reads the cast operand.
+  """
+  return x if x.dtype == jnp.dtype(dtype) else round_to(x, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Identity:
   """The input itself: ``x [R, C]``."""

@@ -72,15 +72,15 @@ def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
-  """Off by default (policy.TERNARY_GEMV_MAX_M = 0: see there why); at 1, M = 1 on the Llama shapes goes to the GEMV,
-  M = 2 and a weight it cannot tile do not."""
-  assert policy.TERNARY_GEMV_MAX_M == 0
-  assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
-  monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 1)
+  """M = 1 on the Llama shapes goes to the GEMV (policy.TERNARY_GEMV_MAX_M = 1); M = 2 and a weight it cannot tile
+  do not, and 0 turns it off."""
+  assert policy.TERNARY_GEMV_MAX_M == 1
   assert inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
   assert inference_dispatch.ternary_gemv_wanted(1, 4096, 3584)
   assert not inference_dispatch.ternary_gemv_wanted(2, 14336, 1024)
   assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024)
+  monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 0)
+  assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
 
 
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)

@@ -122,3 +122,26 @@ def test_nnx_errors():
     lbnnx.BitNetDense(4, 4, recipe=Int8MixedPrecision(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="dot_general"):
     lbnnx.Int8Dense(4, 4, dot_general=jax.lax.dot_general, rngs=nnx.Rngs(0))
+
+
+def _rounds(fn, x) -> bool:
+  return "reduce_precision" in str(jax.make_jaxpr(fn)(x))
+
+
+def test_a_narrowing_input_cast_rounds_where_xla_cannot_drop_it():
+  """A float32 input to a bfloat16 layer is rounded by ``reduce_precision``: XLA may drop a bare
+  float32 -> bfloat16 -> float32 round trip inside a fusion, so the quantizer would read other values than
+  a kernel fed the cast operand (the ternary GEMV). A bfloat16 input is passed through untouched."""
+  from jaxlowbit import inference
+
+  x32 = jax.random.normal(fresh_key(), (4, 64))
+  linen = jaxlowbit.BitNetDense(features=32, use_bias=False, dtype=jnp.bfloat16)
+  params = linen.init(jax.random.key(0), x32)
+  qparams = {"params": inference.quantize_params(params["params"], "ternary", filter_fqns=())}
+  converted = inference.convert_for_inference(linen, "ternary")
+  layer = lbnnx.BitNetDense(64, 32, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  cases = {"linen": lambda x: linen.apply(params, x), "converted": lambda x: converted.apply(qparams, x),
+           "nnx": lambda x: layer(x)}
+  for name, fn in cases.items():
+    assert _rounds(fn, x32) and not _rounds(fn, x32.astype(jnp.bfloat16)), name
+    np.testing.assert_array_equal(fn(x32), fn(x32.astype(jnp.bfloat16)), err_msg=name)

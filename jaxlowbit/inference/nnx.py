@@ -26,6 +26,7 @@ from jaxlowbit.inference.weights import (
     smoothing_factors,
 )
 from jaxlowbit.interception import LayerFilter, as_filter
+from pallas_kernels.quantize import to_compute_dtype
 
 
 class QuantizedWeight(nnx.Variable):
@@ -86,7 +87,7 @@ class QuantizedLinear(nnx.Module):
       raise ValueError(f"QuantizedLinear: inputs have {inputs.shape[-1]} features, the layer takes {self.in_features}")
     dtype = self.dtype or jnp.promote_types(jnp.result_type(inputs), self.param_dtype)
     leaves = {name: getattr(self, name)[...] for name in self.leaf_names}
-    y = quantized_linear(jnp.asarray(inputs, dtype), leaves, self.scheme, options=self.execution)
+    y = quantized_linear(to_compute_dtype(inputs, dtype), leaves, self.scheme, options=self.execution)
     if self.bias is not None:
       y = y + jnp.asarray(self.bias[...], dtype)
     return y
