@@ -40,7 +40,6 @@ import argparse
 import gc
 import json
 import pathlib
-import platform
 import sys
 import time
 import traceback
@@ -235,16 +234,13 @@ def add_ratios(rows: list[dict]) -> None:
       r["per_device_vs_one_device"] = r["tokens_per_s_per_device"] / one["tokens_per_s"]
 
 
-def write_result(args, device, peak: float | None, overrides: dict, rows: list[dict]) -> pathlib.Path:
-  """The JSON of the rows so far (with :func:`add_ratios`)."""
+def write_result(args, peak: float | None, overrides: dict, rows: list[dict]) -> pathlib.Path:
+  """The JSON of the rows so far (with :func:`add_ratios`), headed by ``common.metadata()`` (device, jax, date,
+  commit)."""
   add_ratios(rows)
   result = {
       "benchmark": "train_throughput",
-      "device": device.device_kind,
-      "platform": device.platform,
-      "jax": jax.__version__,
-      "python": platform.python_version(),
-      "commit": common.commit(),
+      **common.metadata(),
       "steps": args.steps,
       "warmup": args.warmup,
       "overrides": overrides,
@@ -326,10 +322,10 @@ def main(argv: list[str] | None = None) -> None:
       row = {"name": name, "recipe": value if field in ("recipe", "peer") else "?", "error": f"{type(e).__name__}: {e}"}
       jax.clear_caches()  # e.g. out of memory: drop what the failed row compiled before the next one
     rows.append(row)
-    write_result(args, device, peak, overrides, rows)  # after every config: a later crash keeps these
+    write_result(args, peak, overrides, rows)  # after every config: a later crash keeps these
     gc.collect()
 
-  out = write_result(args, device, peak, overrides, rows)
+  out = write_result(args, peak, overrides, rows)
   print(f"\nwrote {out}\n")
   print(format_table(rows))
   if any("error" in r for r in rows):
