@@ -186,47 +186,60 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
   return rows
 
 
-# Kernel tilings tried by --sweep at M = 1 (decode pads rows to 16, so M <= 16 runs the same tiles):
-# (block_n, block_k, split_k); split_k None = the automatic split. block_k counts weight bytes.
+# Kernel tilings tried by --sweep at each --sweep-m (decode pads rows to 16, so M <= 16 runs the same tiles; the
+# ternary GEMV only M <= 4): (block_n, block_k, split_k); split_k None = the automatic split. block_k counts weight
+# bytes. a8w2_bf16 is the A8W2 kernel with float_mma (bf16 tensor cores, exact: pallas_kernels.int8_gemv).
 SWEEP = {
     "w8a16": [(16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1), (16, 256, None), (32, 256, None),
               (64, 256, None), (128, 128, None)],
     "a8w8": [(32, 256, 1), (32, 512, 1), (64, 256, 1), (64, 256, None), (128, 128, None)],
     "a8w2": [(16, 128, 1), (32, 128, 1), (64, 64, 1), (32, 64, None), (64, 128, None), (128, 64, None),
              (128, 32, None)],
+    "a8w2_bf16": [(64, 64, None), (128, 64, None), (64, 128, None), (128, 128, None), (64, 256, None),
+                  (32, 256, None)],
     "ternary_gemv": [(32, 128, None), (16, 256, None), (8, 512, None), (16, 512, None), (32, 256, None),
                      (64, 64, None), (8, 1024, 1), (16, 256, 1)],
 }
 
 
-def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int) -> list[dict]:
-  """The Pallas kernels alone at M = 1 for each tiling in :data:`SWEEP` (chained like the linears)."""
+def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int, ms=(1,), kernels=None) -> list[dict]:
+  """The Pallas kernels alone at each M in ``ms`` for each tiling in :data:`SWEEP` (chained like the linears);
+  ``kernels`` picks some of its keys (None: all)."""
+  rows = []
+  for m in ms:
+    rows += _sweep_at(shapes, iters, runs, layers, m, [k for k in SWEEP if kernels is None or k in kernels])
+  return rows
+
+
+def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> list[dict]:
   from pallas_kernels import int8_gemv, w8a16
 
   rows = []
   for k, n in shapes:
     key = jax.random.key(k + n)
-    x = [jax.random.normal(jax.random.fold_in(key, i), (1, k)).astype(jnp.bfloat16) for i in range(layers)]
-    xq = [jnp.ones((1, k), jnp.int8) for _ in range(layers)]
-    sx = jnp.ones((1, 1), jnp.float32)
+    x = [jax.random.normal(jax.random.fold_in(key, i), (m, k)).astype(jnp.bfloat16) for i in range(layers)]
+    xq = [jnp.ones((m, k), jnp.int8) for _ in range(layers)]
+    sx = jnp.ones((m, 1), jnp.float32)
     wq = [jax.random.randint(jax.random.fold_in(key, 100 + i), (n, k), -127, 128, jnp.int32).astype(jnp.int8)
           for i in range(layers)]
     wp = [w[:, : k // 4] for w in wq]
     sw = jnp.ones((n,), jnp.float32)
-    for kernel, grid in SWEEP.items():
-      for block_n, block_k, split in grid:
-        row = {"k": k, "n": n, "kernel": kernel, "block_n": block_n, "block_k": block_k}
+    for kernel in kernels:
+      if kernel == "ternary_gemv" and m > ternary_gemv.MAX_M:
+        continue
+      for block_n, block_k, split in SWEEP[kernel]:
+        row = {"k": k, "n": n, "m": m, "kernel": kernel, "block_n": block_n, "block_k": block_k}
         try:
           if kernel == "ternary_gemv":
-            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4), block_n=block_n, block_k=block_k,
-                                         split_k=1)
+            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m), block_n=block_n,
+                                         block_k=block_k, split_k=1)
             if split is None:
               config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k // 4, block_k,
                                                                                  w8a16.num_sms()))
             fn = chain(lambda a, w, c=config: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c))
             args, nbytes = (xq, wp), n * k // 4
           elif kernel == "w8a16":
-            auto = w8a16.config_for(1, n, k)
+            auto = w8a16.config_for(m, n, k)
             config = dataclasses.replace(auto, block_n=block_n, block_k=block_k, split_k=1)
             if split is None:
               config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k, block_k,
@@ -234,11 +247,11 @@ def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int) -> list[dict]
             fn = chain(lambda a, w, c=config: w8a16.w8a16_matmul_kernel(a, w, sw, config=c))
             args, nbytes = (x, wq), n * k
           else:
-            packed = kernel == "a8w2"
+            packed = kernel.startswith("a8w2")
             k_bytes = k // 4 if packed else k
             base = int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE
-            config = dataclasses.replace(int8_gemv.config_for(1, n, k_bytes, base), block_n=block_n, block_k=block_k,
-                                         split_k=1)
+            config = dataclasses.replace(int8_gemv.config_for(m, n, k_bytes, base), block_n=block_n, block_k=block_k,
+                                         split_k=1, float_mma=kernel == "a8w2_bf16")
             if split is None:
               config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k_bytes, block_k,
                                                                                  w8a16.num_sms()))
@@ -381,6 +394,8 @@ def plot(rows: list[dict], path: str) -> str | None:
   except ImportError:
     return None
   shapes = sorted({(r["k"], r["n"]) for r in rows})
+  if not shapes:  # decode or sweep only
+    return None
   fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
   for ax, (k, n) in zip(axes[0], shapes):
     for variant in VARIANTS:
@@ -408,7 +423,10 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timed run")
   parser.add_argument("--runs", type=int, default=MIN_RUNS, help=f"timed runs per figure (>= {MIN_RUNS})")
   parser.add_argument("--layers", type=int, default=8, help="distinct weights chained in one call (> L2 in total)")
-  parser.add_argument("--sweep", action="store_true", help="also time the kernels' tilings at M = 1")
+  parser.add_argument("--sweep", action="store_true", help="also time the kernels' tilings (at --sweep-m)")
+  parser.add_argument("--sweep-m", type=int, nargs="+", default=[1], help="the M values of --sweep")
+  parser.add_argument("--sweep-kernels", nargs="+", choices=sorted(SWEEP), default=None,
+                      help="the kernels of --sweep (default: all)")
   parser.add_argument("--decode-scan", action="store_true", help="decode with nn.scan over layers (default: unrolled)")
   parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS))
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
@@ -434,7 +452,8 @@ def main(argv=None):
   shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
   start = time.perf_counter()
   linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.runs, args.layers)
-  sweep_rows = bench_kernel_sweep(shapes, args.iters, args.runs, args.layers) if args.sweep else []
+  sweep_rows = (bench_kernel_sweep(shapes, args.iters, args.runs, args.layers, args.sweep_m, args.sweep_kernels)
+                if args.sweep else [])
   write_json("inference", linear_rows, args.out, sweep=sweep_rows, partial=True)  # kept if decode runs out of time
   decode_rows = []
   if not args.skip_decode:
@@ -454,8 +473,8 @@ def main(argv=None):
   print("\nweight memory of one linear (MiB):")
   print(table(memory, ["k", "n", "bf16", "w8a16", "w8a8", "ternary"]))
   if sweep_rows:
-    print("\nkernel tilings at M = 1:")
-    print(table(sweep_rows, ["k", "n", "kernel", "block_n", "block_k", "split_k", "us", "weight_gbps", "error"]))
+    print("\nkernel tilings:")
+    print(table(sweep_rows, ["k", "n", "m", "kernel", "block_n", "block_k", "split_k", "us", "weight_gbps", "error"]))
   print(f"\nper linear (median of {args.runs} runs, min, max; GB/s = (weight + activation bytes) / time):")
   print(table(linear_rows, ["k", "n", "m", "variant", "us", "us_min", "us_max", "gbps", "pct_of_bf16_gbps", "speedup",
                             "unstable", "error"]))
