@@ -82,7 +82,7 @@ class GemvConfig:
 A8W8_BASE = GemvConfig(block_m=16, block_n=64, block_k=256)
 # A8W2: one packed byte meets four activation bytes; wider N tiles keep the activation reads
 # (served from L2) at half the weight reads.
-A8W2_BASE = GemvConfig(block_m=16, block_n=64, block_k=128)
+A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64)
 
 
 def config_for(m: int, n: int, k_bytes: int, base: GemvConfig, sms: int | None = None) -> GemvConfig:
