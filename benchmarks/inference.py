@@ -188,15 +188,13 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
 
 # Kernel tilings tried by --sweep at each --sweep-m (decode pads rows to 16, so M <= 16 runs the same tiles; the
 # ternary GEMV only M <= 4): (block_n, block_k, split_k); split_k None = the automatic split. block_k counts weight
-# bytes. a8w2_bf16 is the A8W2 kernel with float_mma (bf16 tensor cores, exact: pallas_kernels.int8_gemv).
+# bytes.
 SWEEP = {
     "w8a16": [(16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1), (16, 256, None), (32, 256, None),
               (64, 256, None), (128, 128, None)],
     "a8w8": [(32, 256, 1), (32, 512, 1), (64, 256, 1), (64, 256, None), (128, 128, None)],
     "a8w2": [(16, 128, 1), (32, 128, 1), (64, 64, 1), (32, 64, None), (64, 128, None), (128, 64, None),
              (128, 32, None)],
-    "a8w2_bf16": [(64, 64, None), (128, 64, None), (64, 128, None), (128, 128, None), (64, 256, None),
-                  (32, 256, None)],
     "ternary_gemv": [(32, 128, None), (16, 256, None), (8, 512, None), (16, 512, None), (32, 256, None),
                      (64, 64, None), (8, 1024, 1), (16, 256, 1)],
 }
@@ -247,11 +245,11 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
             fn = chain(lambda a, w, c=config: w8a16.w8a16_matmul_kernel(a, w, sw, config=c))
             args, nbytes = (x, wq), n * k
           else:
-            packed = kernel.startswith("a8w2")
+            packed = kernel == "a8w2"
             k_bytes = k // 4 if packed else k
             base = int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE
             config = dataclasses.replace(int8_gemv.config_for(m, n, k_bytes, base), block_n=block_n, block_k=block_k,
-                                         split_k=1, float_mma=kernel == "a8w2_bf16")
+                                         split_k=1)
             if split is None:
               config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k_bytes, block_k,
                                                                                  w8a16.num_sms()))

@@ -15,11 +15,6 @@ and K is split across programs (split-K) so every SM streams weights; the int32 
 sums (``split x M x N``) are added by XLA, which is exact. These kernels are for small M;
 large M belongs on the Hopper wgmma GEMM (``pallas_kernels.dispatch.scaled_matmul``).
 
-``GemvConfig.float_mma`` runs the A8W2 dots on bf16 tensor cores instead (int8 codes and ternary values are
-exact in bf16, every product exact in the float32 accumulator, and every partial sum an integer below 2^24 while
-``127 * K < 2^24``, so the sums, and the outputs, are the same bits): bf16 operand tiles take Triton's usual
-register layouts, where int8 ones go through shared memory.
-
 Unpacking without an interleave: byte ``i`` of a packed row holds ``w[4i + j]`` in bits
 ``7-2j .. 6-2j``. Instead of interleaving the four decoded ``[block_n, block_k/4]`` tiles back
 into K order, the activations are permuted once outside the kernel (``x_perm[j, m, i] =
@@ -52,8 +47,6 @@ MIN_BLOCK_N = 16
 CODE_BITS = 2
 BYTE_TOP_SHIFT = 24  # a byte's bit 7 moves to bit 31 of an int32
 INT32_TOP_SHIFT = 32 - CODE_BITS
-# float_mma sums integers in float32: exact while every |partial sum| <= 127 * K stays below 2^24.
-FLOAT_MMA_MAX_K = (1 << 24) // 127
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +58,6 @@ class GemvConfig:
       A8W8, packed bytes = 4 values for A8W2).
     split_k: programs that share an output tile, each summing ``1 / split_k`` of K.
     num_warps, num_stages: Triton launch parameters.
-    float_mma: A8W2 only: dots on bf16 tensor cores with float32 sums (exact: module docstring), K at most
-      :data:`FLOAT_MMA_MAX_K`.
   """
 
   block_m: int = 16
@@ -75,7 +66,6 @@ class GemvConfig:
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
-  float_mma: bool = False
 
 
 # A8W8: x and w tiles are both int8, so a [16, 256] x tile costs a quarter of a [64, 256] w tile.
@@ -147,12 +137,6 @@ def _dot_i32(a, b):
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
-def _dot_f32(a, b):
-  """Integer-valued ``a @ b.T`` on bf16 tensor cores: exact below 2^24 (module docstring)."""
-  return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-
-
 def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_split: int, m_pad: int, packed: bool):
   """One ``[block_m, block_n]`` output tile over one K split.
 
@@ -167,25 +151,23 @@ def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_sp
   def x_rows(j):
     return pl.ds(pl.multiple_of(j * m_pad + i_m * bm, bm), bm)
 
-  dot, acc_dtype = (_dot_f32, jnp.float32) if config.float_mma else (_dot_i32, jnp.int32)
-
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
     if not packed:
-      return acc + dot(x_ref[x_rows(0), ks], w_ref[cols, ks])
+      return acc + _dot_i32(x_ref[x_rows(0), ks], w_ref[cols, ks])
     p = w_ref[cols, ks].astype(jnp.int32)
     for j in range(VALUES_PER_BYTE):
       # Code j sits in bits 7-2j..6-2j: shift it to the top of the int32, then an arithmetic
       # right shift sign-extends it (0b11 -> -1, 0b01 -> 1, 0b00 -> 0).
       w = lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
-      acc = acc + dot(x_ref[x_rows(j), ks], w if config.float_mma else w.astype(jnp.int8))
+      acc = acc + _dot_i32(x_ref[x_rows(j), ks], w.astype(jnp.int8))
     return acc
 
-  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), acc_dtype))
+  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.int32))
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   if config.split_k == 1:
     o_ref[rows, cols] = _epilogue(acc, sx_ref[rows], sw_ref[cols], o_ref.dtype)
-  else:  # partial sums (int32, or exact float32) of split i_s at rows [i_s * m_pad, (i_s + 1) * m_pad)
+  else:  # int32 partial sums of split i_s at rows [i_s * m_pad, (i_s + 1) * m_pad)
     o_ref[pl.ds(pl.multiple_of(i_s * m_pad + i_m * bm, bm), bm), cols] = acc
 
 
@@ -203,7 +185,7 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
     xq = xq.reshape(m_pad, k_bytes, VALUES_PER_BYTE).transpose(2, 0, 1).reshape(VALUES_PER_BYTE * m_pad, k_bytes)
   split = config.split_k
   out_shape = (out_struct((m_pad, n), out_dtype, xq, w, sx, sw) if split == 1
-               else out_struct((split * m_pad, n), jnp.float32 if config.float_mma else jnp.int32, xq, w, sx, sw))
+               else out_struct((split * m_pad, n), jnp.int32, xq, w, sx, sw))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m_pad=m_pad, packed=packed),
       out_shape=out_shape,
@@ -221,9 +203,6 @@ def _run(xq, x_scale, w, w_scale, out_dtype, config, interpret, packed, who, bas
   m = xq.shape[0]
   n, k_bytes = w.shape
   config = config or config_for(m, n, k_bytes, base)
-  if config.float_mma and not (packed and k_bytes * VALUES_PER_BYTE <= FLOAT_MMA_MAX_K):
-    raise ValueError(f"{who}: float_mma sums exactly only ternary weights with K <= {FLOAT_MMA_MAX_K} "
-                     f"(got {k_bytes} bytes of {'packed' if packed else 'int8'} K)")
   if not supports(n, k_bytes, config):
     raise ValueError(
         f"{who}: weight [N={n}, {k_bytes} bytes of K] does not fit the tiling {config} (N a multiple of "
