@@ -21,7 +21,11 @@ spread ``(max - min) / median`` exceeds 15% is marked ``unstable`` (issue 28: a 
    ``--long-context`` cache (2048 tokens, prompt filling all but ``--new-tokens``) with the bf16 and the
    int8 KV cache. Each decode row also counts the cache-sized buffers the compiled step writes besides the
    cache (``train.kv_cache.cache_copies``: copies, transposes, a dequantized int8 cache; 0 = read where it lies,
-   written in place).
+   written in place). ``--profile-decode`` traces one more decode call per row with ``jax.profiler`` and splits
+   its kernel time per generated token by ``benchmarks/profile_step.py``'s categories (``gemm_fwd``: the linears,
+   GEMV kernels included; ``attention``; ``norm``; ``quantize``; ``copy``: the KV cache update and copies;
+   ``elementwise``: RoPE, sampling, residuals; ``idle``: launch gaps). XLA's CUDA graphs are off in such a run
+   (as in profile_step), so its decode times are those of kernels launched one by one.
 
 Prints tables last, writes JSON to ``--out`` and, when matplotlib is importable, a plot next to it
 (``.png``).
@@ -36,11 +40,13 @@ import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--profile-decode" in sys.argv:  # before jax starts: profile_step turns XLA's CUDA graphs off
+  import benchmarks.profile_step  # noqa: F401
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks.common import table, time_samples, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
@@ -54,6 +60,7 @@ MIN_RUNS = 5
 # A spread (max - min) / median above this marks a row unstable (issue 28).
 UNSTABLE_SPREAD = 0.15
 ACTIVATION_BYTES = 2  # bf16 x in, bf16 y out
+TOP_DECODE_KERNELS = 15  # kept per profiled decode row
 SMOKE = dict(shapes=["256,512", "512,256"], m=[1, 4], decode_config="tiny", decode_batches=[1, 2], long_context=64,
              new_tokens=9, prompt_len=8, iters=3, layers=2)
 # variant -> (scheme, forced backend or None for the default dispatch)
@@ -280,13 +287,14 @@ def _decode_cases(schemes, batches, prompt_len, long_schemes, long_context, new_
 
 
 def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: int, runs: int, long_schemes=(),
-                 long_context: int = 0, scan_layers: bool = False) -> list[dict]:
+                 long_context: int = 0, scan_layers: bool = False, profile: bool = False) -> list[dict]:
   """Decode ms/token and tokens/s (median, min, max of ``runs``) per (scheme, KV cache dtype, batch, context).
 
   Short-context rows prefill a ``prompt_len`` random prompt (``train.generate``'s prefill); long-context rows
   start from a zero cache whose index says ``long_context - new_tokens`` tokens are in it: a step's attention
   reads all S cached positions whatever they hold, so the time is that of a real cache, without a 2k-token
-  prefill to compile and run per row.
+  prefill to compile and run per row. ``profile`` adds each row's kernel time per token by category
+  (:func:`profile_decode`).
   """
   from train import config as train_config
   from train import kv_cache
@@ -331,26 +339,32 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
         decode = gen.decode.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), key).compile()
         row["compile_s"] = time.perf_counter() - start
         row["cache_copies"] = len(kv_cache.cache_copies(decode.as_text(), cache))
-        samples = []
-        for _ in range(runs + 1):  # the first run warms up
+
+        def decode_inputs():
           cache = fresh_cache()
           token = jnp.zeros((batch,), jnp.int32)
           if prefill is not None:
             cache, token = prefill(params, cache, prompt, key)
-          jax.block_until_ready((cache, token))
+          return jax.block_until_ready((params, cache, token, key))
+
+        samples = []
+        for _ in range(runs + 1):  # the first run warms up
+          inputs = decode_inputs()
           start = time.perf_counter()
-          jax.block_until_ready(decode(params, cache, token, key))
+          jax.block_until_ready(decode(*inputs))
           samples.append((time.perf_counter() - start) * 1e3 / (new_tokens - 1))
         samples = samples[1:]
         median = float(np.median(samples))
         row.update(ms_per_token=median, ms_min=min(samples), ms_max=max(samples), runs=runs,
                    spread=(max(samples) - min(samples)) / median, tokens_per_s=batch * 1e3 / median)
         row["unstable"] = row["spread"] > UNSTABLE_SPREAD
+        if profile:
+          row.update(profile_decode(decode, decode_inputs(), batch, new_tokens - 1))
       except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
       rows.append(row)
-      print(row, flush=True)
+      print({k_: v for k_, v in row.items() if k_ != "profile_top_kernels"}, flush=True)
     del prepared
   for r in rows:  # against bf16 weights with the bf16 cache at the same batch and context
     base = next((b.get("tokens_per_s") for b in rows if b.get("scheme") == "bf16" and b.get("kv_cache") == "auto"
@@ -358,6 +372,22 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
     if base and r.get("tokens_per_s"):
       r["speedup"] = r["tokens_per_s"] / base
   return rows
+
+
+def profile_decode(decode, inputs, batch: int, tokens: int) -> dict:
+  """Kernel microseconds per generated token by category (``benchmarks.profile_step``) from a trace of one
+  ``decode(*inputs)`` call that generates ``tokens`` tokens, and its top kernels."""
+  from benchmarks import profile_step
+
+  hlo = decode.as_text()
+  kernels = profile_step.traced_kernels(lambda: jax.block_until_ready(decode(*inputs)))
+  split = profile_step.breakdown(kernels, profile_step.hlo_op_names(hlo), profile_step.hlo_output_shapes(hlo),
+                                 batch, tokens)
+  return {"profile_us_per_token": {c: 1e3 * ms for c, ms in split["ms_per_step"].items()},
+          "profile_kernel_us_per_token": 1e3 * split["kernel_ms_per_step"],
+          "profile_top_kernels": [{"category": k["category"], "kernel": k["kernel"], "hlo": k["hlo"],
+                                   "us_per_token": 1e3 * k["ms_per_step"]}
+                                  for k in split["top_kernels"][:TOP_DECODE_KERNELS]]}
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -426,6 +456,8 @@ def main(argv=None):
   parser.add_argument("--sweep-kernels", nargs="+", choices=sorted(SWEEP), default=None,
                       help="the kernels of --sweep (default: all)")
   parser.add_argument("--decode-scan", action="store_true", help="decode with nn.scan over layers (default: unrolled)")
+  parser.add_argument("--profile-decode", action="store_true",
+                      help="each decode row's kernel time per token by category (CUDA graphs off in this run)")
   parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS))
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
   parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
@@ -457,7 +489,7 @@ def main(argv=None):
   if not args.skip_decode:
     decode_rows = bench_decode(DECODE_CONFIGS[args.decode_config], args.decode_schemes, args.decode_batches,
                                args.prompt_len, args.new_tokens, args.runs, args.long_schemes, args.long_context,
-                               args.decode_scan)
+                               args.decode_scan, args.profile_decode)
   memory = [{"k": k, "n": n, **{s: r["weight_mib"] for s in ("bf16", *inference.SCHEMES)
                                 for r in linear_rows if (r["k"], r["n"]) == (k, n) and r["variant"] == s}}
             for k, n in shapes]
@@ -481,6 +513,15 @@ def main(argv=None):
     print(table(decode_rows, ["scheme", "kv_cache", "batch", "context", "params_gib", "cache_mib", "ms_per_token",
                               "ms_min", "ms_max", "tokens_per_s", "speedup", "cache_copies", "compile_s", "unstable",
                               "error"]))
+  profiled = [{"scheme": r["scheme"], "kv_cache": r["kv_cache"], "batch": r["batch"], "context": r["context"],
+               "ms_per_token": r["ms_per_token"], "kernels_us": r["profile_kernel_us_per_token"],
+               **r["profile_us_per_token"]} for r in decode_rows if "profile_us_per_token" in r]
+  if profiled:
+    from benchmarks.profile_step import CATEGORIES
+
+    print("\ndecode kernel time per token by category (us, from one traced decode call; CUDA graphs off):")
+    print(table(profiled, ["scheme", "kv_cache", "batch", "context", "ms_per_token", "kernels_us",
+                           *(c for c in CATEGORIES if any(p[c] for p in profiled))]))
   if failed:
     print(f"\n{len(failed)} linear rows failed or disagreed with XLA:")
     print(table(failed, ["k", "n", "m", "variant", "rel_err_vs_xla", "error"]))

@@ -16,7 +16,7 @@ with ``jax.named_scope``, so the categories follow the code, not guesses about f
 ==============  =============================================================================
 category        what
 ==============  =============================================================================
-gemm_fwd        forward matmuls (cuBLAS, XLA Triton GEMMs, jaxlowbit's Mosaic GPU GEMM)
+gemm_fwd        forward matmuls (cuBLAS, XLA Triton GEMMs, jaxlowbit's Mosaic GPU GEMM and Pallas GEMVs)
 gemm_grad_input backward ``dx = g W^T``
 gemm_grad_weight backward ``dW = x^T g``
 quantize        jaxlowbit quantization passes (Pallas kernels and XLA fusions in its scopes)
@@ -71,7 +71,7 @@ DEFAULT_RUNS = "bf16=configs/bf16_1b.py,int8=configs/int8_1b.py,fp8=configs/fp8_
 TOP_KERNELS = 40
 
 # Kernel-name patterns (lower case) that identify a category whatever op launched them.
-_GEMM_KERNELS = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|ampere_|cublas|matmul|triton_dot|scaled_matmul")
+_GEMM_KERNELS = re.compile(r"^dot(\.\d+)?$|gemm|gemv|nvjet|cutlass|xmma|wgmma|sm90_|ampere_|cublas|matmul|triton_dot|scaled_matmul")
 _ATTENTION_KERNELS = re.compile(r"flash|fmha|cudnn|attention|sdpa")
 _COPY_KERNELS = re.compile(r"memcpy|memset|dynamic.update.slice|dynamic_update_slice|transpose|copy")
 # XLA's attention (jax.nn.dot_product_attention, implementation="xla") shows as these einsums.
@@ -172,6 +172,15 @@ def busy_ns(kernels) -> tuple[int, int]:
   return busy, intervals[-1][1] - intervals[0][0]
 
 
+def traced_kernels(run) -> list[tuple[str, int, int, dict]]:
+  """:func:`device_kernels` of a ``jax.profiler`` trace around ``run()`` (which blocks until its work is done)."""
+  trace_dir = tempfile.mkdtemp(prefix="jaxlowbit_trace_")
+  with jax.profiler.trace(trace_dir):
+    run()
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  return device_kernels(jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime)))
+
+
 def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int, steps: int) -> dict:
   """Per-category ms per step, plus the top kernels by total time."""
   per_category = collections.Counter()
@@ -218,15 +227,15 @@ def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float |
   jax.block_until_ready((state, step_metrics))
   step_time = (time.perf_counter() - started) / steps
 
-  trace_dir = tempfile.mkdtemp(prefix="profile_step_")
-  with jax.profiler.trace(trace_dir):
+  def traced_steps():
+    nonlocal state, step_metrics
     for batch in batches[warmup + steps :]:
       state, step_metrics = compiled(state, batch)
     jax.block_until_ready((state, step_metrics))
-  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  profile = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
+
+  kernels = traced_kernels(traced_steps)
   micro_tokens = config.batch_size // config.grad_accum_steps * config.seq_len
-  result = breakdown(device_kernels(profile), op_names, shapes, micro_tokens, trace_steps)
+  result = breakdown(kernels, op_names, shapes, micro_tokens, trace_steps)
 
   tokens_per_step = config.batch_size * config.seq_len
   flops = train_flops_per_token(spec.model, config.seq_len) * tokens_per_step

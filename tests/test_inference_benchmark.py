@@ -1,0 +1,35 @@
+"""benchmarks/inference.py on CPU: decode rows of the tiny config with their kernel-time profile.
+
+What issue 28's per-token profile reads on the GPU: every decode row splits one traced decode call's kernel time
+per generated token into benchmarks/profile_step.py's categories; the linears are found (``gemm_fwd``), the
+categories and the top kernels add up to no more than the traced span, and the table is printed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import inference as benchmark
+from benchmarks.profile_step import CATEGORIES
+
+
+def test_decode_rows_carry_a_kernel_time_profile_per_token(tmp_path, capsys):
+  out = tmp_path / "inference.json"
+  benchmark.main(["--shapes", "--decode-config", "tiny", "--decode-schemes", "bf16", "ternary", "--decode-batches",
+                     "1", "--long-context", "0", "--prompt-len", "4", "--new-tokens", "5", "--iters", "1",
+                     "--profile-decode", "--out", str(out)])
+  rows = json.loads(out.read_text())["decode"]
+  assert [r["scheme"] for r in rows] == ["bf16", "ternary"]
+  for row in rows:
+    assert "error" not in row, row
+    profile = row["profile_us_per_token"]
+    assert set(profile) == set(CATEGORIES) and min(profile.values()) >= 0
+    assert profile["gemm_fwd"] > 0, profile  # the decode step's linears
+    kernels = row["profile_kernel_us_per_token"]
+    summed = sum(v for c, v in profile.items() if c != "idle")
+    assert abs(summed - kernels) <= 1e-6 * kernels
+    top = row["profile_top_kernels"]
+    assert top and all(k["us_per_token"] > 0 and k["category"] in CATEGORIES for k in top)
+    assert sum(k["us_per_token"] for k in top) <= kernels * (1 + 1e-9)
+  printed = capsys.readouterr().out
+  assert "decode kernel time per token by category" in printed and "gemm_fwd" in printed
