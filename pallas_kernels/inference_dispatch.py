@@ -20,7 +20,7 @@ w8a8          XLA int8 dot (ties the A8W8 kernel)          Hopper wgmma (``dispa
 ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
               weights unpacked in registers), M <= 32;
               ``ternary_gemv`` (quantizer inside) at M = 1
-              when ``policy.TERNARY_GEMV_MAX_M`` = 1
+              (``policy.TERNARY_GEMV_MAX_M``)
 ============  ===========================================  ==========================================
 
 Everywhere else (CPU, GPUs older than sm80, shapes a kernel does not tile) the XLA
