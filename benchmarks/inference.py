@@ -90,8 +90,8 @@ DECODE_CONFIGS = {"1b": ("configs/bf16_1b.py", "configs/bitnet_1b.py"), "tiny": 
 def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int = 1) -> dict:
   """Microseconds per call (divided by ``per_call``) of ``fn(*args)``: median, min and max of ``runs`` timed runs
   of ``iters`` back-to-back calls (no host sync inside a run), after ``warmup`` calls and one whole run discarded
-  (as the decode rows do: at 82c22b4 a third of the linear rows had one run 1.3-3.8x the median, the others
-  within a few %); ``samples_us`` keeps every timed run, ``unstable`` when the spread exceeds
+  (as the decode rows do: at 82c22b4 18-27 of 56 linear rows spread over 15%, mostly through their slowest run,
+  up to 4.8x the median); ``samples_us`` keeps every timed run, ``unstable`` when the spread exceeds
   :data:`UNSTABLE_SPREAD`."""
   timed = time_samples(fn, *args, iters=iters, reps=runs + 1, warmup=warmup)[1:]
   samples = [s * 1e6 / per_call for s in timed]
@@ -210,10 +210,8 @@ SWEEP = {
 def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int, ms=(1,), kernels=None) -> list[dict]:
   """The Pallas kernels alone at each M in ``ms`` for each tiling in :data:`SWEEP` (chained like the linears);
   ``kernels`` picks some of its keys (None: all)."""
-  rows = []
-  for m in ms:
-    rows += _sweep_at(shapes, iters, runs, layers, m, [k for k in SWEEP if kernels is None or k in kernels])
-  return rows
+  kernels = [k for k in SWEEP if kernels is None or k in kernels]
+  return [row for m in ms for row in _sweep_at(shapes, iters, runs, layers, m, kernels)]
 
 
 def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> list[dict]:

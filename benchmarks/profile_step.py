@@ -71,7 +71,9 @@ DEFAULT_RUNS = "bf16=configs/bf16_1b.py,int8=configs/int8_1b.py,fp8=configs/fp8_
 TOP_KERNELS = 40
 
 # Kernel-name patterns (lower case) that identify a category whatever op launched them.
-_GEMM_KERNELS = re.compile(r"^dot(\.\d+)?$|gemm|gemv|nvjet|cutlass|xmma|wgmma|sm90_|ampere_|cublas|matmul|triton_dot|scaled_matmul")
+# (^dot.N: XLA:CPU's dot thunks.)
+_GEMM_KERNELS = re.compile(r"^dot(\.\d+)?$|gemm|gemv|nvjet|cutlass|xmma|wgmma|sm90_|ampere_|cublas|matmul|triton_dot"
+                           r"|scaled_matmul")
 _ATTENTION_KERNELS = re.compile(r"flash|fmha|cudnn|attention|sdpa")
 _COPY_KERNELS = re.compile(r"memcpy|memset|dynamic.update.slice|dynamic_update_slice|transpose|copy")
 # XLA's attention (jax.nn.dot_product_attention, implementation="xla") shows as these einsums.

@@ -15,9 +15,9 @@ from benchmarks.profile_step import CATEGORIES
 
 def test_decode_rows_carry_a_kernel_time_profile_per_token(tmp_path, capsys):
   out = tmp_path / "inference.json"
-  benchmark.main(["--shapes", "--decode-config", "tiny", "--decode-schemes", "bf16", "ternary", "--decode-batches",
-                     "1", "--long-context", "0", "--prompt-len", "4", "--new-tokens", "5", "--iters", "1",
-                     "--profile-decode", "--out", str(out)])
+  benchmark.main(["--shapes", "--decode-config", "tiny", "--decode-schemes", "bf16", "ternary",
+                  "--decode-batches", "1", "--long-context", "0", "--prompt-len", "4", "--new-tokens", "5",
+                  "--profile-decode", "--out", str(out)])
   rows = json.loads(out.read_text())["decode"]
   assert [r["scheme"] for r in rows] == ["bf16", "ternary"]
   for row in rows:
