@@ -81,12 +81,13 @@ def supports(m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> bool:
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
 
 
-def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool):
+def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
+            tensor_scale: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
   Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the
-  packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]``; out, then
-  (``spec`` and split-K) the activation scales ``[m]``.
+  packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]``
+  when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales ``[m]``.
   """
   if spec is None:
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
@@ -133,7 +134,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
   for r in range(m):
     total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)  # [bn] int32, exact
     if config.split_k == 1:  # the reference's epilogue, same order
-      o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw_ref[cols]).astype(o_ref.dtype)
+      sw = sw_ref[0] if tensor_scale else sw_ref[cols]
+      o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
     else:
       o_ref[i_s * m + r, cols] = total
   if spec is not None and scale_out:  # split-K: XLA's epilogue needs the scales; one program writes them
@@ -150,7 +152,10 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel."""
   m = x.shape[0]
   n, k_bytes = w_packed.shape
-  sw = jnp.broadcast_to(w_scale.astype(jnp.float32).reshape(-1), (n,))
+  # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
+  # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
+  sw = w_scale.astype(jnp.float32).reshape(-1)
+  tensor_scale = sw.size == 1
   split = config.split_k
   if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
@@ -163,7 +168,7 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
-                        native=not interpret),
+                        native=not interpret, tensor_scale=tensor_scale),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

@@ -17,6 +17,11 @@ that even a ``[4096, 14336]`` weight with only 32 column tiles keeps every SM st
 the float32 partial sums (``split x M x N``, tiny) are added by XLA. Larger M uses bigger
 row tiles and no split: it runs at Triton's tensor-core speed, not wgmma's.
 
+At M = 1 (``block_m = 1``) the products are summed on CUDA cores instead (float32: a bf16 times an
+int8 value is exact in float32): no tensor-core tile, so no padding rows, and no padding pass over x,
+which in a decode step was a kernel launch of its own per linear (2-3 us on an H100, as long as
+reading a 2048 x 2048 int8 weight).
+
 Reference: :func:`w8a16_matmul_reference`.
 """
 
@@ -40,6 +45,9 @@ DEFAULT_NUM_SMS = 132
 PROGRAMS_PER_SM = 4
 # Smallest tensor-core tile in M (mma m16n8k16); decode rows are padded up to it.
 MIN_BLOCK_M = 16
+# block_m of the CUDA-core GEMV (M = 1): one row, nothing padded.
+GEMV_BLOCK_M = 1
+GEMV_TILING = (16, 512)  # (block_n, block_k) at M = 1
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -50,7 +58,8 @@ class W8A16Config:
   """Tiling of one kernel instance (all powers of two, as Triton requires).
 
   Attributes:
-    block_m, block_n, block_k: tile of the output rows, output columns and the K step.
+    block_m, block_n, block_k: tile of the output rows, output columns and the K step; ``block_m = 1``
+      sums on CUDA cores (:data:`GEMV_BLOCK_M`), larger ones on tensor cores.
     split_k: programs that share one output tile, each summing ``K / split_k`` of K.
     num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the K loop).
   """
@@ -91,7 +100,9 @@ def fit_block(dim: int, block: int, minimum: int) -> int:
 
 def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
   """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
-  if m <= MIN_BLOCK_M:
+  if m == GEMV_BLOCK_M:
+    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3)
+  elif m <= MIN_BLOCK_M:
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=64, block_k=256, num_warps=4, num_stages=3)
   elif m <= 64:
     base = W8A16Config(block_m=_next_pow2(m), block_n=64, block_k=128, num_warps=4, num_stages=3)
@@ -150,6 +161,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
     x = x_ref[rows, ks]
+    if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
+      products = w_ref[cols, ks].astype(jnp.float32) * x.astype(jnp.float32)
+      return acc + jnp.sum(products, axis=1)[None, :]
     w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 

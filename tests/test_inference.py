@@ -125,9 +125,11 @@ def test_dispatch_takes_the_kernels_where_the_table_says_lowered_for_cuda(m, mon
 
 def test_gemv_configs_fill_the_gpu():
   # decode of a [K=14336 -> N=4096] down projection: 32 column tiles, K split so ~4 programs per SM.
-  config = w8a16.config_for(1, 4096, 14336, sms=132)
-  assert config.block_m == 16 and config.split_k > 1 and w8a16.supports(4096, 14336, config)
-  assert (4096 // config.block_n) * config.split_k <= w8a16.PROGRAMS_PER_SM * 132
+  # M = 1 sums on CUDA cores (no padding rows); a few rows take the smallest tensor-core tile.
+  for m, block_m in ((1, w8a16.GEMV_BLOCK_M), (4, w8a16.MIN_BLOCK_M)):
+    config = w8a16.config_for(m, 4096, 14336, sms=132)
+    assert config.block_m == block_m and config.split_k > 1 and w8a16.supports(4096, 14336, config)
+    assert (4096 // config.block_n) * config.split_k <= w8a16.PROGRAMS_PER_SM * 132
   config = int8_gemv.config_for(1, 4096, 14336 // 4, int8_gemv.A8W2_BASE, sms=132)
   assert int8_gemv.supports(4096, 14336 // 4, config) and config.split_k > 1
   assert w8a16.config_for(4096, 4096, 4096).split_k == 1  # large M: no split

@@ -45,9 +45,12 @@ CASES = [(1, 64, 512, 1, False), (2, 128, 2048, 4, True), (3, 64, 1024, 2, False
 
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
 def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce_per_step):
-  xq, x_scale, w_packed, w_scale = _operands(fresh_key(), m, n, k)
+  key = fresh_key()
+  xq, x_scale, w_packed, tensor_scale = _operands(key, m, n, k)
+  channel_scales = jax.random.uniform(jax.random.fold_in(key, 1), (n,), minval=0.01, maxval=0.1)
   config = _tiling(m, n, k, split, reduce_per_step)
-  for out_dtype in (jnp.bfloat16, jnp.float32):
+  # One scale per tensor (BitNet's, kept one element in the kernel) and one per output channel.
+  for out_dtype, w_scale in ((jnp.bfloat16, tensor_scale), (jnp.float32, tensor_scale), (jnp.float32, channel_scales)):
     got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, config=config, interpret=True)
     want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
     assert got.dtype == want.dtype and got.shape == (m, n)
