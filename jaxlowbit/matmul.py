@@ -38,6 +38,7 @@ from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.operand import LowBitOperand, is_low_bit, vary_over, varying_axes
 from jaxlowbit.recipes import Recipe, check_recipe
 from jaxlowbit_numerics.stats import Split
+from pallas_kernels import policy
 
 
 class Collective(Protocol):
@@ -216,6 +217,21 @@ def _dimension_numbers(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple
   return lc, rc, lb, rb
 
 
+def _high_precision_dot(lhs, rhs, lc, rc, lb, rb, precision, preferred_element_type) -> jax.Array:
+  """``lax.dot_general`` of the given dimensions. A one-row product (decode at batch 1) on an NVIDIA GPU below
+  XLA's matrix-vector size gets a zero second row, so that XLA keeps it a GEMM instead of a slower multiply +
+  reduce (``pallas_kernels.policy.matvec_needs_second_row``); the result is the first row's."""
+  free = [a for a in range(lhs.ndim) if a not in lc + lb]
+  k = math.prod(lhs.shape[a] for a in lc)
+  n = math.prod(rhs.shape[a] for a in range(rhs.ndim) if a not in rc + rb)
+  if lb or math.prod(lhs.shape[a] for a in free) != 1 or not policy.matvec_needs_second_row(k, n):
+    return lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=precision,
+                           preferred_element_type=preferred_element_type)
+  rows = jnp.stack([lhs, jnp.zeros_like(lhs)])  # [2, *lhs.shape]: the output gains a leading axis of 2
+  return lax.dot_general(rows, rhs, ((tuple(a + 1 for a in lc), rc), ((), ())), precision=precision,
+                         preferred_element_type=preferred_element_type)[0]
+
+
 def quantized_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -246,9 +262,7 @@ def quantized_dot_general(
           f"axes {ra}"
       )
   if recipe is None:
-    return lax.dot_general(
-        lhs, rhs, ((lc, rc), (lb, rb)), precision=precision, preferred_element_type=preferred_element_type
-    )
+    return _high_precision_dot(lhs, rhs, lc, rc, lb, rb, precision, preferred_element_type)
   lf = tuple(a for a in range(lhs.ndim) if a not in lc + lb)
   rf = tuple(a for a in range(rhs.ndim) if a not in rc + rb)
   batch_shape = tuple(lhs.shape[a] for a in lb)

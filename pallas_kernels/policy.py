@@ -76,6 +76,12 @@ TERNARY_KERNEL_MAX_M = 32
 # inputs since every layer rounds its input cast explicitly (quantize.to_compute_dtype: XLA had dropped the bare
 # float32 -> bf16 round trip inside its quantizer fusion). M = 2..4 tile too but are not faster than the A8W2 kernel.
 TERNARY_GEMV_MAX_M = 1
+# High-precision one-row dots (jaxlowbit.matmul; bf16 decode at batch 1): XLA on GPU strength-reduces a dot with
+# one row whose operands hold fewer than 10M elements into multiply + reduce, which read the bf16 weight at
+# 0.6-1.3 TB/s on an H100 against its GEMM's 2.2-2.8. Given a second (zero) row the dot stays a GEMM: 2048 x 3072
+# 11.6 -> 9.4 us, 2048 x 2048 13.9 -> 9.3 us; above the threshold (already a GEMM) the row costs 4-11% (one H100,
+# 2026-11-26, benchmarks/results/w8a16_gemv_bf16_matvec_h100_ba701ca.json).
+XLA_MATVEC_REDUCE_MAX_ELEMENTS = 10_000_000
 # Large M: the wgmma GEMM (128 x 256 CTA tiles, persistent) needs enough output tiles to fill the SMs:
 # M=256 x N=4096 (32 tiles) ran 104 us vs XLA's 54; M=256 x N=14336 (112 tiles) 42 vs 54.
 WGMMA_TILE_M, WGMMA_TILE_N = 128, 256
@@ -194,6 +200,12 @@ def w8a16_kernel_wanted(m: int) -> bool:
 def gemv_max_m(kernel_max_m: int, backend: str) -> int:
   """Largest M a GEMV kernel takes: ``kernel_max_m`` under auto, :data:`GEMV_MAX_M` when forced."""
   return max(kernel_max_m, GEMV_MAX_M if check_backend(backend) == "pallas" else 0)
+
+
+def matvec_needs_second_row(k: int, n: int) -> bool:
+  """Whether a one-row ``[1, K] x [K, N]`` high-precision dot should get a zero second row: on an NVIDIA GPU,
+  below XLA's strength-reduction size (:data:`XLA_MATVEC_REDUCE_MAX_ELEMENTS` elements in both operands)."""
+  return k + k * n < XLA_MATVEC_REDUCE_MAX_ELEMENTS and compute_capability() is not None
 
 
 def wgmma_fills_gpu(m: int, n: int) -> bool:

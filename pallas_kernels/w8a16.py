@@ -47,7 +47,9 @@ PROGRAMS_PER_SM = 4
 MIN_BLOCK_M = 16
 # block_m of the CUDA-core GEMV (M = 1): one row, nothing padded.
 GEMV_BLOCK_M = 1
-GEMV_TILING = (16, 512)  # (block_n, block_k) at M = 1
+# (block_n, block_k) at M = 1: the best or within 5% of it on 7 of 8 Llama 1B / 8B shapes on one H100
+# (2026-11-26, benchmarks/results/w8a16_gemv_bf16_matvec_h100_ba701ca.json; 16 x 512 lost up to 22%).
+GEMV_TILING = (8, 1024)
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -14,7 +14,7 @@ import jaxlowbit
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.recipes import bitnet
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, policy
 from helpers import fresh_key, rel_err, sqnr_db
 
 M, K, N = 256, 512, 384
@@ -363,3 +363,35 @@ def test_empty_operands_follow_dot_general(recipe, m, k, n):
   np.testing.assert_array_equal(dw, x.T @ jnp.ones((m, n)))
   out = jaxlowbit.quantized_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe)
   assert out.shape == (m, n)
+
+
+def _dot_lhs_shapes(fn, *args) -> list[tuple[int, ...]]:
+  """The lhs shapes of the dot_generals ``fn`` traces to (a fresh function each time: jax caches traces by function)."""
+  jaxpr = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+  return [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("lhs_shape,k,n,second_row", [
+    ((1, 1, 512), 512, 384, True),  # decode at batch 1: [B, T, K] with B T = 1
+    ((512,), 512, 384, True),  # a bare vector
+    ((2, 1, 512), 512, 384, False),  # two rows: already a GEMM
+    ((1, 1, 4096), 4096, 2560, False),  # 10.5M elements: XLA keeps it a GEMM itself
+])
+def test_one_row_high_precision_dot_gets_a_zero_row_on_nvidia_gpus(lhs_shape, k, n, second_row, monkeypatch):
+  """XLA on GPU strength-reduces a one-row dot under 10M operand elements into a slower multiply + reduce; the
+  high-precision path stacks a zero row there (pallas_kernels.policy.matvec_needs_second_row) and returns the
+  first row: the same values as lax.dot_general, which is what runs on CPUs (checked with the GPU faked)."""
+  key = fresh_key()
+  lhs = jax.random.normal(key, lhs_shape, jnp.float32)
+  rhs = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32)
+  dims = (((lhs.ndim - 1,), (0,)), ((), ()))
+  dot = functools.partial(jaxlowbit.quantized_dot_general, dimension_numbers=dims, recipe=None)
+  plain = jax.lax.dot_general(lhs, rhs, dims, precision="highest")
+  assert _dot_lhs_shapes(dot, lhs, rhs) == [lhs_shape]  # CPU: no GPU, no extra row
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
+  assert _dot_lhs_shapes(dot, lhs, rhs) == [(2, *lhs_shape) if second_row else lhs_shape]
+  got = jax.jit(functools.partial(dot, precision="highest"))(lhs, rhs)
+  assert got.shape == plain.shape == (*lhs_shape[:-1], n)
+  # float32 sums of K products in any order: within K ulps of the sum of magnitudes
+  bound = k * 2.0**-23 * (np.abs(np.asarray(lhs, np.float64)) @ np.abs(np.asarray(rhs, np.float64)))
+  assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(plain, np.float64)) <= bound)

@@ -81,6 +81,8 @@ def test_check_rejects_inconsistent_fields():
 
 # Model fields a preset sets besides its recipe: BitNet ships the published b1.58 2B4T form.
 PRESET_MODEL_FIELDS = {"bitnet": {"bitnet_norm_placement": "sub", "tie_embeddings": True}}
+# Other fields a preset of one size sets: BitNet's 125M learning rate (configs/bitnet_125m.py says why).
+PRESET_FIELDS = {("bitnet", "125m"): {"lr": 2e-3}}
 
 
 @pytest.mark.parametrize("size,low,high", [("1b", 0.9e9, 1.1e9), ("125m", 1.0e8, 1.5e8), ("8b", 6.5e9, 7.5e9)])
@@ -91,7 +93,7 @@ def test_presets_share_one_base_and_differ_only_in_recipe(size, low, high):
     train_config.check(config)
     assert config.recipe == RECIPE_FILES[name]
     model = {**base["model"], **PRESET_MODEL_FIELDS.get(name, {})}
-    assert {**config.to_dict(), "recipe": "bf16"} == {**base, "model": model}
+    assert {**config.to_dict(), "recipe": "bf16"} == {**base, **PRESET_FIELDS.get((name, size), {}), "model": model}
   assert low < param_count(train_config.model_config(configs["bf16"]))["total"] < high
 
 
