@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -331,6 +332,11 @@ class BitNetDense(LowBitDense):
   recipe_types: ClassVar[tuple[type, ...]] = (BitNet,)
 
 
+# quantized_dot_general without a recipe: lax.dot_general, with a zero second row for a one-row product where
+# XLA on GPU would turn it into a slower multiply + reduce (jaxlowbit.matmul._high_precision_dot).
+HIGH_PRECISION_DOT_GENERAL = functools.partial(quantized_dot_general, recipe=None)
+
+
 def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = None, **kwargs) -> nn.Module:
   """The layer that runs ``recipe``, built with ``kwargs`` (``DenseGeneral``'s attributes).
 
@@ -339,8 +345,8 @@ def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = Non
   ``recipe_types``), or :class:`LowBitDense` itself, with ``execution`` as its options.
   """
   check_recipe(recipe, "dense_for")
-  if recipe is None:
-    return nn.DenseGeneral(**kwargs)
+  if recipe is None:  # its dot: lax.dot_general, one-row products kept GEMMs on GPUs (decode at batch 1)
+    return nn.DenseGeneral(**{"dot_general": HIGH_PRECISION_DOT_GENERAL, **kwargs})
   named = [cls for cls in (Int8Dense, Fp8Dense, BitNetDense) if isinstance(recipe, cls.recipe_types)]
   return (named[0] if named else LowBitDense)(recipe=recipe, execution=execution, **kwargs)
 

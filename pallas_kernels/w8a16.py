@@ -47,9 +47,10 @@ PROGRAMS_PER_SM = 4
 MIN_BLOCK_M = 16
 # block_m of the CUDA-core GEMV (M = 1): one row, nothing padded.
 GEMV_BLOCK_M = 1
-# (block_n, block_k) at M = 1: the best or within 5% of it on 7 of 8 Llama 1B / 8B shapes on one H100
-# (2026-11-26, benchmarks/results/w8a16_gemv_bf16_matvec_h100_ba701ca.json; 16 x 512 lost up to 22%).
-GEMV_TILING = (8, 1024)
+# (block_n, block_k) at M = 1. One H100 (2026-11-26): alone, 8 x 1024 was the best or within 5% of it on 7 of 8
+# Llama 1B / 8B shapes (benchmarks/results/w8a16_gemv_bf16_matvec_h100_ba701ca.json; 16 x 512 up to 22% slower),
+# but the 1B decode at batch 1 ran 1145 tokens/s with it against 1186 with 16 x 512 (two machine starts).
+GEMV_TILING = (16, 512)
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

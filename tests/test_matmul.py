@@ -395,3 +395,14 @@ def test_one_row_high_precision_dot_gets_a_zero_row_on_nvidia_gpus(lhs_shape, k,
   # float32 sums of K products in any order: within K ulps of the sum of magnitudes
   bound = k * 2.0**-23 * (np.abs(np.asarray(lhs, np.float64)) @ np.abs(np.asarray(rhs, np.float64)))
   assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(plain, np.float64)) <= bound)
+
+
+def test_the_high_precision_dense_keeps_one_row_products_gemms(monkeypatch):
+  """dense_for(None) (every bf16 projection of train.model) runs its dot through the same one-row rule."""
+  layer = jaxlowbit.dense_for(None, features=384)
+  x = jax.random.normal(fresh_key(), (1, 1, 512))
+  params = layer.init(jax.random.key(0), x)
+  plain = layer.apply(params, x)
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
+  assert _dot_lhs_shapes(lambda p, a: layer.apply(p, a), params, x) == [(2, 1, 1, 512)]
+  np.testing.assert_allclose(jax.jit(layer.apply)(params, x), plain, rtol=1e-5, atol=1e-5)
