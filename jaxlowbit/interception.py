@@ -25,6 +25,8 @@ from typing import Any
 
 import flax.linen as nn
 
+from jaxlowbit.matmul import HIGH_PRECISION_DOT_GENERAL
+
 # A handler returns this to let the layer run as it is.
 PASS = object()
 
@@ -36,7 +38,7 @@ def is_dense(module: nn.Module) -> bool:
   """Whether ``module`` is a Dense-family layer whose dot jaxlowbit may run."""
   return (
       isinstance(module, (nn.Dense, nn.DenseGeneral))
-      and getattr(module, "dot_general", None) is None
+      and getattr(module, "dot_general", None) in (None, HIGH_PRECISION_DOT_GENERAL)  # dense_for(None)'s is plain
       and getattr(module, "dot_general_cls", None) is None
   )
 

@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -37,7 +36,7 @@ import numpy as np
 from flax.core import meta
 
 from jaxlowbit.execution import ExecutionOptions
-from jaxlowbit.matmul import quantized_dot_general, quantized_matmul
+from jaxlowbit.matmul import HIGH_PRECISION_DOT_GENERAL, quantized_dot_general, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
 from pallas_kernels.quantize import to_compute_dtype
@@ -330,11 +329,6 @@ class BitNetDense(LowBitDense):
 
   recipe: BitNet | None = BitNet()
   recipe_types: ClassVar[tuple[type, ...]] = (BitNet,)
-
-
-# quantized_dot_general without a recipe: lax.dot_general, with a zero second row for a one-row product where
-# XLA on GPU would turn it into a slower multiply + reduce (jaxlowbit.matmul._high_precision_dot).
-HIGH_PRECISION_DOT_GENERAL = functools.partial(quantized_dot_general, recipe=None)
 
 
 def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = None, **kwargs) -> nn.Module:

@@ -278,3 +278,9 @@ def quantized_dot_general(
   if preferred_element_type is not None:
     out = out.astype(preferred_element_type)
   return out.reshape(*batch_shape, *lf_shape, *rf_shape)
+
+
+# quantized_dot_general without a recipe: lax.dot_general, a one-row product given a zero second row where XLA on
+# GPU would make it a slower multiply + reduce (_high_precision_dot). dense_for(None)'s DenseGeneral runs its dot
+# with it, and jaxlowbit's interceptors take such a layer as a plain Dense (interception.is_dense).
+HIGH_PRECISION_DOT_GENERAL = functools.partial(quantized_dot_general, recipe=None)
