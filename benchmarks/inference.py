@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -59,6 +60,11 @@ MS = (1, 4, 16)
 MIN_RUNS = 5
 # A spread (max - min) / median above this marks a row unstable (issue 28).
 UNSTABLE_SPREAD = 0.15
+# Shortest timed run (seconds). With 10 calls of 8 chained linears a run was 1-3 ms of GPU work, and in 19 of 56
+# rows on one H100 (979ba66) one run of five came out 20-60 us per linear slower than the others, i.e. a single
+# stall of a few ms, of the host (it queues every call) or of the GPU, landed in it. Runs of >= 25 ms spread such
+# a stall over ten times the work.
+MIN_RUN_S = 0.025
 ACTIVATION_BYTES = 2  # bf16 x in, bf16 y out
 TOP_DECODE_KERNELS = 15  # kept per profiled decode row
 SMOKE = dict(shapes=["256,512", "512,256"], m=[1, 4], decode_config="tiny", decode_batches=[1, 2], long_context=64,
@@ -87,16 +93,20 @@ CHECK_REL_ERR = {"w8a16": 1e-2, "w8a8": 1e-6, "ternary": 1e-6}
 DECODE_CONFIGS = {"1b": ("configs/bf16_1b.py", "configs/bitnet_1b.py"), "tiny": ("configs/tiny.py", "configs/tiny.py")}
 
 
-def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int = 1) -> dict:
+def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int = 1,
+              min_run_s: float = MIN_RUN_S) -> dict:
   """Microseconds per call (divided by ``per_call``) of ``fn(*args)``: median, min and max of ``runs`` timed runs
-  of ``iters`` back-to-back calls (no host sync inside a run), after ``warmup`` calls and one whole run discarded
-  (as the decode rows do: at 82c22b4 18-27 of 56 linear rows spread over 15%, mostly through their slowest run,
-  up to 4.8x the median); ``samples_us`` keeps every timed run, ``unstable`` when the spread exceeds
-  :data:`UNSTABLE_SPREAD`."""
-  timed = time_samples(fn, *args, iters=iters, reps=runs + 1, warmup=warmup)[1:]
+  of back-to-back calls (no host sync inside a run), after ``warmup`` calls and one whole run of ``iters`` calls
+  discarded (as the decode rows do). Each timed run makes at least ``iters`` calls and lasts at least ``min_run_s``
+  (:data:`MIN_RUN_S` says why); ``iters`` in the result is the count used. ``samples_us`` keeps every timed run,
+  ``unstable`` when the spread exceeds :data:`UNSTABLE_SPREAD`."""
+  first = time_samples(fn, *args, iters=iters, reps=1, warmup=warmup)[0]  # seconds per call, discarded
+  iters = max(iters, math.ceil(min_run_s / max(first, 1e-9)))
+  timed = time_samples(fn, *args, iters=iters, reps=runs, warmup=0)
   samples = [s * 1e6 / per_call for s in timed]
   median = float(np.median(samples))
-  stats = {"us": median, "us_min": min(samples), "us_max": max(samples), "runs": runs, "samples_us": samples}
+  stats = {"us": median, "us_min": min(samples), "us_max": max(samples), "runs": runs, "iters": iters,
+           "samples_us": samples}
   stats["spread"] = (stats["us_max"] - stats["us_min"]) / median
   stats["unstable"] = stats["spread"] > UNSTABLE_SPREAD
   return stats

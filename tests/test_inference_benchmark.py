@@ -33,3 +33,17 @@ def test_decode_rows_carry_a_kernel_time_profile_per_token(tmp_path, capsys):
     assert sum(k["us_per_token"] for k in top) <= kernels * (1 + 1e-9)
   printed = capsys.readouterr().out
   assert "decode kernel time per token by category" in printed and "gemm_fwd" in printed
+
+
+def test_timed_runs_last_at_least_the_minimum_run_time():
+  """A row's timed runs are long enough that a stall of a few ms cannot dominate one (benchmarks.inference.MIN_RUN_S):
+  the call count grows from ``iters`` until a run lasts ``min_run_s`` by the discarded first run's pace."""
+  import jax
+  import jax.numpy as jnp
+
+  fn = jax.jit(lambda x: jnp.tanh(x) @ x)
+  x = jnp.ones((64, 64))
+  short = benchmark.time_runs(fn, x, iters=2, runs=3, min_run_s=0.0)
+  assert short["iters"] == 2 and len(short["samples_us"]) == 3 and short["us_min"] <= short["us"] <= short["us_max"]
+  long = benchmark.time_runs(fn, x, iters=2, runs=3, min_run_s=0.05)
+  assert long["iters"] > 2 and len(long["samples_us"]) == 3
