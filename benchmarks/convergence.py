@@ -4,7 +4,7 @@
 
 Runs ``python -m train.main --config configs/<recipe>_125m.py`` for each recipe (one
 subprocess each, sequentially, ``--steps`` steps, default 2000) with identical data, seed and
-hyperparameters, in ``--workdir/<recipe>``; then reads every ``metrics.jsonl``, prints a table
+hyperparameters except the learning rate BitNet's config sets (2e-3, docs/bitnet.md), in ``--workdir/<recipe>``; then reads every ``metrics.jsonl``, prints a table
 of final validation loss and its gap to bf16 (the issue's bar: INT8 and FP8 within 2%;
 BitNet's gap is reported as measured), draws the curves with ``train.plot`` (when matplotlib
 is installed) and writes JSON to ``--out``.

@@ -8,6 +8,7 @@ embeddings (the tied head stays high precision). --config.model.bitnet_norm_plac
 puts an RMSNorm before every BitNet projection instead (torchao's surgery);
 --config.model.mlp_activation=relu2 is 2B4T's squared-ReLU MLP (default SwiGLU).
 --config.recipe=bitnet_int8_bwd runs grad_weight in int8 too, bitnet_hp_bwd the whole backward in bf16.
+Learning rate 2e-3, twice bf16's (below; docs/bitnet.md has the comparison).
 
     python -m train.main --config configs/bitnet_125m.py --workdir runs/bitnet_125m
 """
