@@ -173,17 +173,17 @@ LOW_BIT_GATHER_RATIO = 0.55
 
 def _tensor_parallel_step(recipe: str):
   """``(compiled HLO text, lowered StableHLO text)`` of value_and_grad of a 1-layer bf16 model's loss
-  (``"<recipe>+send"``: x^T sent beside the rows)."""
+  (``"<recipe>+send"``: x^T sent beside the rows; ``"<recipe>+fused"``: fused qkv and gate_up kernels)."""
   recipe, _, variant = recipe.partition("+")
   config = ModelConfig(d_model=HLO_D, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=2 * HLO_D, vocab_size=256,
-                       dtype=jnp.bfloat16, recipe=train_config.recipe_from_name(recipe), fused_projections=False,
-                       scan_layers=False)
+                       dtype=jnp.bfloat16, recipe=train_config.recipe_from_name(recipe),
+                       fused_projections=variant == "fused", scan_layers=False)
   model = Transformer(config)
   tokens = jax.random.randint(jax.random.key(1), (HLO_BATCH, HLO_SEQ + 1), 0, config.vocab_size)
   params = jax.eval_shape(model.init, jax.random.key(0), tokens[:1, :-1])["params"]
   mesh = fsdp.make_mesh(fsdp=HLO_FSDP, tensor=HLO_TENSOR)
   plan = fsdp.plan_for_model(model, params, tokens[:1, :-1], mesh=mesh, tensor_parallel=tensor_parallel_rules(config),
-                             config=fsdp.FsdpConfig(tensor_transposed=variant or "requantize"))
+                             config=fsdp.FsdpConfig(tensor_transposed="send" if variant == "send" else "requantize"))
 
   def loss_fn(p, scales, batch):
     logits = fsdp.apply(model, p, batch[:, :-1], plan=plan, scales=scales)
@@ -205,6 +205,25 @@ _LOWERED_SCATTER = re.compile(
 def _tensor_scatter_types(lowered: str) -> list[str]:
   """Result types (``32x64xbf16``) of the lowered program's reduce-scatters over the tensor axis."""
   return [m["type"] for m in _LOWERED_SCATTER.finditer(lowered) if len(m["group"].split(",")) == HLO_TENSOR]
+
+
+# An all-gather in the lowered program: its replica groups, operand and result types.
+_LOWERED_GATHER = re.compile(
+    r'"stablehlo\.all_gather".*?replica_groups = dense<\[\[(?P<group>[\d, ]*)\].*?'
+    r"\}> : \(tensor<(?P<source>[^>]*)>\) -> tensor<[^>]*>", re.DOTALL)
+
+
+@pytest.mark.parametrize("recipe, dtype", [("bf16+fused", "bf16"), ("int8+fused", "f32")])
+def test_fused_kernels_cross_the_tensor_axis_in_the_dtype_their_linear_reads(recipe, dtype):
+  """A fused qkv / gate_up kernel's stored ``[K / fsdp, N / tensor]`` block is all-gathered over the tensor axis
+  (ColumnParallel.regroup) in bf16 for a high-precision model, which casts it to bf16 anyway (half of float32's
+  bytes), and in float32 for INT8, whose quantizer reads the master weight (the runs' equality with the unsharded
+  run is test_tensor_parallel_run_equals_unsharded_run's bf16+fused and int8+fused rows)."""
+  blocks = {f"{HLO_D // HLO_FSDP}x{width // HLO_TENSOR}" for width in (2 * HLO_D, 2 * 2 * HLO_D)}  # qkv, gate_up
+  lowered = _tensor_parallel_step(recipe)[1]
+  sources = [m["source"] for m in _LOWERED_GATHER.finditer(lowered) if len(m["group"].split(",")) == HLO_TENSOR]
+  kernels = [s for s in sources if s.rsplit("x", 1)[0] in blocks]
+  assert sorted(kernels) == sorted(f"{block}x{dtype}" for block in blocks), sources
 
 
 @functools.cache

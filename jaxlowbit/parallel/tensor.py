@@ -323,18 +323,23 @@ class ColumnParallel:
       offset += group
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
-  def regroup(self, a: jax.Array) -> jax.Array:
+  def regroup(self, a: jax.Array, travel_dtype=None, grad_reduce_dtype=None) -> jax.Array:
     """A grouped kernel's stored ``[..., N / n]`` block (or bias) -> this device's slice of every group.
 
-    One all-gather over the axis in ``a``'s dtype (the gradient: its reduce-scatter), then
-    :meth:`local_columns`; a no-op without groups.
+    One all-gather over the axis, in ``travel_dtype`` (None: ``a``'s; a high-precision kernel's compute dtype,
+    since the linear casts it to that anyway), then :meth:`local_columns`; the result is in ``a``'s dtype. The
+    gradient is reduce-scattered in ``grad_reduce_dtype`` (None: ``a``'s dtype): each of its elements is one
+    device's value plus zeros, since every column belongs to one device's groups. A no-op without groups.
     """
+    from jaxlowbit.parallel.fsdp.gather import gather_param  # noqa: PLC0415 (the fsdp package imports this module)
+
     if not self.groups:
       return a
     if sum(self.groups) != a.shape[-1] * lax.axis_size(self.axis_name):
       raise ValueError(f"ColumnParallel: groups {self.groups} do not add up to the kernel's "
                        f"{a.shape[-1]} x {lax.axis_size(self.axis_name)} output columns")
-    return self.local_columns(lax.all_gather(a, self.axis_name, axis=a.ndim - 1, tiled=True))
+    gathered = gather_param(a, self.axis_name, a.ndim - 1, grad_reduce_dtype or a.dtype, travel_dtype)
+    return self.local_columns(gathered)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,8 @@ class FsdpConfig(MeshAxes):
       to the parameter's dtype. ``"float32"`` (default): exact sums of float32 gradients.
       ``"bfloat16"``: half the bytes on the wire (the 1B model reduce-scatters 5.85 GB of float32
       gradients per step on 2 GPUs, issue 29); each device's gradient is rounded to bfloat16
-      (relative error <= 2^-9) before the sum, and the collective adds in bfloat16.
+      (relative error <= 2^-9) before the sum, and the collective adds in bfloat16. The same dtype
+      reduce-scatters a fused kernel's gradient over the tensor axis (``ColumnParallel.regroup``).
       The gradient all-reduce over the ``data`` axis (HSDP) and of replicated parameters stays in
       the parameter's dtype.
     tensor_transposed: how a tensor-parallel gather makes x^T (and g's copy) where the recipe scales it

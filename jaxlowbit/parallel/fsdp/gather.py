@@ -152,33 +152,35 @@ def _gather_bwd(layout, scale, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather_dense(x: jax.Array, axis_name: str, dim: int, reduce_dtype):
-  return lax.all_gather(x, axis_name, axis=dim, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather_dense(x: jax.Array, axis_name: str, dim: int, reduce_dtype, travel_dtype):
+  return lax.all_gather(x.astype(travel_dtype), axis_name, axis=dim, tiled=True).astype(x.dtype)
 
 
-def _gather_dense_fwd(x, axis_name, dim, reduce_dtype):
-  return _gather_dense(x, axis_name, dim, reduce_dtype), None
+def _gather_dense_fwd(x, axis_name, dim, reduce_dtype, travel_dtype):
+  return _gather_dense(x, axis_name, dim, reduce_dtype, travel_dtype), None
 
 
-def _gather_dense_bwd(axis_name, dim, reduce_dtype, residual, ct):
-  del residual
+def _gather_dense_bwd(axis_name, dim, reduce_dtype, travel_dtype, residual, ct):
+  del residual, travel_dtype
   return (_reduce_scatter(ct, axis_name, dim, reduce_dtype, ct.dtype),)  # ct has x's dtype
 
 
 _gather_dense.defvjp(_gather_dense_fwd, _gather_dense_bwd)
 
 
-def gather_param(x: jax.Array, axis_name: str, dim: int, grad_reduce_dtype="float32") -> jax.Array:
+def gather_param(x: jax.Array, axis_name: str, dim: int, grad_reduce_dtype="float32", travel_dtype=None) -> jax.Array:
   """``lax.all_gather(x, axis_name, axis=dim, tiled=True)`` whose gradient is reduce-scattered in
   ``grad_reduce_dtype`` (``FsdpConfig.grad_reduce_dtype``) and returned in ``x``'s dtype.
 
   Args:
     x: this device's shard of a parameter, any shape and floating dtype; ``dim`` is the sharded one.
+    travel_dtype: the dtype the shards cross the axis in (None: ``x``'s), for a parameter that is cast to it
+      after the gather anyway (a high-precision kernel's compute dtype): the cast commutes with the gather.
   Returns:
     the whole parameter (``x.shape[dim] * n`` along ``dim``), in ``x``'s dtype.
   """
-  return _gather_dense(x, axis_name, dim, jnp.dtype(grad_reduce_dtype))
+  return _gather_dense(x, axis_name, dim, jnp.dtype(grad_reduce_dtype), jnp.dtype(travel_dtype or x.dtype))
 
 
 def _axes_size(axes: tuple[str, ...]) -> int:

@@ -75,15 +75,20 @@ def fsdp_linear(
       raise TypeError(f"fsdp_linear: {name} must be floating point, got {a.dtype}")
   if w.ndim != 2:
     raise ValueError(f"fsdp_linear: w must be a 2-D [K/n, N] shard, got shape {w.shape}")
+  scaling = weight_scaling(recipe, config.int8_weight_scaling)
   if isinstance(tensor, ColumnParallel):
-    w = tensor.regroup(w)  # a fused kernel's stored block -> this device's slice of every group
+    # A fused kernel's stored block -> this device's slice of every group. A high-precision kernel crosses the
+    # axis in the compute dtype (half of float32's bytes, the same numbers: the linear casts it to that anyway);
+    # a quantized recipe's master block in float32, which its quantizer reads. The gradient sums (one nonzero per
+    # element) in float32 unless FSDP's gradients are reduced in bfloat16 anyway (grad_reduce_dtype).
+    w = tensor.regroup(w, travel_dtype=None if scaling.quantized else x.dtype,
+                       grad_reduce_dtype=config.grad_reduce_dtype)
   num_shards = 1 if axis_name is None else lax.axis_size(axis_name)
   k = w.shape[0] * num_shards
   if x.ndim < 1 or x.shape[-1] != k:
     raise ValueError(
         f"fsdp_linear: x {x.shape} must end in K={k} (w shard {w.shape} x {num_shards} shards on {axis_name!r})"
     )
-  scaling = weight_scaling(recipe, config.int8_weight_scaling)
   if isinstance(tensor, RowParallel) and x.ndim != 2:
     raise ValueError(f"fsdp_linear: a row-parallel linear reads x as [M, K/t] and returns its [M/t, N] rows; got x "
                      f"{x.shape}: flatten the tokens first")
