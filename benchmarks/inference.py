@@ -96,12 +96,13 @@ DECODE_CONFIGS = {"1b": ("configs/bf16_1b.py", "configs/bitnet_1b.py"), "tiny": 
 def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int = 1,
               min_run_s: float = MIN_RUN_S) -> dict:
   """Microseconds per call (divided by ``per_call``) of ``fn(*args)``: median, min and max of ``runs`` timed runs
-  of back-to-back calls (no host sync inside a run), after ``warmup`` calls and one whole run of ``iters`` calls
-  discarded (as the decode rows do). Each timed run makes at least ``iters`` calls and lasts at least ``min_run_s``
+  of back-to-back calls (no host sync inside a run), after ``warmup`` calls and two whole runs of ``iters`` calls
+  discarded (the decode rows discard one). Each timed run makes at least ``iters`` calls and lasts at least ``min_run_s``
   (:data:`MIN_RUN_S` says why); ``iters`` in the result is the count used. ``samples_us`` keeps every timed run,
   ``unstable`` when the spread exceeds :data:`UNSTABLE_SPREAD`."""
-  first = time_samples(fn, *args, iters=iters, reps=1, warmup=warmup)[0]  # seconds per call, discarded
-  iters = max(iters, math.ceil(min_run_s / max(first, 1e-9)))
+  # Seconds per call from the faster of two discarded runs (one that caught a stall would shorten the runs).
+  pace = min(time_samples(fn, *args, iters=iters, reps=2, warmup=warmup))
+  iters = max(iters, math.ceil(min_run_s / max(pace, 1e-9)))
   timed = time_samples(fn, *args, iters=iters, reps=runs, warmup=0)
   samples = [s * 1e6 / per_call for s in timed]
   median = float(np.median(samples))

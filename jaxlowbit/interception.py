@@ -6,7 +6,8 @@ gathered weight shards), ``jaxlowbit.inference`` (converted weights; calibration
 *handler* into :func:`dense_interceptor`; the interceptor owns what they share:
 
 - what a Dense is (:func:`is_dense`): ``nn.Dense`` / ``nn.DenseGeneral`` and their subclasses
-  (jaxlowbit's layers included) that do not bring their own ``dot_general``;
+  (jaxlowbit's layers included) that do not bring their own ``dot_general`` (jaxlowbit's
+  high-precision one, which ``dense_for(None)`` sets, counts as none);
 - the input (:func:`call_inputs`) and the module's dot-joined path (:func:`module_path`,
   e.g. ``"layers_0.mlp.down"``);
 - which layers stay high precision (:class:`LayerFilter`: path substrings and/or a predicate).
@@ -25,7 +26,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from jaxlowbit.matmul import HIGH_PRECISION_DOT_GENERAL
+from jaxlowbit.matmul import is_high_precision_dot_general
 
 # A handler returns this to let the layer run as it is.
 PASS = object()
@@ -38,7 +39,7 @@ def is_dense(module: nn.Module) -> bool:
   """Whether ``module`` is a Dense-family layer whose dot jaxlowbit may run."""
   return (
       isinstance(module, (nn.Dense, nn.DenseGeneral))
-      and getattr(module, "dot_general", None) in (None, HIGH_PRECISION_DOT_GENERAL)  # dense_for(None)'s is plain
+      and (getattr(module, "dot_general", None) is None or is_high_precision_dot_general(module.dot_general))
       and getattr(module, "dot_general_cls", None) is None
   )
 

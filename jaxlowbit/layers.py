@@ -227,7 +227,8 @@ class LowBitDense(nn.DenseGeneral):
 
   Same attributes, parameters (``kernel [*batch, *contracted, *features]``, ``bias [*batch,
   *features]``) and initialization as ``DenseGeneral``, so checkpoints move freely between the two;
-  ``recipe`` chooses the three matmuls' numerics (None: exactly ``DenseGeneral``). The named layers
+  ``recipe`` chooses the three matmuls' numerics (None: ``DenseGeneral``'s dot; a one-row product on an NVIDIA GPU
+  gets a zero second row, ``jaxlowbit.matmul``, so its float32 sums may run in another order). The named layers
   (:class:`Int8Dense`, :class:`Fp8Dense`, :class:`BitNetDense`) are subclasses that fix a recipe
   family (``recipe_types``) and a default recipe; ``jaxlowbit.convert`` leaves every instance of
   this class to its own recipe and FSDP (``jaxlowbit.parallel``) runs it with that recipe.

@@ -220,7 +220,9 @@ def _dimension_numbers(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple
 def _high_precision_dot(lhs, rhs, lc, rc, lb, rb, precision, preferred_element_type) -> jax.Array:
   """``lax.dot_general`` of the given dimensions. A one-row product (decode at batch 1) on an NVIDIA GPU below
   XLA's matrix-vector size gets a zero second row, so that XLA keeps it a GEMM instead of a slower multiply +
-  reduce (``pallas_kernels.policy.matvec_needs_second_row``); the result is the first row's."""
+  reduce (``pallas_kernels.policy.matvec_needs_second_row``); the result is the first row's. The rule sees traced
+  shapes and the default device: under ``jax.vmap`` a rank-1 input is one row per example (the batched product
+  then has 2B rows: the same values, twice the work)."""
   free = [a for a in range(lhs.ndim) if a not in lc + lb]
   k = math.prod(lhs.shape[a] for a in lc)
   n = math.prod(rhs.shape[a] for a in range(rhs.ndim) if a not in rc + rb)
@@ -284,3 +286,9 @@ def quantized_dot_general(
 # GPU would make it a slower multiply + reduce (_high_precision_dot). dense_for(None)'s DenseGeneral runs its dot
 # with it, and jaxlowbit's interceptors take such a layer as a plain Dense (interception.is_dense).
 HIGH_PRECISION_DOT_GENERAL = functools.partial(quantized_dot_general, recipe=None)
+
+
+def is_high_precision_dot_general(fn: Any) -> bool:
+  """Whether ``fn`` is :data:`HIGH_PRECISION_DOT_GENERAL` or a copy of it (a deep-copied or unpickled model's)."""
+  return (isinstance(fn, functools.partial) and fn.func is quantized_dot_general and not fn.args
+          and fn.keywords == {"recipe": None})

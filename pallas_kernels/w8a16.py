@@ -11,7 +11,7 @@ exact in bf16/f16) and feeds the tensor cores; nothing weight-sized is ever writ
 so the weight traffic is half of a bf16 GEMM's. The scale is applied once, to the float32
 accumulator.
 
-For decode (``M <= 16``) the GEMM is a GEMV in disguise: memory-bound on the weight. The
+For decode (``M <= 16``) the GEMM is a GEMV in disguise: memory-bound on the weight. For M = 2..16 the
 row tile is then 16 (the smallest tensor-core M) and K is split across programs (split-K) so
 that even a ``[4096, 14336]`` weight with only 32 column tiles keeps every SM streaming;
 the float32 partial sums (``split x M x N``, tiny) are added by XLA. Larger M uses bigger
@@ -43,7 +43,7 @@ DEFAULT_NUM_SMS = 132
 # Split K until the grid holds about this many programs per SM: a memory-bound GEMV needs
 # several CTAs resident per SM to keep enough loads in flight to saturate HBM.
 PROGRAMS_PER_SM = 4
-# Smallest tensor-core tile in M (mma m16n8k16); decode rows are padded up to it.
+# Smallest tensor-core tile in M (mma m16n8k16); M = 2..15 rows are padded up to it.
 MIN_BLOCK_M = 16
 # block_m of the CUDA-core GEMV (M = 1): one row, nothing padded.
 GEMV_BLOCK_M = 1

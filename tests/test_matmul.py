@@ -1,5 +1,6 @@
 """quantized_matmul: SQNR of all three matmuls per recipe, recipe flags, transforms, errors."""
 
+import copy
 import functools
 import itertools
 
@@ -11,7 +12,7 @@ from jax.extend import core as jax_core
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxlowbit
-from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
+from jaxlowbit import BitNet, Float8, Int8MixedPrecision, interception, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.recipes import bitnet
 from pallas_kernels import dispatch, policy
@@ -387,7 +388,8 @@ def test_one_row_high_precision_dot_gets_a_zero_row_on_nvidia_gpus(lhs_shape, k,
   dims = (((lhs.ndim - 1,), (0,)), ((), ()))
   dot = functools.partial(jaxlowbit.quantized_dot_general, dimension_numbers=dims, recipe=None)
   plain = jax.lax.dot_general(lhs, rhs, dims, precision="highest")
-  assert _dot_lhs_shapes(dot, lhs, rhs) == [lhs_shape]  # CPU: no GPU, no extra row
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: None)
+  assert _dot_lhs_shapes(dot, lhs, rhs) == [lhs_shape]  # no NVIDIA GPU: no extra row
   monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
   assert _dot_lhs_shapes(dot, lhs, rhs) == [(2, *lhs_shape) if second_row else lhs_shape]
   got = jax.jit(functools.partial(dot, precision="highest"))(lhs, rhs)
@@ -402,7 +404,11 @@ def test_the_high_precision_dense_keeps_one_row_products_gemms(monkeypatch):
   layer = jaxlowbit.dense_for(None, features=384)
   x = jax.random.normal(fresh_key(), (1, 1, 512))
   params = layer.init(jax.random.key(0), x)
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: None)
   plain = layer.apply(params, x)
   monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
   assert _dot_lhs_shapes(lambda p, a: layer.apply(p, a), params, x) == [(2, 1, 1, 512)]
+  # jaxlowbit's interceptors (convert, FSDP, inference) still take it, and a deep copy of it, as a plain Dense
+  assert interception.is_dense(layer) and interception.is_dense(copy.deepcopy(layer))
+  assert not interception.is_dense(jaxlowbit.dense_for(None, features=4, dot_general=jax.lax.dot_general))
   np.testing.assert_allclose(jax.jit(layer.apply)(params, x), plain, rtol=1e-5, atol=1e-5)

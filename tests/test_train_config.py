@@ -86,7 +86,7 @@ PRESET_FIELDS = {("bitnet", "125m"): {"lr": 2e-3}}
 
 
 @pytest.mark.parametrize("size,low,high", [("1b", 0.9e9, 1.1e9), ("125m", 1.0e8, 1.5e8), ("8b", 6.5e9, 7.5e9)])
-def test_presets_share_one_base_and_differ_only_in_recipe(size, low, high):
+def test_presets_share_one_base_and_differ_only_in_recipe_and_listed_fields(size, low, high):
   configs = {name: train_config.load_file(CONFIGS / f"{name}_{size}.py") for name in RECIPE_FILES}
   base = configs["bf16"].to_dict()
   for name, config in configs.items():

@@ -15,8 +15,9 @@ backward
   quantization) ``psum_scatter`` ed back to this device's ``[K/n, N]`` rows, summed in
   ``FsdpConfig.grad_reduce_dtype`` (float32 by default, or bfloat16: half the bytes).
 
-:func:`gather_param` is the same for a parameter that is not a linear's kernel (an embedding): an
-all-gather in its own dtype whose gradient is reduce-scattered in the reduce dtype.
+:func:`gather_param` is the same for a parameter that is not a linear's kernel (an embedding), and for a fused
+kernel's tensor-parallel regroup: an all-gather in its own dtype (or a narrower one its reader casts to anyway)
+whose gradient is reduce-scattered in the reduce dtype.
 
 The operand then goes to the ordinary :func:`jaxlowbit.quantized_matmul`, which runs the recipe
 exactly as on one device (:func:`jaxlowbit.parallel.fsdp_linear` is the two together). A weight

@@ -78,10 +78,12 @@ def fsdp_linear(
   scaling = weight_scaling(recipe, config.int8_weight_scaling)
   if isinstance(tensor, ColumnParallel):
     # A fused kernel's stored block -> this device's slice of every group. A high-precision kernel crosses the
-    # axis in the compute dtype (half of float32's bytes, the same numbers: the linear casts it to that anyway);
+    # axis in the compute dtype where it is narrower (bf16: half of float32's bytes, the same numbers: the linear
+    # casts it to that anyway);
     # a quantized recipe's master block in float32, which its quantizer reads. The gradient sums (one nonzero per
     # element) in float32 unless FSDP's gradients are reduced in bfloat16 anyway (grad_reduce_dtype).
-    w = tensor.regroup(w, travel_dtype=None if scaling.quantized else x.dtype,
+    narrower = jnp.dtype(x.dtype).itemsize < jnp.dtype(w.dtype).itemsize
+    w = tensor.regroup(w, travel_dtype=x.dtype if narrower and not scaling.quantized else None,
                        grad_reduce_dtype=config.grad_reduce_dtype)
   num_shards = 1 if axis_name is None else lax.axis_size(axis_name)
   k = w.shape[0] * num_shards
