@@ -97,9 +97,9 @@ def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int =
               min_run_s: float = MIN_RUN_S) -> dict:
   """Microseconds per call (divided by ``per_call``) of ``fn(*args)``: median, min and max of ``runs`` timed runs
   of back-to-back calls (no host sync inside a run), after ``warmup`` calls and two whole runs of ``iters`` calls
-  discarded (the decode rows discard one). Each timed run makes at least ``iters`` calls and lasts at least ``min_run_s``
-  (:data:`MIN_RUN_S` says why); ``iters`` in the result is the count used. ``samples_us`` keeps every timed run,
-  ``unstable`` when the spread exceeds :data:`UNSTABLE_SPREAD`."""
+  discarded (the decode rows discard one). Each timed run makes at least ``iters`` calls and lasts at least
+  ``min_run_s`` (:data:`MIN_RUN_S` says why); ``iters`` in the result is the count used. ``samples_us`` keeps
+  every timed run, ``unstable`` when the spread exceeds :data:`UNSTABLE_SPREAD`."""
   # Seconds per call from the faster of two discarded runs (one that caught a stall would shorten the runs).
   pace = min(time_samples(fn, *args, iters=iters, reps=2, warmup=warmup))
   iters = max(iters, math.ceil(min_run_s / max(pace, 1e-9)))

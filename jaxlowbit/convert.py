@@ -165,8 +165,9 @@ def convert(
   Returns:
     An instance of a subclass of ``type(module)`` with the same attributes and the same
     parameter tree. Layers that set their own ``dot_general`` (other than the high-precision
-    one of ``dense_for(None)``), and jaxlowbit layers, are left as they are. BitNet's RMSNorm before each linear is *not* inserted: that model
-    surgery stays explicit in the model's code. :func:`conversion_report` lists what it does.
+    one of ``dense_for(None)``), and jaxlowbit layers, are left as they are. BitNet's RMSNorm
+    before each linear is *not* inserted: that model surgery stays explicit in the model's code.
+    :func:`conversion_report` lists what it does.
   """
   if not isinstance(module, nn.Module):
     raise TypeError(f"convert: expected a flax.linen Module, got {type(module).__name__}")

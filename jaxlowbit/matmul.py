@@ -217,16 +217,15 @@ def _dimension_numbers(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple
   return lc, rc, lb, rb
 
 
-def _high_precision_dot(lhs, rhs, lc, rc, lb, rb, precision, preferred_element_type) -> jax.Array:
+def _high_precision_dot(lhs, rhs, lc, rc, lb, rb, rows: int, k: int, n: int, precision,
+                        preferred_element_type) -> jax.Array:
   """``lax.dot_general`` of the given dimensions. A one-row product (decode at batch 1) on an NVIDIA GPU below
   XLA's matrix-vector size gets a zero second row, so that XLA keeps it a GEMM instead of a slower multiply +
   reduce (``pallas_kernels.policy.matvec_needs_second_row``); the result is the first row's. The rule sees traced
   shapes and the default device: under ``jax.vmap`` a rank-1 input is one row per example (the batched product
-  then has 2B rows: the same values, twice the work)."""
-  free = [a for a in range(lhs.ndim) if a not in lc + lb]
-  k = math.prod(lhs.shape[a] for a in lc)
-  n = math.prod(rhs.shape[a] for a in range(rhs.ndim) if a not in rc + rb)
-  if lb or math.prod(lhs.shape[a] for a in free) != 1 or not policy.matvec_needs_second_row(k, n):
+  then has 2B rows: the same values, twice the work). ``rows``, ``k``, ``n``: the product's free lhs, contracted
+  and free rhs sizes."""
+  if lb or rows != 1 or not policy.matvec_needs_second_row(k, n):
     return lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=precision,
                            preferred_element_type=preferred_element_type)
   rows = jnp.stack([lhs, jnp.zeros_like(lhs)])  # [2, *lhs.shape]: the output gains a leading axis of 2
@@ -263,14 +262,15 @@ def quantized_dot_general(
           f"quantized_dot_general: {kind} dimensions differ in size: lhs {lhs.shape} axes {la} vs rhs {rhs.shape} "
           f"axes {ra}"
       )
-  if recipe is None:
-    return _high_precision_dot(lhs, rhs, lc, rc, lb, rb, precision, preferred_element_type)
   lf = tuple(a for a in range(lhs.ndim) if a not in lc + lb)
   rf = tuple(a for a in range(rhs.ndim) if a not in rc + rb)
   batch_shape = tuple(lhs.shape[a] for a in lb)
   lf_shape = tuple(lhs.shape[a] for a in lf)
   rf_shape = tuple(rhs.shape[a] for a in rf)
   k = math.prod(lhs.shape[a] for a in lc)
+  if recipe is None:
+    return _high_precision_dot(lhs, rhs, lc, rc, lb, rb, math.prod(lf_shape), k, math.prod(rf_shape), precision,
+                               preferred_element_type)
   left = jnp.transpose(lhs, lb + lf + lc).reshape(*batch_shape, math.prod(lf_shape), k)
   right = jnp.transpose(rhs, rb + rc + rf).reshape(*batch_shape, k, math.prod(rf_shape))
   fn = functools.partial(quantized_matmul, recipe=recipe, options=options)

@@ -79,9 +79,9 @@ def fsdp_linear(
   if isinstance(tensor, ColumnParallel):
     # A fused kernel's stored block -> this device's slice of every group. A high-precision kernel crosses the
     # axis in the compute dtype where it is narrower (bf16: half of float32's bytes, the same numbers: the linear
-    # casts it to that anyway);
-    # a quantized recipe's master block in float32, which its quantizer reads. The gradient sums (one nonzero per
-    # element) in float32 unless FSDP's gradients are reduced in bfloat16 anyway (grad_reduce_dtype).
+    # casts it to that anyway); a quantized recipe's master block in float32, which its quantizer reads. The
+    # gradient sums (one nonzero per element) in float32 unless FSDP's gradients are reduced in bfloat16 anyway
+    # (grad_reduce_dtype).
     narrower = jnp.dtype(x.dtype).itemsize < jnp.dtype(w.dtype).itemsize
     w = tensor.regroup(w, travel_dtype=x.dtype if narrower and not scaling.quantized else None,
                        grad_reduce_dtype=config.grad_reduce_dtype)

@@ -20,7 +20,8 @@ Which recipe a linear runs: a jaxlowbit layer (``Int8Dense``, ``Fp8Dense``,
 ``DenseGeneral`` runs the ``recipe`` given to :func:`plan_for_model` unless
 ``filter_fqns`` / ``auto_filter_small_kn`` keep it high precision (the rules of
 ``jaxlowbit.convert``). Layers with their own ``dot_general`` (other than ``dense_for(None)``'s
-high-precision one) or with ``batch_dims`` are not FSDP linears: their kernels are gathered in their own dtype like any parameter.
+high-precision one) or with ``batch_dims`` are not FSDP linears: their kernels are gathered in their
+own dtype like any parameter.
 """
 
 from __future__ import annotations
