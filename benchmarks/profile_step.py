@@ -29,6 +29,12 @@ elementwise     everything else (SwiGLU, RoPE, residual adds, embedding, loss, .
 idle            time in the traced span when no kernel ran on any stream
 ==============  =============================================================================
 
+With several GPUs (``--set mesh.fsdp=2``, ``mesh.tensor=2``) every figure is per GPU: the trace's
+devices are averaged. Where collectives ran, the row also gives their timeline per GPU: ms per step
+of each kind (all-gather, reduce-scatter, all-reduce) and how much of it was *exposed*, i.e. ran
+while that GPU ran no other kernel (the step waited for the network), against what overlapped
+compute (issue 29).
+
 Prints a table last (ms per step per category) and writes JSON with every category, the top
 kernels by time and the throughput. On CPU (``--runs tiny=configs/tiny.py --steps 2``) it checks
 that it runs; the categories there are XLA:CPU thunks, not GPU kernels.
@@ -37,6 +43,7 @@ that it runs; the categories there are XLA:CPU thunks, not GPU kernels.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gc
 import glob
@@ -154,24 +161,81 @@ def device_kernels(profile) -> list[tuple[str, int, int, dict]]:
         # XLA:CPU: thunks only; a while/call thunk encloses its body's thunks (counted already).
         if not on_gpu and ("hlo_op" not in stats or re.match(r"(while|call|conditional)\b", event.name)):
           continue
+        stats["device"] = plane.name
         kernels.append((event.name, int(event.start_ns), int(event.duration_ns), stats))
   return kernels
 
 
-def busy_ns(kernels) -> tuple[int, int]:
-  """(union of kernel intervals, span from the first start to the last end) in ns."""
-  intervals = sorted((start, start + duration) for _, start, duration, _ in kernels)
-  if not intervals:
-    return 0, 0
-  busy, (cur_start, cur_end) = 0, intervals[0]
-  for start, end in intervals[1:]:
-    if start > cur_end:
-      busy += cur_end - cur_start
-      cur_start, cur_end = start, end
+def _merged(intervals) -> list[tuple[int, int]]:
+  """Sorted, disjoint union of ``(start, end)`` intervals."""
+  merged = []
+  for start, end in sorted(intervals):
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
     else:
-      cur_end = max(cur_end, end)
-  busy += cur_end - cur_start
-  return busy, intervals[-1][1] - intervals[0][0]
+      merged.append((start, end))
+  return merged
+
+
+def _covered_ns(start: int, end: int, merged: list[tuple[int, int]]) -> int:
+  """How much of ``[start, end)`` the disjoint sorted ``merged`` intervals cover."""
+  i = bisect.bisect_right(merged, (start, float("inf"))) - 1
+  covered = 0
+  for lo, hi in merged[max(i, 0):]:
+    if lo >= end:
+      break
+    covered += max(0, min(hi, end) - max(lo, start))
+  return covered
+
+
+def collective_kind(kernel: str, hlo_op: str) -> str:
+  """all_gather / reduce_scatter / all_reduce / other of a collective kernel, from its name or HLO op."""
+  text = f"{kernel} {hlo_op}".lower().replace("-", "").replace("_", "")
+  for kind in ("allgather", "reducescatter", "allreduce"):
+    if kind in text:
+      return {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}[kind]
+  return "other"
+
+
+def collective_timeline(kernels, categories: list[str], steps: int) -> dict:
+  """Per GPU and step: ms of each collective kind, and how much of it no other kernel on that GPU overlapped.
+
+  ``exposed`` is the collective time during which the device ran no compute kernel (any other category):
+  what the step waits for communication. Averaged over the devices in the trace.
+  """
+  devices = sorted({stats.get("device", "") for _, _, _, stats in kernels})
+  totals, exposed = collections.Counter(), collections.Counter()
+  for device in devices:
+    mine = [(k, c) for k, c in zip(kernels, categories) if k[3].get("device", "") == device]
+    compute = _merged((start, start + duration) for (_, start, duration, _), c in mine if c != "collective")
+    for (name, start, duration, stats), category in mine:
+      if category != "collective":
+        continue
+      kind = collective_kind(name, str(stats.get("hlo_op", "")))
+      totals[kind] += duration
+      exposed[kind] += duration - _covered_ns(start, start + duration, compute)
+  scale = 1e6 * steps * max(len(devices), 1)
+  kinds = sorted(totals)
+  return {"devices": len(devices),
+          "ms_per_step": {k: totals[k] / scale for k in kinds},
+          "exposed_ms_per_step": {k: exposed[k] / scale for k in kinds},
+          "total_ms": sum(totals.values()) / scale, "exposed_ms": sum(exposed.values()) / scale}
+
+
+def busy_ns(kernels) -> tuple[int, int]:
+  """(union of kernel intervals, span from the first start to the last end) in ns, summed over the devices.
+
+  Each device's own span counts: two GPUs that each idle 1 ms of a 10 ms step give 2 ms idle of 20.
+  """
+  by_device = collections.defaultdict(list)
+  for _, start, duration, stats in kernels:
+    by_device[stats.get("device", "")].append((start, start + duration))
+  busy = span = 0
+  for intervals in by_device.values():
+    merged = _merged(intervals)
+    busy += sum(end - start for start, end in merged)
+    span += merged[-1][1] - merged[0][0]
+  return busy, span
 
 
 def traced_kernels(run) -> list[tuple[str, int, int, dict]]:
@@ -184,27 +248,35 @@ def traced_kernels(run) -> list[tuple[str, int, int, dict]]:
 
 
 def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int, steps: int) -> dict:
-  """Per-category ms per step, plus the top kernels by total time."""
+  """Per-category ms per step and GPU (averaged over the traced devices), the top kernels by total time and,
+  where collectives ran, their :func:`collective_timeline`."""
   per_category = collections.Counter()
   per_kernel = collections.Counter()
   example_scope = {}
+  categories = []
   for name, _, duration, stats in kernels:
     hlo_op = str(stats.get("hlo_op", ""))
     op_name = op_names.get(hlo_op, "")
     category = categorize(name, op_name, shapes.get(hlo_op), tokens)
+    categories.append(category)
     per_category[category] += duration
     key = (category, name[:120])
     per_kernel[key] += duration
     example_scope.setdefault(key, f"{hlo_op} {op_name[-160:]}")
   busy, span = busy_ns(kernels)
   per_category["idle"] += max(span - busy, 0)
-  ms = {c: per_category[c] / 1e6 / steps for c in CATEGORIES}
+  devices = max(len({stats.get("device", "") for _, _, _, stats in kernels}), 1)
+  scale = 1e6 * steps * devices
+  ms = {c: per_category[c] / scale for c in CATEGORIES}
   top = [
-      {"category": c, "kernel": k, "ms_per_step": t / 1e6 / steps, "hlo": example_scope[(c, k)]}
+      {"category": c, "kernel": k, "ms_per_step": t / scale, "hlo": example_scope[(c, k)]}
       for (c, k), t in per_kernel.most_common(TOP_KERNELS)
   ]
-  return {"ms_per_step": ms, "kernel_ms_per_step": sum(v for c, v in ms.items() if c != "idle"),
-          "span_ms_per_step": span / 1e6 / steps, "top_kernels": top}
+  result = {"ms_per_step": ms, "kernel_ms_per_step": sum(v for c, v in ms.items() if c != "idle"),
+            "span_ms_per_step": span / scale, "devices": devices, "top_kernels": top}
+  if "collective" in categories:
+    result["collectives"] = collective_timeline(kernels, categories, steps)
+  return result
 
 
 def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float | None) -> dict:
@@ -315,6 +387,14 @@ def main(argv: list[str] | None = None) -> None:
     common.write_json("profile_step", rows, args.out)  # after every run: a later crash keeps these
     gc.collect()
   print(format_table(rows))
+  timelines = [{"run": r["name"], **{f"{k} ms": f"{v:.1f}" for k, v in r["collectives"]["ms_per_step"].items()},
+                "total ms": f"{r['collectives']['total_ms']:.1f}", "exposed ms": f"{r['collectives']['exposed_ms']:.1f}",
+                **{f"{k} exposed": f"{v:.1f}" for k, v in r["collectives"]["exposed_ms_per_step"].items()}}
+               for r in rows if "collectives" in r]
+  if timelines:
+    columns = list(dict.fromkeys(c for t in timelines for c in t))
+    print("\ncollectives per GPU and step (exposed: no other kernel ran on that GPU meanwhile)")
+    print(common.table(timelines, columns))
   for r in rows:
     if "error" not in r:
       print(f"\n{r['name']}: top kernels (ms/step)")
