@@ -79,7 +79,7 @@ VARIANTS = {
     "w8a8_xla": ("w8a8", "xla"),
     "ternary": ("ternary", None),
     "ternary_xla": ("ternary", "xla"),
-    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.ternary_gemv forced (M <= 16), whatever the dispatch says
+    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.ternary_gemv forced (M <= 4), whatever the dispatch says
 }
 # Issue 28 targets per linear (speed-up over bf16): (largest M it applies to, target), the first that applies.
 TARGETS = {"ternary": ((1, 3.0), (16, 2.0)), "w8a16": ((1, 1.8), (16, 1.5)), "w8a8": ((1, 1.8), (16, 1.5))}
@@ -140,8 +140,7 @@ class Backend:
 
 
 def ternary_gemv_linear(x, leaves):
-  """``quantized_linear(x, leaves, "ternary")`` with ``pallas_kernels.ternary_gemv`` forced (quantizer inside): x
-  ``[M <= 16, K]`` (CUDA cores at M = 1, tensor cores above)."""
+  """``quantized_linear(x, leaves, "ternary")`` with the CUDA-core GEMV forced (quantizer inside): x ``[M <= 4, K]``."""
   return ternary_gemv.quantize_a8w2_gemv_kernel(x, leaves[inference.weights.KERNEL_PACKED],
                                                 leaves[inference.weights.KERNEL_SCALE], inference.weights.BITNET_TOKENS)
 
@@ -179,7 +178,7 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
         try:
           fn = (lambda x, w: x @ w) if scheme is None else (lambda x, w, s=scheme: inference.quantized_linear(x, w, s))
           if backend == "gemv":
-            if m > ternary_gemv.MMA_M:
+            if m > ternary_gemv.MAX_M:
               continue
             fn, backend = ternary_gemv_linear, None
           with Backend(backend):
@@ -220,9 +219,6 @@ SWEEP = {
              (128, 32, None)],
     "ternary_gemv": [(32, 128, None), (16, 256, None), (8, 512, None), (16, 512, None), (32, 256, None),
                      (64, 64, None), (8, 1024, 1), (16, 256, 1)],
-    # pallas_kernels.ternary_gemv's tensor-core form (M = 2..16), activations quantized inside, as the dispatch runs it
-    "ternary_mma": [(16, 128, None), (32, 128, None), (64, 128, None), (32, 64, None), (64, 64, None),
-                    (128, 64, None), (64, 128, 1), (128, 128, 1), (32, 256, None)],
 }
 
 
@@ -247,26 +243,19 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
     wp = [w[:, : k // 4] for w in wq]
     sw = jnp.ones((n,), jnp.float32)
     for kernel in kernels:
-      if (kernel == "ternary_gemv" and m > ternary_gemv.MAX_M) or (kernel == "ternary_mma" and m > ternary_gemv.MMA_M):
+      if kernel == "ternary_gemv" and m > ternary_gemv.MAX_M:
         continue
       for block_n, block_k, split in SWEEP[kernel]:
         row = {"k": k, "n": n, "m": m, "kernel": kernel, "block_n": block_n, "block_k": block_k}
         try:
-          if kernel in ("ternary_gemv", "ternary_mma"):
-            mma = kernel == "ternary_mma"
-            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m, mma=mma), block_n=block_n,
+          if kernel == "ternary_gemv":
+            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m), block_n=block_n,
                                          block_k=block_k, split_k=1)
             if split is None:
               config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k // 4, block_k,
                                                                                  w8a16.num_sms()))
-            if mma:
-              fn = chain(lambda a, w, c=config: ternary_gemv.quantize_a8w2_gemv_kernel(
-                  a, w, sw, inference.weights.BITNET_TOKENS, config=c))
-              args = (x, wp)
-            else:
-              fn = chain(lambda a, w, c=config: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c))
-              args = (xq, wp)
-            nbytes = n * k // 4
+            fn = chain(lambda a, w, c=config: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c))
+            args, nbytes = (xq, wp), n * k // 4
           elif kernel == "w8a16":
             auto = w8a16.config_for(m, n, k)
             config = dataclasses.replace(auto, block_n=block_n, block_k=block_k, split_k=1)

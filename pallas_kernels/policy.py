@@ -75,7 +75,7 @@ TERNARY_KERNEL_MAX_M = 32
 # the XLA quantizer + A8W2 reference bit for bit; a converted layer reproduces its training forward also for float32
 # inputs since every layer rounds its input cast explicitly (quantize.to_compute_dtype: XLA had dropped the bare
 # float32 -> bf16 round trip inside its quantizer fusion). M = 2..4 tile too but are not faster than the A8W2 kernel.
-TERNARY_GEMV_MAX_M = 16
+TERNARY_GEMV_MAX_M = 1
 # High-precision one-row dots (jaxlowbit.matmul; bf16 decode at batch 1): XLA on GPU strength-reduces a dot with
 # one row whose operands hold fewer than 10M elements into multiply + reduce, which read the bf16 weight at
 # 0.6-1.3 TB/s on an H100 against its GEMM's 2.2-2.8. Given a second (zero) row the dot stays a GEMM: 2048 x 3072

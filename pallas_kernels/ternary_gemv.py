@@ -39,14 +39,10 @@ from pallas_kernels.int8_gemv import BYTE_TOP_SHIFT, CODE_BITS, INT32_TOP_SHIFT,
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import choose_split_k, fit_block, num_sms
 
-# Rows of x a CUDA-core program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
+# Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
 # (block_n with reduce_per_step).
 MAX_M = 4
-# Rows the tensor-core form (``TernaryGemvConfig.mma``) takes: one int8 mma tile (m16n8k32), rows past M read as
-# copies of the last row and never stored, so nothing is padded in memory.
-MMA_M = 16
 MIN_BLOCK_N, MIN_BLOCK_K = 8, 16
-MIN_MMA_BLOCK_N, MIN_MMA_BLOCK_K = 16, 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +50,7 @@ class TernaryGemvConfig:
   """Tiling (powers of two): ``block_n`` weight rows and ``block_k`` packed bytes per step; ``split_k``
   programs share a row block; Triton's ``num_warps`` and ``num_stages``. ``reduce_per_step`` sums each step's
   products across K at once (``[block_n]`` partial sums per row of x instead of ``[block_n, block_k]``): fewer
-  registers for M > 1, one cross-lane reduction per step. ``mma``: the products run on int8 tensor cores, one
-  ``[16, block_k] x [block_k, block_n]`` dot per 2-bit position and step, for M = 2..16 (the CUDA-core sums cost
-  M times the M = 1 work: 4096 x 14336 took 180 us at M = 4)."""
+  registers for M > 1, one cross-lane reduction per step."""
 
   block_n: int = 32
   block_k: int = 128
@@ -64,7 +58,6 @@ class TernaryGemvConfig:
   num_warps: int = 4
   num_stages: int = 3
   reduce_per_step: bool = False
-  mma: bool = False
 
 
 # Tilings from the H100 sweep (2026-11-26, benchmarks/results/ternary_gemv_sweep_h100.json), best per M:
@@ -72,34 +65,20 @@ class TernaryGemvConfig:
 # M = 2..4: 64 rows x 128 bytes on 8 warps (4096 x 14336 at M = 4: 43 us, 4 warps: 70).
 DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4, reduce_per_step=True)
 BATCH_TILING = TernaryGemvConfig(block_n=64, block_k=128, num_warps=8, reduce_per_step=True)
-# M = 2..16 on tensor cores (not yet tuned on a GPU).
-MMA_TILING = TernaryGemvConfig(block_n=64, block_k=128, num_warps=4, mma=True)
 
 
-def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, mma: bool | None = None) -> TernaryGemvConfig:
-  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to ~4 programs per SM.
-
-  ``mma`` (default: ``m > 1``) picks the tensor-core form; False keeps CUDA cores (M <= :data:`MAX_M`).
-  """
-  mma = m > 1 if mma is None else mma
-  base = MMA_TILING if mma else DECODE_TILING if m == 1 else BATCH_TILING
-  min_n, min_k = (MIN_MMA_BLOCK_N, MIN_MMA_BLOCK_K) if mma else (MIN_BLOCK_N, MIN_BLOCK_K)
-  block_n, block_k = fit_block(n, base.block_n, min_n), fit_block(k_bytes, base.block_k, min_k)
+def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
+  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to ~4 programs per SM."""
+  base = DECODE_TILING if m == 1 else BATCH_TILING
+  block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   split = choose_split_k(max(n // block_n, 1), k_bytes, block_k, sms or num_sms())
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
-def max_rows(config: TernaryGemvConfig) -> int:
-  """The most rows of x this tiling takes."""
-  return MMA_M if config.mma else MAX_M
-
-
 def supports(m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> bool:
   """Whether the kernel takes M rows and an ``[N, k_bytes]`` weight with this tiling (never padded)."""
-  min_n, min_k = (MIN_MMA_BLOCK_N, MIN_MMA_BLOCK_K) if config.mma else (MIN_BLOCK_N, MIN_BLOCK_K)
-  return (1 <= m <= max_rows(config) and n % config.block_n == 0
-          and k_bytes % (config.block_k * config.split_k) == 0 and config.block_n >= min_n
-          and config.block_k >= min_k)
+  return (1 <= m <= MAX_M and n % config.block_n == 0 and k_bytes % (config.block_k * config.split_k) == 0
+          and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
 
 
 def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
@@ -141,7 +120,9 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
   def step(t, accs):
     start = pl.multiple_of(k0 + t * bk, bk)
     p = w_ref[cols, pl.ds(start, bk)].astype(jnp.int32)  # [bn, bk] packed bytes
-    codes = [_decode(p, j) for j in range(VALUES_PER_BYTE)]
+    # Code j of each byte, sign-extended (0b11 -> -1, 0b01 -> 1, 0b00 -> 0), as int8_gemv decodes it.
+    codes = [lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
+             for j in range(VALUES_PER_BYTE)]
     products = [sum(w * x_codes(r, j, start)[None, :] for j, w in enumerate(codes)) for r in range(m)]
     if config.reduce_per_step:
       products = [jnp.sum(prod, axis=1) for prod in products]
@@ -165,77 +146,6 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
         scale_out[0][r] = scales[r]
 
 
-def _decode(p: jax.Array, j: int) -> jax.Array:
-  """Code ``j`` of each packed byte in the int32 ``p``, sign-extended (0b11 -> -1, 0b01 -> 1, 0b00 -> 0), as
-  int8_gemv decodes it."""
-  return lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
-
-
-def _mma_kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None,
-                native: bool, tensor_scale: bool):
-  """The tensor-core form (``config.mma``): one ``block_n`` slice of the outputs over one K split, M <= 16.
-
-  Refs as :func:`_kernel`'s, but ``x`` stays ``[M, K]``. Its 16-row tiles are gathered with row indices clamped
-  to ``M - 1`` (rows past M repeat the last one: in bounds, never padded in memory) and only the first M rows of
-  the result are stored. Code ``j`` of each packed byte multiplies ``x[:, 4 i + j]`` (a strided load, as on CUDA
-  cores): four ``[16, block_k] x [block_k, block_n]`` int8 dots per step, exact int32 sums.
-  """
-  if spec is None:
-    x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
-  else:
-    x_ref, w_ref, sw_ref, o_ref, *scale_out = refs
-  i_n, i_s = pl.program_id(0), pl.program_id(1)
-  bn, bk = config.block_n, config.block_k
-  cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
-  k0 = i_s * k_per_split
-  row_ids = lax.broadcasted_iota(jnp.int32, (MMA_M,), 0)
-  rows = jnp.minimum(row_ids, m - 1)
-  stored = row_ids < m
-  # Gathers index every dimension with arrays (the interpreter takes no mix of arrays and slices). Loads read
-  # the clamped rows; stores go to rows 0..15 masked to M (a masked lane touches no memory on the GPU, and the
-  # interpreter drops out-of-bounds updates, while repeated rows there would overwrite the real one).
-  tile_rows, out_rows = rows[:, None], row_ids[:, None]
-
-  def x_cols(first, count, stride=1):
-    return (first + stride * lax.broadcasted_iota(jnp.int32, (1, count), 1))
-  if spec is None:
-    scales = sx_ref[rows]
-  else:
-    chunk = VALUES_PER_BYTE * bk
-
-    def row_amax(t, amax):
-      values = x_ref[tile_rows, x_cols(t * chunk, chunk)].astype(jnp.float32)
-      return jnp.maximum(amax, jnp.max(quantize.magnitude(values), axis=1))
-
-    amax = lax.fori_loop(0, k // chunk, row_amax, jnp.zeros((MMA_M,), jnp.float32))
-    params, scales = quantize.code_scales(amax, spec)
-
-  def step(t, acc):
-    start = pl.multiple_of(k0 + t * bk, bk)
-    p = w_ref[cols, pl.ds(start, bk)].astype(jnp.int32)  # [bn, bk] packed bytes
-    for j in range(VALUES_PER_BYTE):
-      x = x_ref[tile_rows, x_cols(VALUES_PER_BYTE * start + j, bk, VALUES_PER_BYTE)]  # [16, bk]: x[:, 4 i + j]
-      if spec is not None:
-        x = quantize.encode(x.astype(jnp.float32), params[:, None], spec, native)
-      acc = acc + lax.dot_general(x, _decode(p, j).astype(jnp.int8), (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.int32)
-    return acc
-
-  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((MMA_M, bn), jnp.int32))
-  out_cols = x_cols(i_n * bn, bn)
-  if config.split_k == 1:  # the reference's epilogue, same order
-    sw = sw_ref[0] if tensor_scale else sw_ref[cols][None, :]
-    out = (acc.astype(jnp.float32) * scales[:, None] * sw).astype(o_ref.dtype)
-    plt.store(o_ref.at[out_rows, out_cols], out, mask=stored[:, None])
-  else:
-    plt.store(o_ref.at[i_s * m + out_rows, out_cols], acc, mask=stored[:, None])
-  if spec is not None and scale_out:  # split-K: XLA's epilogue needs the scales; one program writes them
-
-    @pl.when((i_n == 0) & (i_s == 0))
-    def _write_scales():
-      plt.store(scale_out[0].at[row_ids], scales, mask=stored)
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
 def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, spec: QuantSpec | None,
           interpret: bool):
@@ -247,18 +157,17 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   sw = w_scale.astype(jnp.float32).reshape(-1)
   tensor_scale = sw.size == 1
   split = config.split_k
-  x_in = x if config.mma else x.reshape(-1)
   if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
-    operands = (x_in, w_packed, sx, sw)
+    operands = (x.reshape(-1), w_packed, sx, sw)
   else:
-    operands = (x_in, w_packed, sw)
+    operands = (x.reshape(-1), w_packed, sw)
   out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
                else out_struct((split * m, n), jnp.int32, *operands))
   if spec is not None and split > 1:
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
-      functools.partial(_mma_kernel if config.mma else _kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
+      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
                         native=not interpret, tensor_scale=tensor_scale),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
@@ -278,7 +187,7 @@ def _tiling(who: str, m: int, w_packed, config: TernaryGemvConfig | None) -> Ter
   n, k_bytes = w_packed.shape
   config = config or config_for(n, k_bytes, m=m)
   if not supports(m, n, k_bytes, config):
-    raise ValueError(f"{who}: M={m} (at most {max_rows(config)}) and weight [N={n}, {k_bytes} bytes of K] do not "
+    raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
                      f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
                      f"{config.block_k * config.split_k}); use a8w2_matmul_kernel or the reference")
   return config

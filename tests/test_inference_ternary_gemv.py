@@ -2,7 +2,7 @@
 
 Numerics: int32 sums are exact and the float32 epilogue runs the reference's operations in its order, so the
 kernel is bit-identical to ``int8_gemv.a8w2_matmul_reference`` on fresh random operands, with and without
-split-K, for every M it takes: 1..4 on CUDA cores, 1..16 in the tensor-core form (``mma``).
+split-K, for every M it takes (1..4).
 """
 
 import dataclasses
@@ -32,28 +32,23 @@ def _operands(key, m, n, k):
   return xq, x_scale, pack_2bit(w, axis=-1), jnp.float32(0.037)
 
 
-def _tiling(m, n, k, split, reduce_per_step, mma):
-  """The default tiling for M rows in the form asked for, with ``split`` K parts (block_k shrunk to fit) and the
-  reduction asked for (CUDA cores)."""
-  config = ternary_gemv.config_for(n, k // 4, sms=4, m=m, mma=mma)
+def _tiling(m, n, k, split, reduce_per_step):
+  """The default tiling for M rows, with ``split`` K parts (block_k shrunk to fit) and the reduction asked for."""
+  config = ternary_gemv.config_for(n, k // 4, sms=4, m=m)
   return dataclasses.replace(config, split_k=split, block_k=min(config.block_k, k // 4 // split),
                              reduce_per_step=reduce_per_step)
 
 
-# (m, n, k, split_k, reduce_per_step, mma): CUDA cores at M = 1..4, tensor cores at M = 1..16 (rows past M are
-# repeats of the last row, never stored: 5, 8, 16 check that no row leaks into another).
-CASES = [(1, 64, 512, 1, False, False), (2, 128, 2048, 4, True, False), (3, 64, 1024, 2, False, False),
-         (4, 32, 256, 1, True, False), (1, 32, 1024, 2, True, False),
-         (2, 64, 512, 1, False, True), (5, 64, 2048, 4, False, True), (8, 128, 1024, 2, False, True),
-         (16, 32, 256, 1, False, True), (1, 32, 512, 1, False, True)]
+CASES = [(1, 64, 512, 1, False), (2, 128, 2048, 4, True), (3, 64, 1024, 2, False), (4, 32, 256, 1, True),
+         (1, 32, 1024, 2, True)]  # (m, n, k, split_k, reduce_per_step)
 
 
-@pytest.mark.parametrize("m,n,k,split,reduce_per_step,mma", CASES)
-def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce_per_step, mma):
+@pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
+def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce_per_step):
   key = fresh_key()
   xq, x_scale, w_packed, tensor_scale = _operands(key, m, n, k)
   channel_scales = jax.random.uniform(jax.random.fold_in(key, 1), (n,), minval=0.01, maxval=0.1)
-  config = _tiling(m, n, k, split, reduce_per_step, mma)
+  config = _tiling(m, n, k, split, reduce_per_step)
   # One scale per tensor (BitNet's, kept one element in the kernel) and one per output channel.
   for out_dtype, w_scale in ((jnp.bfloat16, tensor_scale), (jnp.float32, tensor_scale), (jnp.float32, channel_scales)):
     got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, config=config, interpret=True)
@@ -62,7 +57,7 @@ def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("m", [1, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096)])
 def test_gemv_lowers_for_cuda(m, k, n):
   """Pallas -> Triton IR for an H100 at the Llama-3-8B MLP shapes."""
@@ -74,12 +69,9 @@ def test_gemv_lowers_for_cuda(m, k, n):
 
 
 def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
-  xq, x_scale, w_packed, w_scale = _operands(fresh_key(), ternary_gemv.MMA_M + 1, 64, 512)
-  with pytest.raises(ValueError, match="at most 16"):
-    ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, interpret=True)
-  cuda_cores = ternary_gemv.config_for(64, 128, m=1, mma=False)
+  xq, x_scale, w_packed, w_scale = _operands(fresh_key(), ternary_gemv.MAX_M + 1, 64, 512)
   with pytest.raises(ValueError, match="at most 4"):
-    ternary_gemv.a8w2_gemv_kernel(xq[:5], x_scale[:5], w_packed, w_scale, config=cuda_cores, interpret=True)
+    ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, interpret=True)
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
@@ -94,13 +86,13 @@ def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
   assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
 
 
-@pytest.mark.parametrize("m,n,k,split,reduce_per_step,mma", CASES)
-def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split, reduce_per_step, mma):
+@pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
+def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split, reduce_per_step):
   """x quantized inside the kernel (BitNet's per-token int8) == quantize_rows_reference, then the A8W2 reference."""
   key = fresh_key()
   x = tie_free_activations(key, m, k, BITNET_TOKENS)
   _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), m, n, k)
-  config = _tiling(m, n, k, split, reduce_per_step, mma)
+  config = _tiling(m, n, k, split, reduce_per_step)
   xq, x_scale = quantize_rows_reference(x, BITNET_TOKENS)
   for out_dtype in (jnp.bfloat16, jnp.float32):
     got = ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, out_dtype, config=config,
@@ -110,22 +102,20 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("mma", [False, True])
-def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there(mma):
-  """A NaN in one row makes that row's amax inf (stats.absmax): its outputs are NaN, the other rows' are exact."""
+def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there():
+  """A NaN in one row makes that row's amax inf (stats.absmax): its outputs are NaN, the other row's are exact."""
   key = fresh_key()
-  x = tie_free_activations(key, 3, 512, BITNET_TOKENS).at[1, 7].set(jnp.nan)
-  _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), 3, 64, 512)
-  config = ternary_gemv.config_for(64, 128, m=3, mma=mma)
+  x = tie_free_activations(key, 2, 512, BITNET_TOKENS).at[1, 7].set(jnp.nan)
+  _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), 2, 64, 512)
   got = np.asarray(ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, jnp.float32,
-                                                          config=config, interpret=True))
+                                                          interpret=True))
   want = np.asarray(int8_gemv.a8w2_matmul_reference(*quantize_rows_reference(x, BITNET_TOKENS), w_packed, w_scale,
                                                     jnp.float32))
   assert np.isnan(got[1]).all() and np.isnan(want[1]).all()
-  np.testing.assert_array_equal(got[[0, 2]], want[[0, 2]])
+  np.testing.assert_array_equal(got[0], want[0])
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096)])
 def test_quantizing_gemv_lowers_for_cuda(m, k, n):
   f = jax.ShapeDtypeStruct
