@@ -121,15 +121,15 @@ def fused_quantize(
     ``(rows or None, transposed or None, stat or None)`` (``stat``: the prologue's float32 row
     statistic ``[R]``, RmsNorm's ``rstd``). The kernel on a GPU where it takes the shape, the
     XLA reference elsewhere; the same numbers up to rounding ties. With ``options.split``, amaxes
-    span the whole split matrix (columns split: XLA, whose reductions can wait for the collective;
-    rows split: the kernel reduces between its passes).
+    span the whole split matrix: the kernel reduces them between its passes (rows split: per-column
+    amaxes; columns split: per-row ones, the rows then written by its tiled pass).
   """
   options = _resolve(options)
   spec = rows_spec or cols_spec
   r, c = inputs[0].shape[0], prologue.width(inputs)
   split = options.split
   with jax.named_scope(QUANTIZE_SCOPE):
-    if not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2 or split.cols:
+    if not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2:
       return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
     stat = None
     if not isinstance(prologue, Identity) and not policy.fuse_prologue(type(prologue).__name__):
@@ -137,11 +137,11 @@ def fused_quantize(
       stat = prologue.reference_stat(inputs) if prologue.stats else None
       inputs, prologue = (prologue.reference(inputs),), Identity()
     transposing = cols_spec is not None or rows_t
-    if quantize_kernels.supported(spec, r, c, transposed=transposing, prologue=prologue):
+    if quantize_kernels.supported(spec, r, c, transposed=transposing, prologue=prologue, split=split):
       rows, transposed, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=cols_spec,
                                            rows_t=rows_t, split=split)
     elif (transposing and rows_spec is not None and not rows_spec.per_tensor
-          and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue)):
+          and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue, split=split)):
       _refuse_forced_fallback(cols_spec or rows_spec, r, c, True, prologue, options.backend)
       # A shape the transposing kernel does not take but the rows kernel does: the rows come from
       # the rows kernel, exactly as a rows-only request gets them (a layer's codes then do not

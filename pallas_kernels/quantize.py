@@ -362,23 +362,24 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
 
 
 def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_row: bool, with_rows: bool,
-                 tile: tuple[int, int], native: bool):
+                 tile: tuple[int, int], native: bool, with_t: bool = True):
   """Inputs, then [stat] (prologue statistics), the transposed layout's quantizer parameter ([C] per
-  column, or [R] per row with ``per_row``) and, with ``with_rows``, the rows layout's ([R]);
-  outputs: [q^T] and, with ``with_rows``, [q] in the rows layout."""
+  column, or [R] per row with ``per_row``; absent without ``with_t``) and, with ``with_rows``, the rows
+  layout's ([R]); outputs: [q^T] (``with_t``) and, with ``with_rows``, [q] in the rows layout."""
   inputs = refs[:n_inputs]
   rest = list(refs[n_inputs:])
   stat_ref = rest.pop(0) if prologue.stats else None
-  t_param_ref = rest.pop(0)
+  t_param_ref = rest.pop(0) if with_t else None
   r_param_ref = rest.pop(0) if with_rows else None
-  qt_ref = rest.pop(0)
+  qt_ref = rest.pop(0) if with_t else None
   i, j = pl.program_id(0), pl.program_id(1)
   tile_r, tile_c = tile
   rows, cols = pl.ds(i * tile_r, tile_r), pl.ds(j * tile_c, tile_c)
   stat = stat_ref[rows] if stat_ref is not None else None
   values = prologue.values(inputs, rows, cols, stat)
-  t_param = t_param_ref[rows][:, None] if per_row else t_param_ref[cols][None, :]
-  qt_ref[cols, rows] = encode(values, t_param, spec, native).T
+  if with_t:
+    t_param = t_param_ref[rows][:, None] if per_row else t_param_ref[cols][None, :]
+    qt_ref[cols, rows] = encode(values, t_param, spec, native).T
   if with_rows:
     rest[0][rows, cols] = encode(values, r_param_ref[rows][:, None], spec, native)
 
@@ -429,17 +430,19 @@ def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_co
 
 def _tile_call(inputs, prologue: Prologue, stat, t_param, spec: QuantSpec, per_row: bool, interpret: bool,
                r_param=None):
-  """The tiled write pass: ``q^T`` quantized with ``t_param`` and, given ``r_param [R]``, the rows ``q``."""
+  """The tiled write pass: ``q^T`` quantized with ``t_param`` (None: not written) and, given ``r_param [R]``,
+  the rows ``q``."""
   r, c = inputs[0].shape[0], prologue.width(inputs)
-  with_rows = r_param is not None
-  operands = [*inputs, *([stat] if prologue.stats else []), t_param, *([r_param] if with_rows else [])]
-  outs = [out_struct((c, r), spec.jnp_dtype, *operands)]
+  with_rows, with_t = r_param is not None, t_param is not None
+  operands = [*inputs, *([stat] if prologue.stats else []), *([t_param] if with_t else []),
+              *([r_param] if with_rows else [])]
+  outs = [out_struct((c, r), spec.jnp_dtype, *operands)] if with_t else []
   if with_rows:
     outs.append(out_struct((r, c), spec.jnp_dtype, *operands))
   tile_r, tile_c, warps = tuning.quantize_tile_config(prologue)
   return pl.pallas_call(
       functools.partial(_tile_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, per_row=per_row,
-                        with_rows=with_rows, tile=(tile_r, tile_c), native=not interpret),
+                        with_rows=with_rows, tile=(tile_r, tile_c), native=not interpret, with_t=with_t),
       out_shape=tuple(outs),
       grid=(r // tile_r, c // tile_c),
       compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
@@ -469,16 +472,21 @@ def _tile_stats_call(inputs, prologue: Prologue, stat, interpret: bool):
 # Public entry points.
 
 
-def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prologue = Identity()) -> bool:
+def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prologue = Identity(),
+              split: Split = NO_SPLIT) -> bool:
   """Whether a kernel takes this spec and shape (else callers use the reference).
 
   Per-tensor scales are taken with the transposed layout (one kernel writes both layouts) or
   with a prologue; a bare per-tensor row copy is a plain elementwise pass that XLA already runs
-  at full speed.
+  at full speed. Columns split over devices (``split.cols``): the rows are written by the tiled pass
+  after their amaxes are reduced, so the tiles must divide; a prologue with a row statistic (RMSNorm)
+  cannot take split columns (its caller computes the norm across devices).
   """
   if spec.ternary or (spec.per_tensor and not transposed and isinstance(prologue, Identity)):
     return False
   if c % 16:
+    return False
+  if split.cols and (prologue.stats or not _tiles_divide(r, c, tuning.quantize_tile_config(prologue))):
     return False
   if transposed and _stats_from_tiles(spec, prologue):
     return _tiles_divide(r, c, tuning.quantize_stats_tile_config(prologue)) and _tiles_divide(
@@ -505,6 +513,30 @@ def _stats_from_tiles(spec: QuantSpec, prologue: Prologue) -> bool:
   return not spec.per_tensor and tuning.quantize_stats_from_tiles(prologue)
 
 
+def _pmax(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``amax`` reduced (max) over mesh ``axes`` (none: itself)."""
+  return lax.pmax(amax, axes) if axes else amax
+
+
+def _split_cols_quantize(inputs, prologue: Prologue, rows_spec, cols_spec, rows_t: bool, interpret: bool,
+                         reduce_rows, reduce_cols):
+  """:func:`fused_quantize_kernel` for per-row scales over columns split across devices: the rows kernel measures
+  (no write), the row amaxes are reduced over the devices, then one tiled pass writes every layout asked for."""
+  spec = rows_spec or cols_spec
+  outs = _rows_call(inputs, prologue, spec, write=False, with_colmax=cols_spec is not None, interpret=interpret)
+  param_r, scale_r = code_scales(reduce_cols(outs[0]), spec) if rows_spec is not None else (None, None)
+  if cols_spec is not None:
+    param_t, scale_t = code_scales(reduce_rows(jnp.max(outs[1], axis=0)), spec)
+    written = _tile_call(inputs, prologue, None, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
+    rows = (written[1], scale_r[:, None]) if rows_spec is not None else None
+    return rows, (written[0], scale_t[:, None]), None
+  if rows_t:  # int8 takes its dequantization scale itself (see code_scales)
+    qt, q = _tile_call(inputs, prologue, None, param_r, spec, per_row=True, interpret=interpret, r_param=param_r)
+    return (q, scale_r[:, None]), (qt, scale_r[None, :]), None
+  (q,) = _tile_call(inputs, prologue, None, None, spec, per_row=True, interpret=interpret, r_param=param_r)
+  return (q, scale_r[:, None]), None, None
+
+
 def fused_quantize_kernel(
     inputs: tuple[jax.Array, ...],
     prologue: Prologue,
@@ -525,10 +557,11 @@ def fused_quantize_kernel(
     rows_t: instead, write the rows' codes transposed (``q^T [C', R]`` with the rows' scales as
       ``[1, R]``): BitNet's exact activations for its grad_weight. Needs ``rows_spec``.
     interpret: run in Pallas interpret mode (CPU tests).
-    split: the values are a tile of a matrix whose rows are split over mesh axes (``split.rows``,
-      inside ``shard_map``): per-column and per-tensor amaxes are reduced over them between the
-      measuring and the writing pass. Split columns (per-row statistics) need the whole row's
-      amax before the rows kernel writes, so they are refused here (dispatch uses XLA then).
+    split: the values are a tile of a matrix split over mesh axes (inside ``shard_map``). Rows split
+      (``split.rows``): per-column and per-tensor amaxes are reduced over them between the measuring
+      and the writing pass. Columns split (``split.cols``, a prologue without a row statistic): per-row
+      and per-tensor amaxes are reduced over them, so the rows are measured in one pass and written by
+      the tiled pass (a row-parallel linear's input, a column-parallel linear's gradient).
 
   Returns:
     ``(rows or None, transposed or None, stat or None)``: ``stat`` is the prologue's float32 row
@@ -540,20 +573,20 @@ def fused_quantize_kernel(
   if rows_t and (rows_spec is None or cols_spec is not None or not rows_spec.is_int8 or rows_spec.per_tensor):
     raise ValueError("fused_quantize_kernel: rows_t writes the rows' int8 codes transposed: give an int8 per-row "
                      "rows_spec only")
-  if split.cols:
-    raise ValueError(f"fused_quantize_kernel: columns split over {split.cols} need each row's amax over all tiles "
-                     "before the write; use pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
-  reduce_rows = (lambda amax: lax.pmax(amax, split.rows)) if split.rows else (lambda amax: amax)  # noqa: E731
+  # Column amaxes reduce over the devices holding other rows, row amaxes over those holding other columns.
+  reduce_rows = functools.partial(_pmax, axes=split.rows)
+  reduce_cols = functools.partial(_pmax, axes=split.cols)
   r, c = inputs[0].shape[0], prologue.width(inputs)
-  if not supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue):
+  if not supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue, split=split):
     block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
     raise ValueError(f"fused_quantize_kernel: {type(prologue).__name__} of {[a.shape for a in inputs]} with {spec}: "
                      f"rows must divide by {block_rows} and the tiles {tuning.quantize_tile_config(prologue)[:2]}, "
-                     f"{tuning.quantize_stats_tile_config(prologue)[:2]}; use pallas_kernels.dispatch.fused_quantize, "
-                     "which falls back to XLA")
+                     f"{tuning.quantize_stats_tile_config(prologue)[:2]}"
+                     f"{' (columns split: no row statistic, tiles divide)' if split.cols else ''}; use "
+                     "pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
-    param, scale = code_scales(reduce_rows(jnp.max(amax)), spec)
+    param, scale = code_scales(reduce_cols(reduce_rows(jnp.max(amax))), spec)
     stat = stat[0] if stat else None
     r_param = jnp.broadcast_to(param, (r,)) if rows_spec is not None else None
     outs = _tile_call(inputs, prologue, stat, jnp.broadcast_to(param, (c,)), spec, per_row=False,
@@ -569,10 +602,12 @@ def fused_quantize_kernel(
       stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)[-1]
     rowmax, colmax = _tile_stats_call(inputs, prologue, stat, interpret)
     param_t, scale_t = code_scales(reduce_rows(colmax), spec)
-    param_r, scale_r = code_scales(rowmax, spec) if rows_spec is not None else (None, None)
+    param_r, scale_r = code_scales(reduce_cols(rowmax), spec) if rows_spec is not None else (None, None)
     outs = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
     rows = (outs[1], scale_r[:, None]) if rows_spec is not None else None
     return rows, (outs[0], scale_t[:, None]), stat
+  if split.cols:
+    return _split_cols_quantize(inputs, prologue, rows_spec, cols_spec, rows_t, interpret, reduce_rows, reduce_cols)
   outs = _rows_call(inputs, prologue, spec, write=rows_spec is not None, with_colmax=cols_spec is not None,
                     interpret=interpret)
   stat = outs[-1] if prologue.stats else None

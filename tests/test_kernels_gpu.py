@@ -223,12 +223,14 @@ def test_swiglu_backward_values_kernel_matches_reference_at_1b_shapes():
 
 
 @needs_hopper
+@pytest.mark.parametrize("split_dim", ["rows", "cols"])
 @pytest.mark.parametrize("layout", ["int8", "fp8_tensorwise"])
-def test_fused_quantize_kernel_with_split_rows_under_shard_map(layout):
-  """Tensor parallelism's quantization of token rows split over devices, on the kernel: its amaxes
-  (per column, per tensor) are reduced over every GPU between its passes, so all devices' codes
-  are those of the whole matrix (one GPU: the collective spans one device; the CPU suite checks 4
-  in interpret mode, tests/test_tensor_parallel.py)."""
+def test_fused_quantize_kernel_with_split_rows_under_shard_map(layout, split_dim):
+  """Tensor parallelism's quantization of a matrix split over devices, on the kernel: rows split (token rows:
+  per-column and per-tensor amaxes) or columns split (features: per-row and per-tensor amaxes, the rows then
+  written by the tiled pass); the amaxes are reduced over every GPU between its passes, so all devices' codes
+  are those of the whole matrix (one GPU: the collective spans one device; the CPU suite checks 4 in interpret
+  mode, tests/test_tensor_parallel.py)."""
   from jax.sharding import PartitionSpec as P
 
   from jaxlowbit_numerics.stats import Split
@@ -239,20 +241,31 @@ def test_fused_quantize_kernel_with_split_rows_under_shard_map(layout):
   mesh = jax.sharding.Mesh(np.asarray(devices), ("t",))
   x = jax.random.normal(fresh_key(), (1024 * len(devices), 2048), jnp.bfloat16) * jnp.linspace(0.1, 10, 2048)
   x = x.astype(jnp.bfloat16)
+  split = Split(rows=("t",)) if split_dim == "rows" else Split(cols=("t",))
+  if split_dim == "cols":
+    x = x.T  # [2048, 1024 n]: the features split
 
   def local(t):
-    (q, s), (qt, st), _ = qk.fused_quantize_kernel((t,), qk.Identity(), spec, spec, split=Split(rows=("t",)))
+    (q, s), (qt, st), _ = qk.fused_quantize_kernel((t,), qk.Identity(), spec, spec, split=split)
+    if split_dim == "cols":  # the reduced row scales and per-tensor ones: every device's copy
+      return q, s[None], qt, st[None] if spec.per_tensor else st
     return q, s[None] if spec.per_tensor else s, qt, st[None]  # reduced scales: every device's copy
 
-  rows_scale = P("t") if spec.per_tensor else P("t", None)
-  f = jax.shard_map(local, mesh=mesh, in_specs=P("t", None),
-                    out_specs=(P("t", None), rows_scale, P(None, "t"), P("t")))
+  if split_dim == "rows":
+    rows_scale = P("t") if spec.per_tensor else P("t", None)
+    out_specs = (P("t", None), rows_scale, P(None, "t"), P("t"))
+  else:
+    out_specs = (P(None, "t"), P("t"), P("t", None), P("t") if spec.per_tensor else P("t", None))
+  f = jax.shard_map(local, mesh=mesh, in_specs=P("t", None) if split_dim == "rows" else P(None, "t"),
+                    out_specs=out_specs)
   q, s, qt, st = jax.block_until_ready(jax.jit(f)(x))
   (q_w, s_w), (qt_w, st_w), _ = jax.jit(lambda a: qk.fused_quantize_reference((a,), qk.Identity(), spec, spec))(x)
   for got, want in ((q, q_w), (qt, qt_w)):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert (got != want).mean() <= 1e-3 and np.all(np.abs(got - want) <= np.maximum(1.0, 0.13 * np.abs(want)))
-  for copy in st:
-    np.testing.assert_allclose(copy, st_w, rtol=1e-5)
-  for copy in s if spec.per_tensor else (s,):
-    np.testing.assert_allclose(copy, s_w, rtol=1e-5)
+  reduced, local_scales = (s, st) if split_dim == "cols" else (st, s)
+  reduced_w, local_w = (s_w, st_w) if split_dim == "cols" else (st_w, s_w)
+  for copy in reduced:
+    np.testing.assert_allclose(copy, reduced_w, rtol=1e-5)
+  for copy in local_scales if spec.per_tensor else (local_scales,):
+    np.testing.assert_allclose(copy, local_w, rtol=1e-5)

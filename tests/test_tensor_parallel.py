@@ -94,6 +94,65 @@ def test_kernel_with_split_rows_equals_the_reference(spec, mesh):
     np.testing.assert_allclose(copy, rows_w[1], rtol=1e-6)
 
 
+# (rows spec, cols spec, rows_t, prologue) with the features split: a row-parallel linear's input (rows only,
+# BitNet's transposed codes, SwiGLU's output for the down projection) and a column-parallel linear's gradient
+# (rows for grad_input, the transposed copy for grad_weight; FP8 tensorwise's one amax).
+_INT8, _E4M3_TENSOR = QuantSpec("int8"), QuantSpec("float8_e4m3fn", per_tensor=True)
+SPLIT_COLS_CASES = [(_INT8, None, False, "Identity"), (_INT8, None, True, "Identity"), (_INT8, _INT8, False, "Identity"),
+                    (_E4M3_TENSOR, _E4M3_TENSOR, False, "Identity"), (_INT8, None, False, "SwiGLU"),
+                    (None, _INT8, False, "Identity")]
+
+
+@pytest.mark.parametrize("rows_spec, cols_spec, rows_t, prologue", SPLIT_COLS_CASES, ids=str)
+def test_kernel_with_split_cols_equals_the_reference(rows_spec, cols_spec, rows_t, prologue, mesh):
+  """The fused quantizer kernel (interpret mode) on each device's 128 features == the reference on all 512: row
+  amaxes reduced over the devices before the tiled pass writes the rows (and every other layout asked for)."""
+  r, c = 64, 128  # per device
+  key = fresh_key()
+  x = jax.random.normal(key, (r, N * c), jnp.float32) * jnp.exp(jax.random.uniform(key, (r, 1), minval=-2, maxval=2))
+  pro = qk.Identity() if prologue == "Identity" else qk.SwiGLU("silu")
+  if prologue == "SwiGLU":  # each device holds [gate | up] of its hidden units (ColumnParallel.regroup's layout)
+    x = x.astype(jnp.bfloat16)
+    up = jax.random.normal(jax.random.fold_in(key, 1), (r, N * c), jnp.bfloat16)
+    tiles = jnp.concatenate([jnp.concatenate([x[:, i * c:(i + 1) * c], up[:, i * c:(i + 1) * c]], axis=1)
+                             for i in range(N)], axis=1)  # [r, N * 2c]: device i's [gate_i | up_i]
+    values = jnp.concatenate([pro.reference((tiles[:, 2 * i * c:2 * (i + 1) * c],)) for i in range(N)], axis=1)
+  else:
+    tiles = values = x
+  rows_w, cols_w, _ = qk.fused_quantize_reference((values,), qk.Identity(), rows_spec, cols_spec, rows_t)
+  kernel = functools.partial(qk.fused_quantize_kernel, prologue=pro, rows_spec=rows_spec, cols_spec=cols_spec,
+                             rows_t=rows_t, interpret=True, split=COLS)
+  per_tensor = (rows_spec or cols_spec).per_tensor
+
+  def quantized(t):
+    rows, transposed, _ = kernel((t,))
+    out = []
+    if rows is not None:
+      out += [rows[0], rows[1][None] if per_tensor else rows[1]]
+    if transposed is not None:
+      out += [transposed[0], transposed[1][None] if per_tensor or rows_t else transposed[1]]
+    return tuple(out)
+
+  specs = []
+  if rows_w is not None:
+    specs += [P(None, AXIS), P(AXIS) if per_tensor else P()]
+  if cols_w is not None:
+    specs += [P(AXIS, None), P(AXIS) if per_tensor or rows_t else P(AXIS, None)]
+  got = _tiles(mesh, quantized, COLS, tiles, check_vma=False, out_specs=tuple(specs))
+  want = [part for layout in (rows_w, cols_w) if layout is not None for part in layout]
+  for i in range(0, len(want), 2):
+    np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want[i], np.float32))
+    scales = np.asarray(got[i + 1])
+    if per_tensor or (rows_t and i == 2):  # one copy per device, each the whole matrix's
+      for copy in scales:
+        np.testing.assert_allclose(copy.reshape(np.shape(want[i + 1])), want[i + 1], rtol=1e-6)
+    else:
+      np.testing.assert_allclose(scales, want[i + 1], rtol=1e-6)
+  assert not np.array_equal(  # and the local amaxes would have given other scales
+      np.asarray(qk.fused_quantize_reference((values[:, :c],), qk.Identity(), _INT8)[0][1]),
+      np.asarray(qk.fused_quantize_reference((values,), qk.Identity(), _INT8)[0][1]))
+
+
 RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet()]
 
 
