@@ -119,8 +119,9 @@ def fused_quantize(
 
   Returns:
     ``(rows or None, transposed or None, stat or None)`` (``stat``: the prologue's float32 row
-    statistic ``[R]``, RmsNorm's ``rstd``). The kernel on a GPU where it takes the shape, the
-    XLA reference elsewhere; the same numbers up to rounding ties. With ``options.split``, amaxes
+    statistic ``[R]``, RmsNorm's ``rstd``). The kernel on a GPU where it takes the shape (under
+    ``auto`` from ``policy.QUANTIZE_KERNEL_MIN_ROWS`` rows: decode's few rows go to XLA), the XLA
+    reference elsewhere; the same numbers up to rounding ties. With ``options.split``, amaxes
     span the whole split matrix: the kernel reduces them between its passes (rows split: per-column
     amaxes; columns split: per-row ones, the rows then written by its tiled pass).
   """
@@ -129,7 +130,8 @@ def fused_quantize(
   r, c = inputs[0].shape[0], prologue.width(inputs)
   split = options.split
   with jax.named_scope(QUANTIZE_SCOPE):
-    if not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2:
+    if (not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2
+        or policy.quantize_rows_to_xla(r, options.backend)):
       return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
     stat = None
     if not isinstance(prologue, Identity) and not policy.fuse_prologue(type(prologue).__name__):

@@ -166,6 +166,20 @@ def fuse_prologue(prologue_name: str) -> bool:
   return prologue_name in FUSED_PROLOGUES
 
 
+# Fewer rows than this are quantized by XLA under auto: decode at batch 2..16 quantizes a few rows per linear per
+# token, and the rows kernel (8 rows per program) then ran one program on one SM: [8, 8192] in ~9 us on an H100,
+# 268 us per token of the 1B ternary model at batch 8 (inference_decode_profile_1b_batch8_h100_2129284.json);
+# XLA spreads the rows' reduction and its codes fuse into the A8W2 kernel's pad and permute of x. Training's
+# operands (thousands of token rows) keep the kernels.
+QUANTIZE_KERNEL_MIN_ROWS = 64
+
+
+def quantize_rows_to_xla(rows: int, backend: str) -> bool:
+  """Whether an operand of ``rows`` rows is quantized by XLA rather than a kernel: under ``auto`` below
+  :data:`QUANTIZE_KERNEL_MIN_ROWS` (``pallas`` forces the kernels at every size)."""
+  return check_backend(backend) == "auto" and rows < QUANTIZE_KERNEL_MIN_ROWS
+
+
 def quantize_on_kernel(backend: str) -> bool:
   """Whether quantization may run on the Triton-backend kernels under ``backend`` (each also checks its shapes)."""
   major = compute_capability()

@@ -8,6 +8,7 @@ import pytest
 import jaxlowbit
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import dispatch, policy, reference
+from pallas_kernels.dispatch import DispatchOptions
 from helpers import fresh_key
 
 
@@ -139,6 +140,7 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
     return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
+  monkeypatch.setattr(policy, "QUANTIZE_KERNEL_MIN_ROWS", 0)  # these few rows on the kernel too
   monkeypatch.setattr(dispatch, "_kernel", recording)
   spec = QuantSpec("int8", eps=1e-5) if rows_t else QuantSpec("int8")
   x = jax.random.normal(fresh_key(), (m, 1024)).astype(jnp.bfloat16)
@@ -151,6 +153,31 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
   np.testing.assert_array_equal(transposed[1], want[1])
   both = qk.supported(spec, m, 1024, transposed=True)
   assert calls == [(True, False), (True, both)], calls  # the rows kernel ran for both requests
+
+
+@pytest.mark.parametrize("backend", ["auto", "pallas"])
+def test_few_rows_are_quantized_by_xla_under_auto(monkeypatch, backend):
+  """GPU dispatch (kernel in interpret mode): decode's 8 rows go to XLA under auto (the rows kernel would run one
+  program), to the kernel when forced; 64 rows (policy.QUANTIZE_KERNEL_MIN_ROWS) to the kernel either way. The
+  codes are the reference's in every case."""
+  from pallas_kernels import quantize as qk
+
+  calls = []
+
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+    calls.append(inputs[0].shape[0])
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
+  monkeypatch.setattr(dispatch, "_kernel", recording)
+  spec = QuantSpec("int8")
+  for m in (8, policy.QUANTIZE_KERNEL_MIN_ROWS):
+    x = jax.random.normal(jax.random.fold_in(fresh_key(), m), (m, 1024)).astype(jnp.bfloat16)
+    q, s = dispatch.quantize_rows(x, spec, DispatchOptions(backend))
+    want_q, want_s = qk.fused_quantize_reference((x,), qk.Identity(), spec)[0]
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
+  assert calls == ([policy.QUANTIZE_KERNEL_MIN_ROWS] if backend == "auto" else [8, policy.QUANTIZE_KERNEL_MIN_ROWS])
 
 
 def test_prologue_values_use_the_kernel_where_it_tiles(monkeypatch):

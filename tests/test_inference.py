@@ -81,8 +81,10 @@ def test_int8_activation_kernels_interpret_bit_exact(m, n, k, out_dtype):
   got = int8_gemv.a8w8_matmul_kernel(xq, sx, wq, sw, out_dtype, interpret=True)
   np.testing.assert_array_equal(got, scaled_matmul_reference(xq, sx, wq, sw, out_dtype))
   wt = _ternary(kt, (n, k))
-  got = int8_gemv.a8w2_matmul_kernel(xq, sx, pack_2bit(wt), jnp.float32(0.037), out_dtype, interpret=True)
-  np.testing.assert_array_equal(got, scaled_matmul_reference(xq, sx, wt, jnp.float32(0.037), out_dtype))
+  # One scale per tensor (BitNet's; kept one element in the kernel) and one per output channel.
+  for w_scale in (jnp.float32(0.037), sw):
+    got = int8_gemv.a8w2_matmul_kernel(xq, sx, pack_2bit(wt), w_scale, out_dtype, interpret=True)
+    np.testing.assert_array_equal(got, scaled_matmul_reference(xq, sx, wt, w_scale, out_dtype))
 
 
 @pytest.mark.timeout(300)
