@@ -26,11 +26,13 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit import nnx as lbnnx
+from jaxlowbit.inference.weights import BITNET_TOKENS
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.int8 import quantize_int8
 from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
 from pallas_kernels import inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
-from helpers import fresh_key, inference_kernel_table, rel_err
+from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
 H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                                   platform="gpu"))
@@ -281,7 +283,10 @@ def test_quantize_params_donate_frees_the_kernels():
 @pytest.mark.parametrize("scheme", inference.SCHEMES)
 def test_nnx_quantized_linear_and_in_place_conversion(scheme):
   kx, kp = jax.random.split(fresh_key())
-  x = jax.random.normal(kx, (6, 32)).astype(jnp.bfloat16)
+  # No input on an int8 rounding tie: the hand reference quantizes eagerly (x / scale), the layer under jit
+  # (x * (1 / scale)), and a quotient that close to .5 may round apart (1 element of 192 in one CI-like run).
+  spec = BITNET_TOKENS if scheme == "ternary" else QuantSpec("int8")
+  x = tie_free_activations(kx, 6, 32, spec)
   recipe = BitNet() if scheme == "ternary" else Int8MixedPrecision()
   layer_cls = lbnnx.BitNetDense if scheme == "ternary" else lbnnx.Int8Dense
 
@@ -308,12 +313,18 @@ def test_nnx_quantized_linear_and_in_place_conversion(scheme):
     assert rel_err(out, trained) < 0.05
   else:
     np.testing.assert_array_equal(out, trained)  # the training forward, exactly
-  want = _hand_reference(x, first_kernel, scheme).astype(jnp.bfloat16) + net.layers[0].bias[...].astype(jnp.bfloat16)
+  hand, bias = _hand_reference(x, first_kernel, scheme), net.layers[0].bias[...].astype(jnp.bfloat16)
+  want = hand.astype(jnp.bfloat16) + bias
   got = net.layers[0](x)
   if scheme == "w8a16":
     assert rel_err(got, want) < 0.02
   else:
-    np.testing.assert_array_equal(got, want)
+    # The same codes and int32 sums; the float32 epilogue may order its two scale products otherwise than the
+    # hand-built one, and a 1-ulp float32 difference can move the bf16 rounding of the product or of the bias sum
+    # (3 of 192 elements for one seed): within one bf16 ulp of each.
+    bound = 2.0**-8 * (np.abs(np.asarray(hand, np.float32)) + np.abs(np.asarray(want, np.float32)))
+    assert np.all(np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)) <= bound)
+    assert np.mean(np.asarray(got) != np.asarray(want)) < 0.05  # and nearly all equal
   single = inference.convert_for_inference(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), scheme)
   assert isinstance(single, inference.QuantizedLinear) and single(jnp.ones((2, 32))).shape == (2, 16)
   with pytest.raises(ValueError, match="takes 32"):
