@@ -130,6 +130,18 @@ def test_the_structure_check_sees_a_transposed_cache():
   assert kv_cache.cache_copies(attend.lower(q, keys).compile().as_text(), cache)
 
 
+def test_the_structure_check_skips_buffers_that_are_only_named():
+  """A weight that happens to have a cache leaf's size and an axis of the cache's length (the 1B ternary model's
+  packed [2048, 512] kernels at a 2048-token cache), read from the loop's parameter tuple, is not a copy; a
+  convert of the same buffer into memory is."""
+  cache = {"key": jnp.zeros((1, 8, 2048, 64), jnp.bfloat16)}
+  named = ("  %get-tuple-element.7 = s8[2048,512]{1,0} get-tuple-element(%arg_tuple.4), index=41\n"
+           "  %p.1 = s8[2048,512]{1,0} parameter(3)\n")
+  assert not kv_cache.cache_copies(named, cache)
+  written = "  %convert.2 = bf16[2048,512]{1,0} convert(%p.1)\n  %convert.3 = f32[2048,512]{1,0} convert(%p.1)\n"
+  assert len(kv_cache.cache_copies(written, cache)) == 1  # the f32 one: another dtype than the cache's
+
+
 def test_greedy_decode_equals_the_full_forward():
   config, params, model, inference_params = _model(dtype=jnp.float32)
   prompt = np.asarray(jax.random.randint(fresh_key(), (2, 5), 0, TINY["vocab_size"]))

@@ -162,6 +162,8 @@ def attend_reference(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
 # A compiled HLO instruction: name, element type, dims, opcode.
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _HLO_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8"}
+# HLO opcodes that give an existing buffer a name and write nothing.
+_NAMING_OPCODES = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant"})
 
 
 def cache_copies(hlo: str, cache: Any) -> list[str]:
@@ -170,8 +172,11 @@ def cache_copies(hlo: str, cache: Any) -> list[str]:
   Cache-sized: as many elements as a leaf of ``cache`` (the tree :func:`train.generate.init_cache` builds) or one
   layer's slice of a stacked leaf, with an axis of the cache's length S. Flagged: a copy or transpose of one,
   and any buffer of that size in another dtype than the cache's keys and values (an int8 cache dequantized
-  into memory). Instructions inside fusions write nothing to memory and are skipped. A decode step that reads
-  its cache where it lies and writes it in place has none.
+  into memory). Instructions inside fusions write nothing to memory and are skipped, as are those that only
+  name a buffer (:data:`_NAMING_OPCODES`: a parameter, a tuple element, a bitcast; at a 2048-token cache the
+  1B ternary model's packed ``[2048, 512]`` int8 kernels have a cache leaf's size and an axis of 2048, and a
+  loop's parameter tuple reads them 32 times). A decode step that reads its cache where it lies and writes it
+  in place has none.
   """
   leaves = [x for x in jax.tree.leaves(cache) if x.ndim >= 3]  # [(L,) B, H, S(, D)]
   if not leaves:
@@ -192,6 +197,8 @@ def cache_copies(hlo: str, cache: Any) -> list[str]:
     if inside_fusion or not match:
       continue
     name, dtype, dims, opcode = match.groups()
+    if opcode in _NAMING_OPCODES:
+      continue
     dims = [int(d) for d in dims.split(",") if d]
     if max_len not in dims or int(np.prod(dims)) not in sizes:
       continue
