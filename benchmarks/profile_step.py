@@ -100,8 +100,11 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
   return names
 
 
-def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: int) -> str:
-  """fwd / grad_input / grad_weight of a GEMM from its op_name (jaxlowbit scopes, autodiff) and shape."""
+def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: int | tuple[int, ...]) -> str:
+  """fwd / grad_input / grad_weight of a GEMM from its op_name (jaxlowbit scopes, autodiff) and shape.
+
+  ``tokens``: the token counts a device's activations may have (the microbatch's, and its share under FSDP).
+  """
   if "grad_weight" in op_name:
     return "gemm_grad_weight"
   if "grad_input" in op_name:
@@ -109,22 +112,24 @@ def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: int) -
   if "transpose(" not in op_name and "bwd" not in op_name:
     return "gemm_fwd"
   # Autodiff of a plain dot: dW has no token dimension, dx has one.
-  if output_shape is not None and tokens not in output_shape:
+  counts = (tokens,) if isinstance(tokens, int) else tokens
+  if output_shape is not None and not any(t in output_shape for t in counts):
     return "gemm_grad_weight"
   return "gemm_grad_input"
 
 
 def hlo_output_shapes(hlo_text: str) -> dict[str, tuple[int, ...]]:
-  """``{instruction: output shape}`` for instructions with one array output."""
+  """``{instruction: output shape}``: its one array output, or a tuple's first (a cuBLAS GEMM's custom call
+  returns its result and a workspace)."""
   shapes = {}
   for line in hlo_text.splitlines():
-    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]", line)
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\w+\[([\d,]*)\]", line)
     if match:
       shapes[match.group(1)] = tuple(int(d) for d in match.group(2).split(",") if d)
   return shapes
 
 
-def categorize(kernel: str, op_name: str, shape, tokens: int) -> str:
+def categorize(kernel: str, op_name: str, shape, tokens: int | tuple[int, ...]) -> str:
   """The category of one kernel (module docstring)."""
   name, scope = kernel.lower(), op_name.lower()
   if _COLLECTIVE_KERNELS.search(name) or _COLLECTIVE_KERNELS.search(scope):
@@ -200,26 +205,36 @@ def collective_kind(kernel: str, hlo_op: str) -> str:
 def collective_timeline(kernels, categories: list[str], steps: int) -> dict:
   """Per GPU and step: ms of each collective kind, and how much of it no other kernel on that GPU overlapped.
 
-  ``exposed`` is the collective time during which the device ran no compute kernel (any other category):
-  what the step waits for communication. Averaged over the devices in the trace.
+  ``exposed`` is the time during which a collective ran and the device ran no compute kernel (any other
+  category): what the step waits for communication. Collectives that overlap each other count once there (the
+  union of their intervals, per kind and in ``exposed_ms``); ``ms_per_step`` and ``total_ms`` sum the kernels'
+  own durations. Averaged over the devices in the trace.
   """
   devices = sorted({stats.get("device", "") for _, _, _, stats in kernels})
   totals, exposed = collections.Counter(), collections.Counter()
+  exposed_total = 0
   for device in devices:
     mine = [(k, c) for k, c in zip(kernels, categories) if k[3].get("device", "") == device]
     compute = _merged((start, start + duration) for (_, start, duration, _), c in mine if c != "collective")
+    by_kind = collections.defaultdict(list)
     for (name, start, duration, stats), category in mine:
-      if category != "collective":
-        continue
-      kind = collective_kind(name, str(stats.get("hlo_op", "")))
-      totals[kind] += duration
-      exposed[kind] += duration - _covered_ns(start, start + duration, compute)
+      if category == "collective":
+        kind = collective_kind(name, str(stats.get("hlo_op", "")))
+        totals[kind] += duration
+        by_kind[kind].append((start, start + duration))
+
+    def uncovered(intervals, compute=compute):
+      return sum(end - start - _covered_ns(start, end, compute) for start, end in _merged(intervals))
+
+    for kind, intervals in by_kind.items():
+      exposed[kind] += uncovered(intervals)
+    exposed_total += uncovered([i for intervals in by_kind.values() for i in intervals])
   scale = 1e6 * steps * max(len(devices), 1)
   kinds = sorted(totals)
   return {"devices": len(devices),
           "ms_per_step": {k: totals[k] / scale for k in kinds},
           "exposed_ms_per_step": {k: exposed[k] / scale for k in kinds},
-          "total_ms": sum(totals.values()) / scale, "exposed_ms": sum(exposed.values()) / scale}
+          "total_ms": sum(totals.values()) / scale, "exposed_ms": exposed_total / scale}
 
 
 def busy_ns(kernels) -> tuple[int, int]:
@@ -247,7 +262,7 @@ def traced_kernels(run) -> list[tuple[str, int, int, dict]]:
   return device_kernels(jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime)))
 
 
-def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int, steps: int) -> dict:
+def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int | tuple[int, ...], steps: int) -> dict:
   """Per-category ms per step and GPU (averaged over the traced devices), the top kernels by total time and,
   where collectives ran, their :func:`collective_timeline`."""
   per_category = collections.Counter()
@@ -309,7 +324,9 @@ def profile_one(config, steps: int, warmup: int, trace_steps: int, peak: float |
 
   kernels = traced_kernels(traced_steps)
   micro_tokens = config.batch_size // config.grad_accum_steps * config.seq_len
-  result = breakdown(kernels, op_names, shapes, micro_tokens, trace_steps)
+  # A device's GEMMs see the microbatch's tokens (tensor parallelism gathers them) or its share of them (FSDP).
+  tokens = (micro_tokens, micro_tokens // functions.runtime.num_devices)
+  result = breakdown(kernels, op_names, shapes, tokens, trace_steps)
 
   tokens_per_step = config.batch_size * config.seq_len
   flops = train_flops_per_token(spec.model, config.seq_len) * tokens_per_step
@@ -387,10 +404,13 @@ def main(argv: list[str] | None = None) -> None:
     common.write_json("profile_step", rows, args.out)  # after every run: a later crash keeps these
     gc.collect()
   print(format_table(rows))
-  timelines = [{"run": r["name"], **{f"{k} ms": f"{v:.1f}" for k, v in r["collectives"]["ms_per_step"].items()},
-                "total ms": f"{r['collectives']['total_ms']:.1f}", "exposed ms": f"{r['collectives']['exposed_ms']:.1f}",
-                **{f"{k} exposed": f"{v:.1f}" for k, v in r["collectives"]["exposed_ms_per_step"].items()}}
-               for r in rows if "collectives" in r]
+  timelines = []
+  for r in rows:
+    if "collectives" in r:
+      c = r["collectives"]
+      timelines.append({"run": r["name"], **{f"{k} ms": f"{v:.1f}" for k, v in c["ms_per_step"].items()},
+                        "total ms": f"{c['total_ms']:.1f}", "exposed ms": f"{c['exposed_ms']:.1f}",
+                        **{f"{k} exposed": f"{v:.1f}" for k, v in c["exposed_ms_per_step"].items()}})
   if timelines:
     columns = list(dict.fromkeys(c for t in timelines for c in t))
     print("\ncollectives per GPU and step (exposed: no other kernel ran on that GPU meanwhile)")

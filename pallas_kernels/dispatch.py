@@ -131,7 +131,9 @@ def fused_quantize(
   split = options.split
   with jax.named_scope(QUANTIZE_SCOPE):
     if (not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2
-        or policy.quantize_rows_to_xla(r, options.backend)):
+        or policy.quantize_rows_to_xla(r, options.backend) or (split.cols and prologue.stats)):
+      # (A row statistic over split columns needs the whole row: the reference raises a clear error for it,
+      # and jaxlowbit.fused computes such a norm across the devices before quantizing.)
       return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
     stat = None
     if not isinstance(prologue, Identity) and not policy.fuse_prologue(type(prologue).__name__):

@@ -586,7 +586,7 @@ def fused_quantize_kernel(
                      "pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
-    param, scale = code_scales(reduce_cols(reduce_rows(jnp.max(amax))), spec)
+    param, scale = code_scales(_pmax(jnp.max(amax), split.rows + split.cols), spec)  # one all-reduce
     stat = stat[0] if stat else None
     r_param = jnp.broadcast_to(param, (r,)) if rows_spec is not None else None
     outs = _tile_call(inputs, prologue, stat, jnp.broadcast_to(param, (c,)), spec, per_row=False,

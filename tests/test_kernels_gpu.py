@@ -225,7 +225,7 @@ def test_swiglu_backward_values_kernel_matches_reference_at_1b_shapes():
 @needs_hopper
 @pytest.mark.parametrize("split_dim", ["rows", "cols"])
 @pytest.mark.parametrize("layout", ["int8", "fp8_tensorwise"])
-def test_fused_quantize_kernel_with_split_rows_under_shard_map(layout, split_dim):
+def test_fused_quantize_kernel_with_a_split_matrix_under_shard_map(layout, split_dim):
   """Tensor parallelism's quantization of a matrix split over devices, on the kernel: rows split (token rows:
   per-column and per-tensor amaxes) or columns split (features: per-row and per-tensor amaxes, the rows then
   written by the tiled pass); the amaxes are reduced over every GPU between its passes, so all devices' codes
@@ -269,3 +269,36 @@ def test_fused_quantize_kernel_with_split_rows_under_shard_map(layout, split_dim
     np.testing.assert_allclose(copy, reduced_w, rtol=1e-5)
   for copy in local_scales if spec.per_tensor else (local_scales,):
     np.testing.assert_allclose(copy, local_w, rtol=1e-5)
+
+
+
+@needs_hopper
+@pytest.mark.parametrize("rows_t", [False, True])
+def test_fused_quantize_kernel_rows_only_over_split_columns(rows_t):
+  """A row-parallel linear's input (columns split): the rows alone, or BitNet's rows with their transposed codes,
+  from the measuring rows kernel and the tiled pass without the per-column copy; codes and scales those of the
+  whole matrix, up to rounding ties."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxlowbit_numerics.stats import Split
+  from pallas_kernels import quantize as qk
+
+  spec = QuantSpec("int8", eps=1e-5) if rows_t else QuantSpec("int8")
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("t",))
+  x = (jax.random.normal(fresh_key(), (2048, 1024 * len(jax.devices()))) * jnp.linspace(0.1, 10, 2048)[:, None])
+  x = x.astype(jnp.bfloat16)
+
+  def local(t):
+    rows, transposed, _ = qk.fused_quantize_kernel((t,), qk.Identity(), spec, rows_t=rows_t, split=Split(cols=("t",)))
+    return (rows[0], rows[1][None]) + ((transposed[0],) if rows_t else ())
+
+  out_specs = (P(None, "t"), P("t")) + ((P("t", None),) if rows_t else ())
+  got = jax.block_until_ready(jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "t"), out_specs=out_specs))(x))
+  (q_w, s_w), transposed_w, _ = jax.jit(lambda a: qk.fused_quantize_reference((a,), qk.Identity(), spec,
+                                                                               rows_t=rows_t))(x)
+  codes = [(got[0], q_w)] + ([(got[2], transposed_w[0])] if rows_t else [])
+  for g, w in codes:
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert (g != w).mean() <= 1e-3 and np.all(np.abs(g - w) <= 1.0)
+  for copy in got[1]:
+    np.testing.assert_allclose(copy, s_w, rtol=1e-5)

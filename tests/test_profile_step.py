@@ -54,3 +54,24 @@ def test_breakdown_averages_over_devices_and_counts_each_devices_idle_time():
   assert result["ms_per_step"]["idle"] == pytest.approx(2e-3 / 2 / 2)
   assert result["span_ms_per_step"] == pytest.approx(20e-3 / 2 / 2)
   assert "collectives" not in result
+
+
+def test_overlapping_collectives_count_once_in_the_exposed_time():
+  """Two collectives at once with nothing else running: the step waited 10 us, not 20."""
+  kernels = [kernel("ncclDevKernel_AllGather", 0, 10, GPU0), kernel("ncclDevKernel_ReduceScatter", 0, 10, GPU0)]
+  timeline = profile_step.collective_timeline(kernels, ["collective", "collective"], steps=1)
+  assert timeline["total_ms"] == pytest.approx(0.020)
+  assert timeline["exposed_ms"] == pytest.approx(0.010)
+  assert timeline["exposed_ms_per_step"] == pytest.approx({"all_gather": 0.010, "reduce_scatter": 0.010})
+
+
+def test_a_gemm_returning_a_tuple_is_classified_by_its_result():
+  """cuBLAS custom calls return (result, workspace): dW [K, N] has no token axis, dx [tokens / devices, K] has
+  a device's share of them under FSDP."""
+  hlo = ("  %custom-call.7 = (bf16[2048,3072]{1,0}, s8[4194304]{0}) custom-call(%a, %b)\n"
+         "  %custom-call.8 = (bf16[8192,2048]{1,0}, s8[4194304]{0}) custom-call(%c, %d)\n")
+  shapes = profile_step.hlo_output_shapes(hlo)
+  assert shapes == {"custom-call.7": (2048, 3072), "custom-call.8": (8192, 2048)}
+  tokens = (16384, 8192)  # the microbatch's tokens, and one of two FSDP devices' share
+  assert profile_step.gemm_kind("transpose(jvp(x))/dot_general", shapes["custom-call.7"], tokens) == "gemm_grad_weight"
+  assert profile_step.gemm_kind("transpose(jvp(x))/dot_general", shapes["custom-call.8"], tokens) == "gemm_grad_input"

@@ -98,8 +98,10 @@ def test_kernel_with_split_rows_equals_the_reference(spec, mesh):
 # BitNet's transposed codes, SwiGLU's output for the down projection) and a column-parallel linear's gradient
 # (rows for grad_input, the transposed copy for grad_weight; FP8 tensorwise's one amax).
 _INT8, _E4M3_TENSOR = QuantSpec("int8"), QuantSpec("float8_e4m3fn", per_tensor=True)
-SPLIT_COLS_CASES = [(_INT8, None, False, "Identity"), (_INT8, None, True, "Identity"), (_INT8, _INT8, False, "Identity"),
-                    (_E4M3_TENSOR, _E4M3_TENSOR, False, "Identity"), (_INT8, None, False, "SwiGLU"),
+_E4M3_ROWS = QuantSpec("float8_e4m3fn", power_of_two=True)  # FP8 rowwise: per-row power-of-two scales
+SPLIT_COLS_CASES = [(_INT8, None, False, "Identity"), (_INT8, None, True, "Identity"),
+                    (_INT8, _INT8, False, "Identity"), (_E4M3_TENSOR, _E4M3_TENSOR, False, "Identity"),
+                    (_E4M3_ROWS, _E4M3_ROWS, False, "Identity"), (_INT8, None, False, "SwiGLU"),
                     (None, _INT8, False, "Identity")]
 
 
