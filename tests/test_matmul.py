@@ -280,7 +280,11 @@ def test_transforms_agree(recipe):
   wsq = jnp.stack([w[:, :32].repeat(2, axis=1)] * 3)  # [3, 64, 64]
   scanned = jax.grad(lambda ws: jnp.sum(jax.lax.scan(step, x, ws)[0]))(wsq)
   unrolled = jax.grad(lambda ws: jnp.sum(step(step(step(x, ws[0])[0], ws[1])[0], ws[2])[0]))(wsq)
-  assert rel_err(scanned, unrolled) <= 1e-3
+  # Typically 1e-7 apart (40 seeds, every recipe), but the scan body and the unrolled chain round a carry
+  # differently in float32, and three quantized layers deep one FP8 code can sit on a rounding boundary: seed
+  # 523482967 flipped one e4m3 code (a step of 1/8 of its value) and the gradients landed 8.3e-3 apart. A scan
+  # that applied the wrong weights or dropped a step's cotangent would be off by far more than this bound.
+  assert rel_err(scanned, unrolled) <= 5e-2
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=str)
