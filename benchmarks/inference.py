@@ -395,7 +395,7 @@ def profile_decode(decode, inputs, batch: int, tokens: int) -> dict:
   hlo = decode.as_text()
   kernels = profile_step.traced_kernels(lambda: jax.block_until_ready(decode(*inputs)))
   split = profile_step.breakdown(kernels, profile_step.hlo_op_names(hlo), profile_step.hlo_output_shapes(hlo),
-                                 batch, tokens)
+                                 (batch,), tokens)
   return {"profile_us_per_token": {c: 1e3 * ms for c, ms in split["ms_per_step"].items()},
           "profile_kernel_us_per_token": 1e3 * split["kernel_ms_per_step"],
           "profile_top_kernels": [{"category": k["category"], "kernel": k["kernel"], "hlo": k["hlo"],

@@ -100,7 +100,7 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
   return names
 
 
-def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: int | tuple[int, ...]) -> str:
+def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: tuple[int, ...]) -> str:
   """fwd / grad_input / grad_weight of a GEMM from its op_name (jaxlowbit scopes, autodiff) and shape.
 
   ``tokens``: the token counts a device's activations may have (the microbatch's, and its share under FSDP).
@@ -112,8 +112,7 @@ def gemm_kind(op_name: str, output_shape: tuple[int, ...] | None, tokens: int | 
   if "transpose(" not in op_name and "bwd" not in op_name:
     return "gemm_fwd"
   # Autodiff of a plain dot: dW has no token dimension, dx has one.
-  counts = (tokens,) if isinstance(tokens, int) else tokens
-  if output_shape is not None and not any(t in output_shape for t in counts):
+  if output_shape is not None and not any(t in output_shape for t in tokens):
     return "gemm_grad_weight"
   return "gemm_grad_input"
 
@@ -129,7 +128,7 @@ def hlo_output_shapes(hlo_text: str) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def categorize(kernel: str, op_name: str, shape, tokens: int | tuple[int, ...]) -> str:
+def categorize(kernel: str, op_name: str, shape, tokens: tuple[int, ...]) -> str:
   """The category of one kernel (module docstring)."""
   name, scope = kernel.lower(), op_name.lower()
   if _COLLECTIVE_KERNELS.search(name) or _COLLECTIVE_KERNELS.search(scope):
@@ -193,13 +192,22 @@ def _covered_ns(start: int, end: int, merged: list[tuple[int, int]]) -> int:
   return covered
 
 
+# (what a kernel or HLO op name holds once lower-cased without '-' and '_', the collective's kind)
+_COLLECTIVE_KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"))
+
+
 def collective_kind(kernel: str, hlo_op: str) -> str:
   """all_gather / reduce_scatter / all_reduce / other of a collective kernel, from its name or HLO op."""
   text = f"{kernel} {hlo_op}".lower().replace("-", "").replace("_", "")
-  for kind in ("allgather", "reducescatter", "allreduce"):
-    if kind in text:
-      return {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}[kind]
-  return "other"
+  return next((kind for needle, kind in _COLLECTIVE_KINDS if needle in text), "other")
+
+
+def _by_device(kernels, categories=None) -> dict[str, list]:
+  """``{device: [(kernel, category), ...]}`` (category None without ``categories``), in trace order."""
+  grouped = collections.defaultdict(list)
+  for kernel, category in zip(kernels, categories or [None] * len(kernels)):
+    grouped[kernel[3].get("device", "")].append((kernel, category))
+  return grouped
 
 
 def collective_timeline(kernels, categories: list[str], steps: int) -> dict:
@@ -210,11 +218,10 @@ def collective_timeline(kernels, categories: list[str], steps: int) -> dict:
   union of their intervals, per kind and in ``exposed_ms``); ``ms_per_step`` and ``total_ms`` sum the kernels'
   own durations. Averaged over the devices in the trace.
   """
-  devices = sorted({stats.get("device", "") for _, _, _, stats in kernels})
+  devices = _by_device(kernels, categories)
   totals, exposed = collections.Counter(), collections.Counter()
   exposed_total = 0
-  for device in devices:
-    mine = [(k, c) for k, c in zip(kernels, categories) if k[3].get("device", "") == device]
+  for mine in devices.values():
     compute = _merged((start, start + duration) for (_, start, duration, _), c in mine if c != "collective")
     by_kind = collections.defaultdict(list)
     for (name, start, duration, stats), category in mine:
@@ -242,12 +249,9 @@ def busy_ns(kernels) -> tuple[int, int]:
 
   Each device's own span counts: two GPUs that each idle 1 ms of a 10 ms step give 2 ms idle of 20.
   """
-  by_device = collections.defaultdict(list)
-  for _, start, duration, stats in kernels:
-    by_device[stats.get("device", "")].append((start, start + duration))
   busy = span = 0
-  for intervals in by_device.values():
-    merged = _merged(intervals)
+  for mine in _by_device(kernels).values():
+    merged = _merged((start, start + duration) for (_, start, duration, _), _ in mine)
     busy += sum(end - start for start, end in merged)
     span += merged[-1][1] - merged[0][0]
   return busy, span
@@ -262,7 +266,7 @@ def traced_kernels(run) -> list[tuple[str, int, int, dict]]:
   return device_kernels(jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime)))
 
 
-def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int | tuple[int, ...], steps: int) -> dict:
+def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: tuple[int, ...], steps: int) -> dict:
   """Per-category ms per step and GPU (averaged over the traced devices), the top kernels by total time and,
   where collectives ran, their :func:`collective_timeline`."""
   per_category = collections.Counter()
@@ -280,7 +284,7 @@ def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: int | tup
     example_scope.setdefault(key, f"{hlo_op} {op_name[-160:]}")
   busy, span = busy_ns(kernels)
   per_category["idle"] += max(span - busy, 0)
-  devices = max(len({stats.get("device", "") for _, _, _, stats in kernels}), 1)
+  devices = max(len(_by_device(kernels)), 1)
   scale = 1e6 * steps * devices
   ms = {c: per_category[c] / scale for c in CATEGORIES}
   top = [

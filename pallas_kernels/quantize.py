@@ -519,14 +519,14 @@ def _pmax(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def _split_cols_quantize(inputs, prologue: Prologue, rows_spec, cols_spec, rows_t: bool, interpret: bool,
-                         reduce_rows, reduce_cols):
+                         split: Split):
   """:func:`fused_quantize_kernel` for per-row scales over columns split across devices: the rows kernel measures
   (no write), the row amaxes are reduced over the devices, then one tiled pass writes every layout asked for."""
   spec = rows_spec or cols_spec
   outs = _rows_call(inputs, prologue, spec, write=False, with_colmax=cols_spec is not None, interpret=interpret)
-  param_r, scale_r = code_scales(reduce_cols(outs[0]), spec) if rows_spec is not None else (None, None)
+  param_r, scale_r = code_scales(_pmax(outs[0], split.cols), spec) if rows_spec is not None else (None, None)
   if cols_spec is not None:
-    param_t, scale_t = code_scales(reduce_rows(jnp.max(outs[1], axis=0)), spec)
+    param_t, scale_t = code_scales(_pmax(jnp.max(outs[1], axis=0), split.rows), spec)
     written = _tile_call(inputs, prologue, None, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
     rows = (written[1], scale_r[:, None]) if rows_spec is not None else None
     return rows, (written[0], scale_t[:, None]), None
@@ -573,9 +573,8 @@ def fused_quantize_kernel(
   if rows_t and (rows_spec is None or cols_spec is not None or not rows_spec.is_int8 or rows_spec.per_tensor):
     raise ValueError("fused_quantize_kernel: rows_t writes the rows' int8 codes transposed: give an int8 per-row "
                      "rows_spec only")
-  # Column amaxes reduce over the devices holding other rows, row amaxes over those holding other columns.
-  reduce_rows = functools.partial(_pmax, axes=split.rows)
-  reduce_cols = functools.partial(_pmax, axes=split.cols)
+  # Column amaxes reduce over the devices holding other rows (split.rows), row amaxes over those holding other
+  # columns (split.cols).
   r, c = inputs[0].shape[0], prologue.width(inputs)
   if not supported(spec, r, c, transposed=cols_spec is not None or rows_t, prologue=prologue, split=split):
     block_rows = tuning.quantize_rows_config(spec.jnp_dtype, prologue)[0]
@@ -601,20 +600,20 @@ def fused_quantize_kernel(
     if prologue.stats:
       stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)[-1]
     rowmax, colmax = _tile_stats_call(inputs, prologue, stat, interpret)
-    param_t, scale_t = code_scales(reduce_rows(colmax), spec)
-    param_r, scale_r = code_scales(reduce_cols(rowmax), spec) if rows_spec is not None else (None, None)
+    param_t, scale_t = code_scales(_pmax(colmax, split.rows), spec)
+    param_r, scale_r = code_scales(_pmax(rowmax, split.cols), spec) if rows_spec is not None else (None, None)
     outs = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
     rows = (outs[1], scale_r[:, None]) if rows_spec is not None else None
     return rows, (outs[0], scale_t[:, None]), stat
   if split.cols:
-    return _split_cols_quantize(inputs, prologue, rows_spec, cols_spec, rows_t, interpret, reduce_rows, reduce_cols)
+    return _split_cols_quantize(inputs, prologue, rows_spec, cols_spec, rows_t, interpret, split)
   outs = _rows_call(inputs, prologue, spec, write=rows_spec is not None, with_colmax=cols_spec is not None,
                     interpret=interpret)
   stat = outs[-1] if prologue.stats else None
   rows = (outs[0], outs[1][:, None]) if rows_spec is not None else None
   if cols_spec is not None:
     colmax = outs[2 if rows_spec is not None else 1]
-    param_t, scale_t = code_scales(reduce_rows(jnp.max(colmax, axis=0)), spec)
+    param_t, scale_t = code_scales(_pmax(jnp.max(colmax, axis=0), split.rows), spec)
     qt = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret)[0]
     return rows, (qt, scale_t[:, None]), stat
   if rows_t:  # int8 takes its dequantization scale itself (see code_scales)

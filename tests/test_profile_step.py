@@ -34,7 +34,7 @@ def test_exposed_time_is_the_collective_time_no_compute_kernel_overlaps():
       kernel("fusion", 20, 2, GPU1),
       kernel("fusion", 21, 3, GPU1),  # overlaps the first: counted once
   ]
-  categories = [profile_step.categorize(k[0], "", None, 1) for k in kernels]
+  categories = [profile_step.categorize(k[0], "", None, (1,)) for k in kernels]
   assert categories.count("collective") == 3
   timeline = profile_step.collective_timeline(kernels, categories, steps=1)
   assert timeline["devices"] == 2
@@ -48,7 +48,7 @@ def test_exposed_time_is_the_collective_time_no_compute_kernel_overlaps():
 def test_breakdown_averages_over_devices_and_counts_each_devices_idle_time():
   kernels = [kernel("gemm", 0, 6, GPU0), kernel("gemm", 8, 2, GPU0),  # span 10, busy 8
              kernel("gemm", 100, 10, GPU1)]  # span 10, busy 10 (its clock need not match GPU 0's)
-  result = profile_step.breakdown(kernels, {}, {}, tokens=1, steps=2)
+  result = profile_step.breakdown(kernels, {}, {}, tokens=(1,), steps=2)
   assert result["devices"] == 2
   assert result["ms_per_step"]["gemm_fwd"] == pytest.approx(18e-3 / 2 / 2)
   assert result["ms_per_step"]["idle"] == pytest.approx(2e-3 / 2 / 2)
