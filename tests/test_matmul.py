@@ -118,14 +118,14 @@ def _bitnet_quantizing_twice(x, w, recipe):
 
 
 def _twice_fwd(x, w, recipe):
-  y, (x_rows, x_t, _) = recipe.forward(x, w, dispatch.DispatchOptions.from_environment())
-  return y, (x_rows, x_t, w)
+  y, (x_saved, _) = recipe.forward(x, w, dispatch.DispatchOptions.from_environment())
+  return y, (x_saved, w)
 
 
 def _twice_bwd(recipe, residuals, g):
-  x_rows, x_t, w = residuals
+  x_saved, w = residuals
   w_rows = QuantizedMatrix(*dispatch.quantize_rows(w, bitnet.TERNARY), bitnet.TERNARY)
-  return recipe.backward((x_rows, x_t, LowBitOperand(w_rows, None, w)), g, w.dtype,
+  return recipe.backward((x_saved, LowBitOperand(w_rows, None, w)), g, w.dtype,
                          dispatch.DispatchOptions.from_environment())
 
 

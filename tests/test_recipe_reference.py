@@ -128,16 +128,10 @@ def float8_rowwise(x, w, g, grad_weight_hp=False):
 
 def bitnet(x, w, g, grad_input=False, grad_weight=False):
   """Forward ternary W x int8 x (eps 1e-5); straight-through backward against the quantized operands:
-  high precision, or int8 g per token (grad_input) / x codes times int8 columns of sx * g (grad_weight)."""
+  high precision, or int8 g per token (grad_input) / int8 x and g per feature over the tokens (grad_weight)."""
   xq, wq = int8(x, 1, eps=1e-5), ternary(w)
   gi = (int8(g, 1) if grad_input else hp(g), _t(wq))
-  if grad_weight:
-    x32 = np.asarray(x, np.float32)
-    sx = np.float32(np.maximum(np.max(np.abs(x32), axis=1, keepdims=True).astype(np.float64), 1e-5) / 127)
-    codes = Fake(np.rint(xq.value / sx.astype(np.float64)), xq.slack / sx.astype(np.float64))
-    gw = (_t(codes), int8(np.asarray(g, np.float32) * sx, 0))
-  else:
-    gw = (_t(xq), hp(g))
+  gw = (_t(int8(x, 0, eps=1e-5)), int8(g, 0)) if grad_weight else (_t(xq), hp(g))
   return (xq, wq), gi, gw
 
 

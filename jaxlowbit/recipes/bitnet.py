@@ -40,8 +40,12 @@ from pallas_kernels import dispatch
 ACTIVATIONS = QuantSpec("int8", eps=ternary.ACTIVATION_EPS)
 TERNARY = QuantSpec("int8", per_tensor=True, ternary=True)
 GRADIENTS = QuantSpec("int8")
-# The activations' codes are exact int8 values: grad_weight reads them transposed, scales and all.
+# The activations' codes are exact int8 values: a bf16 grad_weight reads them (dequantized), so x^T
+# is their transpose, scales and all.
 INPUT = OperandQuantization(ACTIVATIONS, ACTIVATIONS, transposed_from_rows=True)
+# An int8 grad_weight reads x^T quantized per input feature over the tokens, as the INT8 recipe's:
+# the per-token codes' scales vary along grad_weight's reduction axis and cannot leave the GEMM.
+INPUT_INT8_GRAD_WEIGHT = OperandQuantization(ACTIVATIONS, ACTIVATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,9 @@ class BitNet(Recipe):
   cost of quantizing g per row (``grad_input``) or per output feature (``grad_weight``).
 
   Attributes:
-    grad_input: ``dx = g @ (s * Wq)^T`` with g in int8 (Wq is exact in int8).
-    grad_weight: ``dW = xq^T @ (sx * g)`` with xq exact int8 and ``sx * g`` in int8.
+    grad_input: ``dx = g @ (s * Wq)^T`` with g in int8 per token (Wq is exact in int8).
+    grad_weight: ``dW = x^T @ g`` with x^T int8 per input feature and g^T int8 per output feature
+      (both over the tokens, the INT8 recipe's grad_weight), instead of the quantized x in bf16.
   """
 
   grad_input: bool = False
@@ -68,7 +73,7 @@ class BitNet(Recipe):
     check_bools(self, ("grad_input", "grad_weight"))
 
   def input_quantization(self) -> OperandQuantization:
-    return INPUT
+    return INPUT_INT8_GRAD_WEIGHT if self.grad_weight else INPUT
 
   def weight_scaling(self, int8_weight_scaling: str = "row") -> WeightScaling:
     del int8_weight_scaling
@@ -76,12 +81,14 @@ class BitNet(Recipe):
 
   def forward(self, x, w, options):
     with jax.named_scope(OUTPUT_SCOPE):
+      out_dtype = x.dtype
       if is_low_bit(x):
-        x_rows, x_t = provided(x, "rows", ACTIVATIONS, self, "input"), x.transposed
-        out_dtype = x.dtype
+        x_rows = provided(x, "rows", ACTIVATIONS, self, "input")
+        x_t = provided(x, "transposed", ACTIVATIONS, self, "input") if self.grad_weight else None
+      elif self.grad_weight:
+        x_rows, x_t = quantize_operand(x, INPUT_INT8_GRAD_WEIGHT, options)  # one pass for both layouts
       else:
         x_rows, x_t = QuantizedMatrix(*dispatch.quantize_rows(x, ACTIVATIONS, options), ACTIVATIONS), None
-        out_dtype = x.dtype
       if is_low_bit(w):
         w_t = provided(w, "transposed", TERNARY, self, "weight")
         w_kept = w  # a producer's operand: FSDP's gather brings grad_input's rows too, train.steps' not
@@ -89,11 +96,15 @@ class BitNet(Recipe):
         w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY, options), TERNARY)  # Wq^T [N, K], one scale
         w_kept = w_t  # the backward derives Wq from these codes: W is quantized once per use
       y = gemm(x_rows, w_t, out_dtype, options)
-    # The straight-through grad_weight multiplies by the quantized x: int8 + one scale per row.
-    return y, (x_rows, x_t, w_kept)
+    # The straight-through grad_weight multiplies by the quantized x (int8 + one scale per row), or
+    # an int8 grad_weight by x^T quantized per input feature.
+    return y, (x_t if self.grad_weight else x_rows, w_kept)
 
   def backward(self, residuals, g, w_dtype, options):
-    x_rows, x_t, w = residuals
+    x_saved, w = residuals
+    # g per token for grad_input, g^T per output feature for grad_weight: one pass where both are int8.
+    g_rows, g_t = quantize_operand(g, OperandQuantization(GRADIENTS if self.grad_input else None,
+                                                          GRADIENTS if self.grad_weight else None), options)
     with jax.named_scope(GRAD_INPUT_SCOPE):
       if is_low_bit(w) and w.rows is not None:
         w_rows = provided(w, "rows", TERNARY, self, "weight")
@@ -103,22 +114,16 @@ class BitNet(Recipe):
         w_t = provided(w, "transposed", TERNARY, self, "weight") if is_low_bit(w) else w
         w_rows = QuantizedMatrix(w_t.data.T, w_t.scale, TERNARY)
       if self.grad_input:
-        g_rows, _ = quantize_operand(g, OperandQuantization(GRADIENTS), options)
         dx = gemm(g_rows, w_rows, g.dtype, options)  # Wq is exact in int8
       else:
         dx = hp_dot(g, w_rows.dequantize(g.dtype).T, g.dtype)  # weight-sized: cheap
     with jax.named_scope(GRAD_WEIGHT_SCOPE):
-      sx = x_rows.scale  # [M, 1]
-      # Both forms run in g's dtype (bf16 in training): the straight-through reference's
-      # fake-quantized x, and sx * g, are exact enough there and an f32 GEMM would be ~3x slower.
       if self.grad_weight:
-        # dW[k, n] = sum_m xq[m, k] * (sx[m] g[m, n]): xq stays exact, sx*g is quantized per n.
-        xq_t = x_rows.data.T if x_t is None else x_t.data  # [K, M]: K-major for the GEMM
-        scaled_g = (g.astype(jnp.float32) * sx).astype(g.dtype)
-        _, g_t = quantize_operand(scaled_g, OperandQuantization(None, GRADIENTS), options)
-        dw = gemm(QuantizedMatrix(xq_t, jnp.ones((1, 1), jnp.float32), ACTIVATIONS), g_t, w_dtype, options)
+        dw = gemm(x_saved, g_t, w_dtype, options)  # x^T [K, M] (per input feature) x g^T [N, M]
       else:
-        x_fake = (x_rows.data.astype(jnp.float32) * sx).astype(g.dtype)
+        # The straight-through reference's fake-quantized x, in g's dtype (bf16 in training: exact
+        # enough there, and an f32 GEMM would be ~3x slower).
+        x_fake = (x_saved.data.astype(jnp.float32) * x_saved.scale).astype(g.dtype)
         dw = hp_dot(x_fake.T, g, w_dtype)
     return dx, dw
 
