@@ -23,7 +23,7 @@ M, K, N = 256, 512, 384
 # seeds measured on CPU (jax 0.10.2; normal x, g and W / sqrt(K) of _inputs) minus 3 dB. Measured:
 # INT8 39.5 / 39.7 / 40.1, FP8 tensorwise 28.5 / 24.6 / 24.6 (e5m2 gradients), rowwise 28.5 each,
 # rowwise_gw_hp's float32 grad_weight 130.8; BitNet's forward and straight-through grad_input 5.8
-# (ternary W against the exact W), grad_weight 42.4 (int8 x), 39.5 with int8 sx * g. Each seed
+# (ternary W against the exact W), grad_weight 42.4 (int8 x), 40.1 in int8 (x and g per feature). Each seed
 # varied by < 0.2 dB, so a lost bit of mantissa (e5m2 for e4m3: ~12 dB) or a coarser scale fails.
 SQNR_BOUNDS = {
     Int8MixedPrecision(): (36.5, 36.7, 37.0),
@@ -32,7 +32,7 @@ SQNR_BOUNDS = {
     Float8("rowwise_gw_hp"): (25.4, 25.4, 127.8),
     BitNet(): (2.7, 2.7, 39.4),
     BitNet(grad_input=True): (2.7, 2.7, 39.4),
-    BitNet(grad_input=True, grad_weight=True): (2.7, 2.7, 36.4),
+    BitNet(grad_input=True, grad_weight=True): (2.7, 2.7, 37.0),
 }
 
 
@@ -105,6 +105,18 @@ def test_bitnet_default_backward_is_high_precision():
   near_tie = np.abs(np.abs(x64 * xs - np.floor(x64 * xs)) - 0.5) < 1e-4
   flips = np.sum(near_tie * (np.linalg.norm(g64, axis=1, keepdims=True) / xs))
   assert rel_err(dw, rdw) <= 1e-5 + flips / np.linalg.norm(np.asarray(rdw, np.float64)), (rel_err(dw, rdw), flips)
+
+
+def test_bitnet_int8_grad_weight_keeps_precision_with_outlier_tokens():
+  # grad_weight's reduction runs over the tokens, so the per-token activation scales cannot leave the GEMM.
+  # The earlier form folded them into g (xq^T @ int8_columns(sx * g)): a few tokens with 100x the amax set
+  # every column's scale and flushed the others (29.4-32.0 dB on these inputs over 10 seeds, against
+  # 39.2-49.3 dB now, x and g quantized per feature as the INT8 recipe's grad_weight).
+  from test_recipe_reference import outlier_inputs
+  x, w, g = outlier_inputs(fresh_key())
+  _, _, dw = _fwd_bwd(BitNet(grad_input=True, grad_weight=True), x, w, g)
+  exact = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+  assert sqnr_db(np.asarray(dw, np.float64), exact) > 36.0
 
 
 BITNET_PRESETS = [BitNet(), BitNet(grad_input=True), BitNet(grad_input=True, grad_weight=True)]
