@@ -36,7 +36,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 def test_command_line_chooses_the_bitnet_form():
   shipped = train_config.model_config(_parse([f"--config={CONFIGS / 'bitnet_1b.py'}"]))
-  assert shipped.recipe == BitNet(grad_input=True)
+  assert shipped.recipe == BitNet(grad_input=True, grad_weight=True)  # both backward matmuls in int8
   assert shipped.bitnet_norm_placement == "sub" and shipped.tie_embeddings and shipped.mlp_activation == "silu"
   config = _parse([f"--config={CONFIGS / 'tiny.py'}", "--config.recipe=bitnet",
                    "--config.model.bitnet_norm_placement=sub", "--config.model.mlp_activation=relu2"])
