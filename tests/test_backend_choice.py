@@ -54,21 +54,32 @@ def _kernels(text: str) -> set[str]:
       r"@(mosaic_gpu)\w*", text)))
 
 
-@pytest.mark.parametrize("recipe", [Int8MixedPrecision(), Float8("rowwise"), BitNet(True, True)], ids=str)
+# The quantize kernels each recipe's step runs: a rows-only pass (W per input channel for INT8's and FP8's
+# grad_input; BitNet's per-token x when its grad_weight reads those codes), and the two-layout pass (rows and
+# x^T / g^T, with its column statistics) wherever both backward GEMMs are low-bit. BitNet's ternary W runs in XLA.
+STEP_KERNELS = {
+    Int8MixedPrecision(): {"jaxlowbit_quantize_rows", "jaxlowbit_quantize_cols_t"},
+    Float8("rowwise"): {"jaxlowbit_quantize_rows", "jaxlowbit_quantize_cols_t"},
+    BitNet(True): {"jaxlowbit_quantize_rows"},
+    BitNet(True, True): {"jaxlowbit_quantize_cols_t", "jaxlowbit_quantize_stats"},
+}
+
+
+@pytest.mark.parametrize("recipe", list(STEP_KERNELS), ids=str)
 def test_auto_takes_the_kernels_where_they_tile_and_xla_elsewhere(recipe, hopper):
   hopper.delenv(policy.BACKEND_ENV, raising=False)
   ran = _kernels(_train_step_text(recipe, TILED))
-  assert {"jaxlowbit_quantize_rows", "jaxlowbit_quantize_cols_t"} <= ran, ran
+  assert STEP_KERNELS[recipe] <= ran, ran
   assert not _kernels(_train_step_text(recipe, UNTILED)), "auto: XLA where no kernel tiles the shape"
   hopper.setenv(policy.BACKEND_ENV, "xla")
   assert not _kernels(_train_step_text(recipe, TILED)), "xla: no kernel at all"
 
 
-@pytest.mark.parametrize("recipe", [Int8MixedPrecision(), Float8("rowwise"), BitNet(True, True)], ids=str)
+@pytest.mark.parametrize("recipe", list(STEP_KERNELS), ids=str)
 def test_forced_pallas_runs_the_kernels(recipe, hopper):
   hopper.setenv(policy.BACKEND_ENV, "pallas")
   ran = _kernels(_train_step_text(recipe, TILED))
-  assert {"jaxlowbit_quantize_rows", "jaxlowbit_quantize_cols_t", GEMM_CALL} <= ran, ran
+  assert STEP_KERNELS[recipe] | {GEMM_CALL} <= ran, ran
 
 
 @pytest.mark.parametrize(
