@@ -155,7 +155,7 @@ def test_kernel_with_split_cols_equals_the_reference(rows_spec, cols_spec, rows_
       np.asarray(qk.fused_quantize_reference((values,), qk.Identity(), _INT8)[0][1]))
 
 
-RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet()]
+RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet(), BitNet(True, True)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)

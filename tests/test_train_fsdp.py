@@ -139,10 +139,11 @@ def start_record(run_dir) -> dict:
 
 # (recipe, FSDP run's (data, fsdp), reference run's (data, fsdp)).
 #
-# bf16 and BitNet quantize nothing over the batch (activations per token, weights with
-# global scales), so the reference is the one-device run. FP8 tensorwise scales each
-# device's activations by their own amax, and INT8 quantizes grad_weight's operands per
-# feature over the device's tokens: one device over the whole batch computes another,
+# bf16 and BitNet with its bf16 grad_weight (bitnet_int8_gi) quantize nothing over the batch
+# (activations per token, weights with global scales), so the reference is the one-device run.
+# FP8 tensorwise scales each device's activations by their own amax, and INT8 and the shipped
+# BitNet quantize grad_weight's operands per feature over the device's tokens: one device over
+# the whole batch computes another,
 # equally valid, function (FP8: 2e-5 to 6e-5 apart in 5 steps, 4 seeds). INT8's FSDP linear
 # also reuses the gathered per-channel weight for grad_input where quantized_matmul
 # re-quantizes it per input channel (tests/test_fsdp.py: 35 dB), which alone moves the loss
@@ -155,8 +156,8 @@ SHARDED_VS_UNSHARDED = [
     ("bf16", (1, 4), (1, 1)),
     ("int8", (1, 4), (4, 1)),
     ("fp8_tensorwise", (1, 4), (4, 1)),
-    ("bitnet", (1, 4), (1, 1)),
-    ("bitnet", (2, 2), (1, 1)),  # BitNet's scales are sums over shards: the fsdp axis only, not data
+    ("bitnet", (1, 4), (4, 1)),
+    ("bitnet_int8_gi", (2, 2), (1, 1)),  # BitNet's weight scales are sums over shards: the fsdp axis only, not data
 ]
 
 
@@ -179,12 +180,14 @@ def test_fsdp_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus
 
 
 def test_checkpoints_move_between_meshes(run, corpus, seed, tmp_path, capsys):
-  """Runs stopped at step 3 resume on another mesh and continue the uninterrupted FSDP run."""
-  uninterrupted = run("bitnet", fsdp=4)
+  """Runs stopped at step 3 resume on another mesh and continue the uninterrupted FSDP run (BitNet with its
+  bf16 grad_weight: nothing quantized over a device's tokens, so every mesh computes the same function)."""
+  recipe = "bitnet_int8_gi"
+  uninterrupted = run(recipe, fsdp=4)
   stop_at_3 = lambda step: step == 3  # noqa: E731
 
   def stopped(fsdp: int, run_dir):
-    result = loop.train(run_config(corpus, seed, "bitnet", fsdp), run_dir, should_stop=stop_at_3)
+    result = loop.train(run_config(corpus, seed, recipe, fsdp), run_dir, should_stop=stop_at_3)
     assert result.status == "interrupted" and result.checkpoint_step == 3
     return run_dir
 
@@ -198,7 +201,7 @@ def test_checkpoints_move_between_meshes(run, corpus, seed, tmp_path, capsys):
   resumes = [(sharded, 4, (2, 2)), (tmp_path / "fsdp4_then_one", 4, (1, 1)), (unsharded, 1, (1, 4))]
   for run_dir, old_fsdp, (data, fsdp) in resumes:
     capsys.readouterr()
-    result = loop.train(run_config(corpus, seed, "bitnet", fsdp, data, resume=True), run_dir)
+    result = loop.train(run_config(corpus, seed, recipe, fsdp, data, resume=True), run_dir)
     assert result.status == "completed" and result.step == STEPS
     out = capsys.readouterr().out  # a new mesh is no changed run
     assert f"mesh.fsdp {old_fsdp} -> {fsdp}" in out and "expect a different run" not in out, out

@@ -119,7 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.fsdp.remat = "save_gathered"  # save_gathered | regather: gathered weight kept for the backward or not
   # float32 | bfloat16: what FSDP's gradient reduce-scatters sum in (bfloat16: half the bytes; FsdpConfig says more)
   config.fsdp.grad_reduce_dtype = "float32"
-  # requantize | send: a tensor-parallel gather's x^T for INT8 / FP8 rowwise grad_weight made from the
+  # requantize | send: a tensor-parallel gather's x^T for INT8 / FP8 rowwise / BitNet grad_weight made from the
   # gathered codes (1 byte per element on the tensor axis) or sent beside them (2; the unsplit numbers exactly)
   config.fsdp.tensor_transposed = "requantize"
 

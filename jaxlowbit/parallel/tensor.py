@@ -41,9 +41,9 @@ keeps the unsplit step's numbers exactly by quantizing x^T before the gather and
 recipe                 message                                   bytes per element (REQUANTIZE/SEND)
 =====================  ========================================  ===================================
 FP8 tensorwise         e4m3 rows (one scale: reduced first)      1 / 1 (x^T: the rows' codes)
-BitNet                 int8 rows + per-token scales              1 / 1 (x^T: the rows' codes)
-INT8, FP8 rowwise      per-token rows + scales                   1 / 2 (SEND: and x^T per input
-                                                                 feature, column scales pmax-ed)
+BitNet, bf16 grad_wt   int8 rows + per-token scales              1 / 1 (x^T: the rows' codes)
+INT8, FP8 rowwise,     per-token rows + scales                   1 / 2 (SEND: and x^T per input
+BitNet (int8 grad_wt)                                            feature, column scales pmax-ed)
 high precision         the compute dtype                         2 / 2 (bf16)
 =====================  ========================================  ===================================
 

@@ -51,9 +51,9 @@ class FsdpConfig(MeshAxes):
       The gradient all-reduce over the ``data`` axis (HSDP) and of replicated parameters stays in
       the parameter's dtype.
     tensor_transposed: how a tensor-parallel gather makes x^T (and g's copy) where the recipe scales it
-      on its own (INT8, FP8 rowwise): ``"requantize"`` (default) from the gathered codes, 1 byte per
-      element on the tensor axis; ``"send"`` quantized before the gather and sent too, 2 bytes, the
-      unsplit step's numbers exactly (``jaxlowbit.parallel.tensor``).
+      on its own (INT8, FP8 rowwise, BitNet's int8 grad_weight): ``"requantize"`` (default) from the
+      gathered codes, 1 byte per element on the tensor axis; ``"send"`` quantized before the gather and
+      sent too, 2 bytes, the unsplit step's numbers exactly (``jaxlowbit.parallel.tensor``).
   """
 
   int8_weight_scaling: Literal["tensor", "row"] = "row"
