@@ -81,21 +81,19 @@ class BitNet(Recipe):
 
   def forward(self, x, w, options):
     with jax.named_scope(OUTPUT_SCOPE):
-      out_dtype = x.dtype
       if is_low_bit(x):
         x_rows = provided(x, "rows", ACTIVATIONS, self, "input")
         x_t = provided(x, "transposed", ACTIVATIONS, self, "input") if self.grad_weight else None
-      elif self.grad_weight:
-        x_rows, x_t = quantize_operand(x, INPUT_INT8_GRAD_WEIGHT, options)  # one pass for both layouts
-      else:
-        x_rows, x_t = QuantizedMatrix(*dispatch.quantize_rows(x, ACTIVATIONS, options), ACTIVATIONS), None
+      else:  # the rows, and x^T where an int8 grad_weight reads it (one pass for both layouts)
+        how = INPUT_INT8_GRAD_WEIGHT if self.grad_weight else OperandQuantization(ACTIVATIONS)
+        x_rows, x_t = quantize_operand(x, how, options)
       if is_low_bit(w):
         w_t = provided(w, "transposed", TERNARY, self, "weight")
         w_kept = w  # a producer's operand: FSDP's gather brings grad_input's rows too, train.steps' not
       else:
         w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY, options), TERNARY)  # Wq^T [N, K], one scale
         w_kept = w_t  # the backward derives Wq from these codes: W is quantized once per use
-      y = gemm(x_rows, w_t, out_dtype, options)
+      y = gemm(x_rows, w_t, x.dtype, options)
     # The straight-through grad_weight multiplies by the quantized x (int8 + one scale per row), or
     # an int8 grad_weight by x^T quantized per input feature.
     return y, (x_t if self.grad_weight else x_rows, w_kept)
