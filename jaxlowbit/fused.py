@@ -43,7 +43,8 @@ from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import DispatchOptions
-from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, SwiGLUGrad, check_gate_activation, round_to
+from pallas_kernels.quantize import (Identity, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, check_gate_activation,
+                                     rms_norm_input_grad, round_to)
 
 
 def fused_quantization(recipe: Recipe | None, options: ExecutionOptions | None = None,
@@ -91,15 +92,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split = N
   return RmsNorm(eps, jnp.dtype(dtype)).reference((x, scale))
 
 
+def _norm_row_mean(dy, x, scale, rstd, split: Split = NO_SPLIT) -> jax.Array:
+  """``mean(dy * scale * x * rstd)`` over each row ``[..., 1]`` (float32): the row term of the norm's input gradient."""
+  return _row_mean((dy * scale) * (x * rstd), split)
+
+
 def _rms_norm_backward(dy, x, scale, rstd, split: Split = NO_SPLIT):
   """``(dx, dscale)`` of ``y = x * rstd * scale`` with ``rstd = rsqrt(mean(x^2) + eps)``, in float32."""
   x, dy, scale = x.astype(jnp.float32), dy.astype(jnp.float32), scale.astype(jnp.float32)
-  normed = x * rstd
-  dscale = jnp.sum(dy * normed, axis=tuple(range(x.ndim - 1)))
-  dnormed = dy * scale
-  # d(x * rstd)/dx = rstd (I - normed normed^T / C) along the row.
-  dx = rstd * (dnormed - normed * _row_mean(dnormed * normed, split))
-  return dx, dscale
+  dscale = jnp.sum(dy * (x * rstd), axis=tuple(range(x.ndim - 1)))
+  return rms_norm_input_grad(dy, x, scale, rstd, _norm_row_mean(dy, x, scale, rstd, split)), dscale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -241,4 +243,65 @@ def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = 
   return _swiglu_quantized(gate_up.reshape(-1, gate_up.shape[-1]), how, resolve(options).dispatch(split), activation)
 
 
-__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for"]
+# ---------------------------------------------------------------------------------------------
+# RMSNorm of the gated activation (BitNet's ffn_sub_norm before the down projection)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _swiglu_rms_norm_quantized(gate_up, scale, eps: float, how: OperandQuantization, dtype, options: DispatchOptions,
+                               activation: str) -> LowBitOperand:
+  return _swiglu_rms_norm_quantized_fwd(gate_up, scale, eps, how, dtype, options, activation)[0]
+
+
+def _swiglu_rms_norm_quantized_fwd(gate_up, scale, eps, how, dtype, options, activation):
+  # h and the norm's statistic by XLA (its elementwise pass beats recomputing h in the kernels), then the norm's
+  # output quantized by the tiled passes.
+  h = SwiGLU(activation).reference((gate_up,))
+  rstd = RmsNorm(eps, dtype).reference_stat((h, scale))
+  operand, _ = _produce((h, scale, rstd), RmsNormApply(dtype), how, dtype, options, (gate_up, scale))
+  return operand, (h, gate_up, scale, rstd)
+
+
+def _swiglu_rms_norm_quantized_bwd(eps, how, dtype, options, activation, residuals, ct):
+  del eps, how, dtype
+  h, gate_up, scale, rstd = residuals
+  dy = ct.carrier
+  row_mean = _norm_row_mean(dy.astype(jnp.float32), h.astype(jnp.float32), scale.astype(jnp.float32), rstd[:, None])
+  d_gate_up, dscale = dispatch.swiglu_norm_grad(dy, h, gate_up, scale, rstd, row_mean[:, 0], activation, options)
+  return d_gate_up, dscale.astype(scale.dtype)
+
+
+_swiglu_rms_norm_quantized.defvjp(_swiglu_rms_norm_quantized_fwd, _swiglu_rms_norm_quantized_bwd)
+
+
+def swiglu_rms_norm_for(gate_up: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
+                        split: Split | None = None, activation: str = "silu", *,
+                        options: ExecutionOptions | None = None) -> jax.Array | LowBitOperand:
+  """RMSNorm of ``act(gate) * up`` (``gate_up [..., 2H]``, ``scale [H]``), quantized for the linear that reads it
+  when ``recipe`` allows: BitNet's ``ffn_sub_norm`` before the down projection.
+
+  The same numbers as :func:`swiglu` followed by :func:`rms_norm_for`. Where the norm's output is
+  quantized on one device's whole rows, its backward and SwiGLU's run as one pass
+  (``pallas_kernels.dispatch.swiglu_norm_grad``: ``d gate_up`` and ``d scale`` from the norm's
+  output gradient, without writing the norm's input gradient ``[..., H]`` in between).
+
+  ``split``: how this device's hidden units are split (tensor parallelism, a row-parallel down
+  projection: ``Split(cols=...)``; the norm's mean square spans the devices, so the two producers run
+  in turn). ``activation``, ``options``: as for :func:`swiglu_for` and :func:`rms_norm_for`.
+
+  Returns:
+    a :class:`LowBitOperand` ``[M, H]`` (``M``: the leading dims' product), or the normed ``[..., H]``
+    array of ``dtype`` where nothing is quantized (as :func:`rms_norm_for`).
+  """
+  check_gate_activation(activation)
+  split = split or NO_SPLIT
+  how = fused_quantization(recipe, options, split)
+  if how is None or split.cols:
+    h = swiglu(gate_up, activation, resolve(options).dispatch())
+    return rms_norm_for(h, scale, eps, recipe, dtype, split, options=options)
+  scale = vary_over(scale, varying_axes(gate_up))
+  return _swiglu_rms_norm_quantized(gate_up.reshape(-1, gate_up.shape[-1]), scale, eps, how, jnp.dtype(dtype),
+                                    resolve(options).dispatch(split), activation)
+
+
+__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "swiglu_rms_norm_for"]

@@ -55,7 +55,7 @@ from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
 __all__ = ["DispatchOptions", "adam_step", "adam_update", "fused_quantize", "prologue_values", "quantize_cols_t",
-           "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend"]
+           "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "swiglu_norm_grad"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +207,26 @@ def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue,
 def _values(inputs, prologue):
   """:func:`pallas_kernels.quantize.prologue_kernel` through ``jax.jit`` (as :func:`_kernel`)."""
   return quantize_kernels.prologue_kernel(inputs, prologue)
+
+
+def swiglu_norm_grad(dy: jax.Array, h: jax.Array, gate_up: jax.Array, gamma: jax.Array, rstd: jax.Array,
+                     row_mean: jax.Array, activation: str = "silu",
+                     options: DispatchOptions | None = None) -> tuple[jax.Array, jax.Array]:
+  """The backward of ``RMSNorm(act(gate) * up)``: ``(d gate_up [R, 2H] in gate_up's dtype, d gamma [H] float32)``.
+
+  ``dy [R, H]`` (the norm's output gradient), ``h [R, H]`` (the gated activation as the forward wrote it),
+  ``gate_up [R, 2H]``, ``gamma [H]``, ``rstd [R]`` and ``row_mean [R]`` (float32; see
+  :class:`pallas_kernels.quantize.SwiGLUNormGrad`). One values kernel on a GPU where it takes the shape (its
+  per-tile ``d gamma`` partial sums then added here), XLA elsewhere; equal up to float rounding.
+  """
+  prologue = quantize_kernels.SwiGLUNormGrad(activation)
+  inputs = (dy, h, gate_up, gamma, rstd, row_mean)
+  r, c = gate_up.shape
+  if policy.quantize_on_kernel(_resolve(options).backend) and quantize_kernels.prologue_supported(r, c, prologue):
+    d_gate_up, dgamma = _values(inputs, prologue)
+  else:
+    d_gate_up, dgamma = prologue.reference(inputs)
+  return d_gate_up, jnp.sum(dgamma, axis=0)
 
 
 def quantize_rows(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None) -> tuple[jax.Array, jax.Array]:

@@ -44,7 +44,8 @@ GEMM_MIN_M, GEMM_MIN_N = 128, 256
 # the norm in XLA and the quantize kernels on its written output. SwiGLU of 16384 x 16384 -> 8192:
 # fused 0.81 ms against 0.70 (XLA's elementwise pass is cheaper than the kernels' recomputation), so
 # the SwiGLU producer keeps the op in XLA and quantizes its output.
-FUSED_PROLOGUES = frozenset({"RmsNorm"})
+# RmsNormApply (the norm with its statistic given) reads what RmsNorm reads.
+FUSED_PROLOGUES = frozenset({"RmsNorm", "RmsNormApply"})
 
 # --- Fused optimizer update (pallas_kernels.adam) ------------------------------------------------
 # The Triton lowering converts to float8_e4m3fn only on sm89+; compute_capability() reads the

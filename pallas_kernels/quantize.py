@@ -6,6 +6,7 @@ write their high-precision output:
 - :class:`Identity`: ``x [R, C]`` itself;
 - :class:`RmsNorm`: ``x [R, C]``, ``gamma [C]`` -> ``round(x * (rsqrt(mean(x^2) + eps) * gamma))``,
   as ``flax.linen.RMSNorm`` computes it (float32 statistics, rounded to the compute dtype);
+  :class:`RmsNormApply` the same with ``rstd [R]`` given;
 - :class:`SwiGLU`: ``gate_up [R, 2H]`` -> ``round(act(gate) * up)`` ``[R, H]``, ``act`` silu (SwiGLU)
   or squared ReLU (``activation="relu2"``, BitNet b1.58 2B4T's MLP).
 
@@ -25,7 +26,8 @@ Kernels:
 - the *stats* kernel: every tile's row and column maxima (the scales of a rows + transposed
   request without the rows kernel's per-program partials);
 - the *values* kernel: :class:`SwiGLUGrad` written in ``gate_up``'s dtype (SwiGLU's backward as
-  one pass where XLA would concatenate its halves in a second one).
+  one pass where XLA would concatenate its halves in a second one), or :class:`SwiGLUNormGrad` (the
+  backward of an RMSNorm after the gated activation, BitNet's ``ffn_sub_norm``, and SwiGLU's, in one pass).
 
 Public entry points: :func:`quantize_rows_kernel`, :func:`quantize_cols_t_kernel`,
 :func:`quantize_rows_and_cols_t_kernel` (identity prologue), :func:`fused_quantize_kernel`
@@ -144,6 +146,32 @@ class RmsNorm:
     return lax.rsqrt(jnp.mean(x * x, axis=-1) + self.eps)
 
 
+@dataclasses.dataclass(frozen=True)
+class RmsNormApply:
+  """``x [R, C]``, ``gamma [C]``, ``rstd [R]`` -> ``x * (rstd * gamma)`` rounded to ``dtype``: an RMSNorm whose
+  statistic was computed before (by XLA, in the pass that wrote ``x``), so its quantization takes the tiled
+  passes with no rows kernel in front. The same values as :class:`RmsNorm` given the same ``rstd``.
+  """
+
+  dtype: jnp.dtype
+
+  stats = False
+
+  def width(self, inputs) -> int:
+    return inputs[0].shape[1]
+
+  def values(self, refs, rows, cols, stat):
+    del stat
+    x = refs[0][rows, cols].astype(jnp.float32)
+    gamma = refs[1][cols].astype(jnp.float32)
+    rstd = refs[2][rows].astype(jnp.float32)
+    return (x * (rstd[:, None] * gamma[None, :])).astype(self.dtype).astype(jnp.float32)
+
+  def reference(self, inputs) -> jax.Array:
+    x, gamma, rstd = inputs
+    return round_to(x.astype(jnp.float32) * (rstd[:, None] * gamma.astype(jnp.float32)), self.dtype)
+
+
 # The gate activations of a gated MLP ``act(gate) * up`` (ModelConfig.mlp_activation): silu (SwiGLU)
 # and squared ReLU ``max(gate, 0)^2`` (BitNet b1.58 2B4T; Hugging Face ``hidden_act="relu2"``).
 GATE_ACTIVATIONS = ("silu", "relu2")
@@ -232,8 +260,9 @@ class SwiGLUGrad:
     return (dh_ref[rows, cols].astype(jnp.float32), gate_up_ref[rows, cols].astype(jnp.float32),
             gate_up_ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32))
 
-  def write(self, refs, out_ref, rows, cols):
+  def write(self, refs, out_refs, rows, cols):
     """Writes ``out[rows, cols]`` and ``out[rows, cols + H]`` for ``cols`` within ``[0, H)``."""
+    (out_ref,) = out_refs
     d_gate, d_up = self.halves(*self._load(refs, rows, cols))
     out_ref[rows, cols] = d_gate.astype(out_ref.dtype)
     out_ref[rows, pl.ds(cols.start + refs[0].shape[1], cols.size)] = d_up.astype(out_ref.dtype)
@@ -243,11 +272,81 @@ class SwiGLUGrad:
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     return round_to(jnp.concatenate(self.halves(dh.astype(jnp.float32), gate, up), axis=-1), gate_up.dtype)
 
-  def out_dtype(self, inputs):
-    return inputs[1].dtype
+  def outputs(self, inputs, tile_rows: int) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
+    """(shape, dtype) of each array the values kernel writes: ``d gate_up [R, 2H]``."""
+    del tile_rows
+    return (((inputs[1].shape[0], self.width(inputs)), inputs[1].dtype),)
 
 
-Prologue = Identity | RmsNorm | SwiGLU
+def rms_norm_input_grad(dy, x, gamma, rstd, row_mean):
+  """``dx`` (float32) of ``y = x * rstd * gamma`` (an RMSNorm with ``rstd = rsqrt(mean(x^2) + eps)``).
+
+  ``dy``, ``x`` ``[.., C]``, ``gamma`` ``[C]``, ``rstd`` and ``row_mean`` ``[.., 1]``, all float32, where
+  ``row_mean = mean(dy * gamma * x * rstd)`` over the row's C features: ``d(x rstd)/dx = rstd (I - n n^T / C)``
+  with ``n = x rstd``. The one definition of the norm's input gradient (``jaxlowbit.fused`` and the kernels).
+  """
+  return rstd * (dy * gamma - (x * rstd) * row_mean)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLUNormGrad:
+  """The backward of ``RMSNorm(act(gate) * up)`` (BitNet's ``ffn_sub_norm`` after the gated activation) in one pass.
+
+  Inputs: ``dy [R, H]`` (the norm's output gradient), ``h [R, H]`` (``act(gate) * up`` as the forward
+  rounded it), ``gate_up [R, 2H]``, ``gamma [H]``, ``rstd [R]`` and ``row_mean [R]`` (float32:
+  ``mean(dy * gamma * h * rstd)`` over each row, :func:`rms_norm_input_grad`). Outputs: ``d gate_up
+  [R, 2H]`` in ``gate_up``'s dtype (the norm's ``dh`` rounded to ``h``'s dtype, as the unfused norm
+  writes it, then :class:`SwiGLUGrad`), and per-tile partial sums of ``d gamma`` ``[R / tile rows, H]``
+  float32 (their sum over the first axis is ``d gamma``). XLA wrote the norm's ``dh`` in a separate pass
+  with a column reduction for ``d gamma`` (~10 ms of the 1B BitNet step on an H100), which the SwiGLU
+  backward then read again.
+  """
+
+  activation: str = "silu"
+
+  stats = False
+
+  def __post_init__(self):
+    check_gate_activation(self.activation)
+
+  def width(self, inputs) -> int:
+    return inputs[2].shape[1]
+
+  def value_columns(self, inputs) -> int:
+    return inputs[0].shape[1]
+
+  def _dh(self, dy, h, gamma, rstd, row_mean, dtype):
+    return rms_norm_input_grad(dy, h, gamma, rstd, row_mean).astype(dtype).astype(jnp.float32)
+
+  def write(self, refs, out_refs, rows, cols):
+    dy_ref, h_ref, gate_up_ref, gamma_ref, rstd_ref, mean_ref = refs
+    out_ref, dgamma_ref = out_refs
+    half = dy_ref.shape[1]
+    dy, h = dy_ref[rows, cols].astype(jnp.float32), h_ref[rows, cols].astype(jnp.float32)
+    rstd, row_mean = rstd_ref[rows][:, None], mean_ref[rows][:, None]
+    gamma = gamma_ref[cols].astype(jnp.float32)[None, :]
+    dh = self._dh(dy, h, gamma, rstd, row_mean, h_ref.dtype)
+    gate = gate_up_ref[rows, cols].astype(jnp.float32)
+    up = gate_up_ref[rows, pl.ds(cols.start + half, cols.size)].astype(jnp.float32)
+    d_gate, d_up = SwiGLUGrad(self.activation).halves(dh, gate, up)
+    out_ref[rows, cols] = d_gate.astype(out_ref.dtype)
+    out_ref[rows, pl.ds(cols.start + half, cols.size)] = d_up.astype(out_ref.dtype)
+    dgamma_ref[pl.ds(pl.program_id(0), 1), cols] = jnp.sum(dy * (h * rstd), axis=0)[None, :]
+
+  def reference(self, inputs) -> tuple[jax.Array, jax.Array]:
+    """``(d gate_up [R, 2H], d gamma [1, H])`` in XLA (d gamma as one partial sum)."""
+    dy, h, gate_up, gamma, rstd, row_mean = inputs
+    dy, h32 = dy.astype(jnp.float32), h.astype(jnp.float32)
+    dh = self._dh(dy, h32, gamma.astype(jnp.float32), rstd[:, None], row_mean[:, None], h.dtype)
+    dgamma = jnp.sum(dy * (h32 * rstd[:, None]), axis=0, keepdims=True)
+    return SwiGLUGrad(self.activation).reference((dh, gate_up)), dgamma
+
+  def outputs(self, inputs, tile_rows: int) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
+    r, half = inputs[0].shape
+    return (((r, self.width(inputs)), inputs[2].dtype), ((r // tile_rows, half), jnp.dtype(jnp.float32)))
+
+
+Prologue = Identity | RmsNorm | RmsNormApply | SwiGLU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,11 +498,12 @@ def _tile_stats_kernel(*refs, prologue: Prologue, n_inputs: int, tile: tuple[int
   colmax_ref[pl.ds(i, 1), cols] = jnp.max(mags, axis=0)[None, :]
 
 
-def _values_kernel(*refs, prologue: SwiGLUGrad, n_inputs: int, tile: tuple[int, int]):
-  """Inputs; output: the prologue's values in the output's dtype. One tile of the grid per program,
-  over ``prologue.value_columns`` (the prologue writes the output blocks that tile's inputs make)."""
+def _values_kernel(*refs, prologue: SwiGLUGrad | SwiGLUNormGrad, n_inputs: int, tile: tuple[int, int]):
+  """Inputs; outputs: ``prologue.outputs`` (its values in the output's dtype, and what else it writes). One tile
+  of the grid per program, over ``prologue.value_columns`` (the prologue writes the output blocks that tile's
+  inputs make)."""
   i, j = pl.program_id(0), pl.program_id(1)
-  prologue.write(refs[:n_inputs], refs[n_inputs], pl.ds(i * tile[0], tile[0]), pl.ds(j * tile[1], tile[1]))
+  prologue.write(refs[:n_inputs], refs[n_inputs:], pl.ds(i * tile[0], tile[0]), pl.ds(j * tile[1], tile[1]))
 
 
 def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_colmax: bool, interpret: bool):
@@ -622,35 +722,42 @@ def fused_quantize_kernel(
   return rows, None, stat
 
 
-def prologue_supported(r: int, c: int, prologue: SwiGLUGrad) -> bool:
+def prologue_supported(r: int, c: int, prologue: SwiGLUGrad | SwiGLUNormGrad) -> bool:
   """Whether :func:`prologue_kernel` takes a ``[R, C]`` output of ``prologue``."""
   tile_r, tile_c, _ = tuning.prologue_tile_config(prologue)
   return hasattr(prologue, "write") and _tiles_divide(r, c, (tile_r, tile_c)) and _halves_divide(c, tile_c)
 
 
-def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: SwiGLUGrad, interpret: bool = False) -> jax.Array:
+def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: SwiGLUGrad | SwiGLUNormGrad, interpret: bool = False):
   """``prologue(*inputs)`` written in its dtype, ``[R, C]``: one read of the inputs, one write.
 
   Args:
-    inputs: the prologue's inputs (``dh [R, H], gate_up [R, 2H]`` for :class:`SwiGLUGrad`).
-    prologue: a prologue that writes its values by blocks (``write``: :class:`SwiGLUGrad`).
+    inputs: the prologue's inputs (``dh [R, H], gate_up [R, 2H]`` for :class:`SwiGLUGrad`; those of
+      :class:`SwiGLUNormGrad`).
+    prologue: a prologue that writes its values by blocks (``write``: :class:`SwiGLUGrad`,
+      :class:`SwiGLUNormGrad`).
     interpret: run in Pallas interpret mode (CPU tests).
+
+  Returns:
+    the values ``[R, C]``, or, for a prologue that writes more (:class:`SwiGLUNormGrad`'s partial sums), the
+    tuple of its ``outputs``.
   """
   r, c = inputs[0].shape[0], prologue.width(inputs)
   if not prologue_supported(r, c, prologue):
     raise ValueError(f"prologue_kernel: {type(prologue).__name__} of {[a.shape for a in inputs]}: rows and columns "
                      f"must divide by the tile {tuning.prologue_tile_config(prologue)[:2]} (and a half of the columns "
-                     "by its width), and the prologue must write its values by blocks (SwiGLUGrad); use "
-                     "pallas_kernels.dispatch.prologue_values")
+                     "by its width), and the prologue must write its values by blocks (SwiGLUGrad, SwiGLUNormGrad); "
+                     "use pallas_kernels.dispatch.prologue_values")
   tile_r, tile_c, warps = tuning.prologue_tile_config(prologue)
-  return pl.pallas_call(
+  outs = pl.pallas_call(
       functools.partial(_values_kernel, prologue=prologue, n_inputs=len(inputs), tile=(tile_r, tile_c)),
-      out_shape=out_struct((r, c), prologue.out_dtype(inputs), *inputs),
+      out_shape=tuple(out_struct(shape, dtype, *inputs) for shape, dtype in prologue.outputs(inputs, tile_r)),
       grid=(r // tile_r, prologue.value_columns(inputs) // tile_c),
       compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_prologue",
   )(*inputs)
+  return outs[0] if len(outs) == 1 else outs
 
 
 def fused_quantize_reference(inputs, prologue: Prologue, rows_spec, cols_spec=None, rows_t: bool = False,

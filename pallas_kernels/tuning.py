@@ -32,19 +32,23 @@ QUANTIZE_ROWS_BY_PROLOGUE = {
 }
 # Transposing tile kernel: (tile rows, tile columns, warps) per prologue (same file): 64 x 128 took
 # identity x 8192 from 0.487 to 0.445 ms (int8); 32 x 128 RmsNorm from 0.159 to 0.147 ms.
-QUANTIZE_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGLU": (32, 128, 4)}
+QUANTIZE_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "RmsNormApply": (32, 128, 4),
+                 "SwiGLU": (32, 128, 4)}
 # Per-column scales of a rows + transposed (or transposed-only) request come either from the rows
 # kernel, which writes per-program column maxima ([R / rows per program, C] float32, as many bytes
 # as the int8 output at 4 rows per program) that XLA then reduces, or from a tiled statistics pass
 # (row and column maxima per tile: 1/16 of that) followed by one tiled pass writing both layouts.
 # Prologues listed here take the tiled passes.
-QUANTIZE_STATS_FROM_TILES = frozenset({"Identity", "SwiGLU"})
+QUANTIZE_STATS_FROM_TILES = frozenset({"Identity", "RmsNormApply", "SwiGLU"})
 # Tiled statistics pass: (tile rows, tile columns, warps) per prologue.
-QUANTIZE_STATS_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "SwiGLU": (32, 128, 4)}
+QUANTIZE_STATS_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "RmsNormApply": (32, 128, 4),
+                       "SwiGLU": (32, 128, 4)}
 # The values kernel (a prologue's output written in its dtype): (tile rows, tile columns, warps).
 # swiglu_grad_h200.json (d gate_up of 16384 x 8192, bf16): 16 x 256 0.381 ms, 32 x 128 0.412, 64 x 64
 # 0.428; XLA's concatenate fusion of the same expression alone 0.367 (in the 1B step XLA did not fuse it).
-PROLOGUE_TILE = {"SwiGLUGrad": (16, 256, 4)}
+# SwiGLUNormGrad (BitNet's ffn_sub_norm and SwiGLU backward, 16384 x 5632 of the 1B model, H100, jit-timed
+# alone): 16 x 128 0.571 ms, 8 x 512 0.660, 32 x 128 0.666, 16 x 256 0.719, 64 x 128 1.076.
+PROLOGUE_TILE = {"SwiGLUGrad": (16, 256, 4), "SwiGLUNormGrad": (16, 128, 4)}
 
 # Fused optimizer step (pallas_kernels.adam; the update kernel takes the same): (m kind, m bits, v kind)
 # -> config; others take the default (4096 elements, 4 warps). benchmarks/optim.py --tune, the step

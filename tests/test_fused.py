@@ -91,6 +91,40 @@ def test_gradients_through_the_producers_match_the_unfused_path(recipe):
       assert rel_err(a, b) <= 2 * BF16_ROUNDING, (make.__name__, rel_err(a, b))
 
 
+@pytest.mark.parametrize("activation", GATE_ACTIVATIONS)
+@pytest.mark.parametrize("recipe", [BitNet(True, True), BitNet(), Int8MixedPrecision(), None], ids=str)
+def test_norm_of_the_gated_activation_is_the_two_producers_in_one(recipe, activation):
+  """swiglu_rms_norm_for (BitNet's ffn_sub_norm after the gated activation): exactly the operand (or, without a
+  quantizing recipe, the array) of swiglu then rms_norm_for; through quantized_matmul, the unfused path's forward
+  and, from its one-pass backward, gradients a bf16 rounding apart at most."""
+  kg, ks, kw = jax.random.split(fresh_key(), 3)
+  gate_up = (2 * jax.random.normal(kg, (2, 32, 256))).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(ks, (128,))
+  w = jax.random.normal(kw, (128, 96)) / 12
+
+  def producer(fuse):
+    if fuse:
+      return lambda g, s: fused.swiglu_rms_norm_for(g, s, 1e-5, recipe, jnp.bfloat16, activation=activation)
+    return lambda g, s: fused.rms_norm_for(fused.swiglu(g, activation), s, 1e-5, recipe, jnp.bfloat16)
+
+  got, want = producer(True)(gate_up, scale), producer(False)(gate_up, scale)
+  if recipe is None:
+    assert got.shape == (2, 32, 128) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got, want)
+    return
+  _same_operand(got, want.rows, want.transposed)
+
+  def loss(fuse):
+    return lambda g, s, w: jnp.sum(jaxlowbit.quantized_matmul(producer(fuse)(g, s), w, recipe)
+                                   .astype(jnp.float32) ** 2)
+
+  np.testing.assert_array_equal(loss(True)(gate_up, scale, w), loss(False)(gate_up, scale, w))
+  grads = [jax.grad(loss(f), argnums=(0, 1, 2))(gate_up, scale, w) for f in (True, False)]
+  for a, b in zip(*grads):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert rel_err(a, b) <= 2 * BF16_ROUNDING, rel_err(a, b)
+
+
 PLAIN_GATES = {"silu": jax.nn.silu, "relu2": lambda g: jnp.maximum(g, 0) ** 2}
 
 

@@ -17,7 +17,7 @@ from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import quantize as qk
 from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
-from helpers import bf16_values_close, fresh_key
+from helpers import bf16_values_close, fresh_key, rel_err
 
 SPECS = [QuantSpec("int8"), QuantSpec("float8_e4m3fn", power_of_two=True), QuantSpec("float8_e5m2")]
 
@@ -235,6 +235,45 @@ def test_swiglu_grad_values_interpret_match_reference(activation):
   forward = lambda g: qk.SwiGLU(activation).reference((g,)).astype(jnp.float32)  # noqa: E731
   exact = jax.vjp(forward, gate_up.astype(jnp.float32))[1](dh.astype(jnp.float32))[0]
   bf16_values_close(want, exact.astype(jnp.bfloat16))
+
+
+def _swiglu_norm_grad_inputs(rows, h, activation, eps=1e-5):
+  """The backward's inputs as the forward of RMSNorm(act(gate) * up) leaves them: h rounded, rstd, the row term."""
+  dy, gate_up = _swiglu_grad_inputs(rows, h)
+  gamma = 1 + 0.1 * jax.random.normal(fresh_key(), (h,))
+  act = qk.SwiGLU(activation).reference((gate_up,))
+  a32, dy32 = act.astype(jnp.float32), dy.astype(jnp.float32)
+  rstd = jax.lax.rsqrt(jnp.mean(a32 * a32, axis=-1) + eps)
+  row_mean = jnp.mean(dy32 * gamma * (a32 * rstd[:, None]), axis=-1)
+  return dy, act, gate_up, gamma, rstd, row_mean
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("activation", qk.GATE_ACTIVATIONS)
+def test_swiglu_norm_grad_interpret_matches_reference_and_autodiff(activation):
+  """BitNet's ffn_sub_norm backward fused with SwiGLU's: the kernel against its XLA reference (bf16 values up to a
+  moved rounding, d gamma's partial sums up to float32 order), and the reference against float32 autodiff of the
+  unrounded RMSNorm(act(gate) * up) (the forward's h and the norm's dh are each rounded to bf16 once)."""
+  eps = 1e-5
+  inputs = _swiglu_norm_grad_inputs(64, 256, activation, eps)
+  prologue = qk.SwiGLUNormGrad(activation)
+  got, partials = qk.prologue_kernel(inputs, prologue, interpret=True)
+  want, dgamma = prologue.reference(inputs)
+  tile_rows = tuning.prologue_tile_config(prologue)[0]
+  assert got.shape == want.shape == (64, 512) and got.dtype == want.dtype == jnp.bfloat16
+  assert partials.shape == (64 // tile_rows, 256) and partials.dtype == jnp.float32
+  bf16_values_close(got, want)
+  np.testing.assert_allclose(partials.sum(axis=0), dgamma[0], rtol=1e-5, atol=1e-5 * np.abs(dgamma).max())
+  dy, _, gate_up, gamma, _, _ = inputs
+
+  def forward(gu, g):
+    gate, up = jnp.split(gu, 2, axis=-1)
+    a = qk.gate_activation(gate, activation) * up
+    return a * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + eps) * g
+
+  exact_gu, exact_gamma = jax.vjp(forward, gate_up.astype(jnp.float32), gamma)[1](dy.astype(jnp.float32))
+  assert rel_err(want, exact_gu) <= 2 * 2.0**-8
+  assert rel_err(dgamma[0], exact_gamma) <= 2.0**-8
 
 
 def test_prologue_kernel_rejects_what_it_cannot_tile():

@@ -223,6 +223,27 @@ def test_swiglu_backward_values_kernel_matches_reference_at_1b_shapes():
 
 
 @needs_hopper
+def test_swiglu_norm_grad_kernel_matches_reference_at_1b_shapes():
+  """BitNet's ffn_sub_norm + SwiGLU backward on the 1B model's [16384, 5632] hidden activation."""
+  from jaxlowbit import fused
+  from pallas_kernels import quantize as qk
+
+  kd, kg, ks = jax.random.split(fresh_key(), 3)
+  dy = jax.random.normal(kd, (16384, 5632), jnp.bfloat16)
+  gate_up = 2 * jax.random.normal(kg, (16384, 11264), jnp.bfloat16)
+  gamma = 1 + 0.1 * jax.random.normal(ks, (5632,))
+  h = qk.SwiGLU().reference((gate_up,))
+  rstd = qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)).reference_stat((h, gamma))
+  row_mean = fused._norm_row_mean(dy.astype(jnp.float32), h.astype(jnp.float32), gamma, rstd[:, None])[:, 0]
+  inputs = (dy, h, gate_up, gamma, rstd, row_mean)
+  got, partials = jax.jit(lambda a: qk.prologue_kernel(a, qk.SwiGLUNormGrad()))(inputs)
+  want, dgamma = jax.jit(qk.SwiGLUNormGrad().reference)(inputs)
+  bf16_values_close(got, want)
+  atol = 1e-4 * float(jnp.max(jnp.abs(dgamma)))
+  np.testing.assert_allclose(jnp.sum(partials, axis=0), dgamma[0], rtol=1e-4, atol=atol)
+
+
+@needs_hopper
 @pytest.mark.parametrize("split_dim", ["rows", "cols"])
 @pytest.mark.parametrize("layout", ["int8", "fp8_tensorwise"])
 def test_fused_quantize_kernel_with_a_split_matrix_under_shard_map(layout, split_dim):

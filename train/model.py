@@ -409,16 +409,23 @@ class RMSNorm(nn.Module):
   execution: ExecutionOptions | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, quantize_for=None, split=None):
+  def __call__(self, x: jax.Array, quantize_for=None, split=None, gated: str | None = None):
     """``x [..., C]`` -> ``[..., C]`` of ``dtype``, or a ``[M, C]`` low-bit operand for ``quantize_for``.
 
     ``split``: how this device's x is split under tensor parallelism (``jaxlowbit.fused``); with
     its features split (the input of a row-parallel projection), x and the scale hold ``C / n``.
+    ``gated``: x is a gated MLP's ``gate_up [..., 2C]`` and the norm reads ``act(gate) * up`` with
+    this activation (``jaxlowbit.fused.swiglu_rms_norm_for``: BitNet's ``ffn_sub_norm``, whose backward
+    then runs as one pass with the activation's).
     """
+    width = x.shape[-1] // 2 if gated else x.shape[-1]
     if split is not None and split.cols:  # the stored scale is this device's share: no init shape to check
       scale = self.get_variable("params", "scale")
     else:
-      scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+      scale = self.param("scale", nn.initializers.ones, (width,), self.param_dtype)
+    if gated:
+      return jaxlowbit.fused.swiglu_rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split, gated,
+                                                 options=self.execution)
     return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split,
                                         options=self.execution)
 
@@ -507,12 +514,14 @@ def dense(config: ModelConfig, path: str, features: int, std: float,
 
 
 def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False,
-               execution: ExecutionOptions | None = None) -> jax.Array:
+               execution: ExecutionOptions | None = None, normed: bool = False) -> jax.Array:
   """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``: its own norm (BitNet),
   the tensor-parallel gather, the Dense.
 
   ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (the output is then ``[M,
-  features]``). Must be called inside a compact method (the layers attach to that module).
+  features]``). ``normed``: the caller applied the projection's own norm already (the MLP's
+  ``down_norm`` with the gated activation). Must be called inside a compact method (the layers attach
+  to that module).
 
   Tensor parallelism: a column-parallel projection reads the whole sequence; unless the caller
   ``gathered`` x for its group, it gathers it here (after its own norm) and returns this device's
@@ -520,7 +529,8 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, gat
   features) and returns this device's ``[M / n, features]`` token rows.
   """
   layout = ProjectionLayout.of(path, execution, gathered)
-  x = own_norm(config, x, path, layout, execution)
+  if not normed:
+    x = own_norm(config, x, path, layout, execution)
   x = layout.gather(x, config.recipe_for(path))
   return dense(config, path, features, std, execution)(x)
 
@@ -595,11 +605,16 @@ class Mlp(nn.Module):
     else:
       gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std, e)
       gate_up = jnp.concatenate([gate, up], axis=-1)
-    h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe("layers.mlp.down"),
-                                   split=ProjectionLayout.of("layers.mlp.down", e).input_split,
-                                   activation=c.mlp_activation, options=e)
-    return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), "layers.mlp.down", c.d_model,
-                      _residual_std(c), execution=e)
+    down = "layers.mlp.down"
+    split = ProjectionLayout.of(down, e).input_split
+    if c.norm_before(down):  # its own norm (BitNet's ffn_sub_norm) reads the gated activation: one producer
+      h = rms_norm(c, "down_norm", e)(gate_up, quantize_for=c.own_norm_recipe(down), split=split,
+                                      gated=c.mlp_activation)
+    else:
+      h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe(down), split=split, activation=c.mlp_activation,
+                                     options=e)
+    return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), down, c.d_model, _residual_std(c),
+                      execution=e, normed=c.norm_before(down))
 
 
 def _residual_std(config: ModelConfig) -> float:
