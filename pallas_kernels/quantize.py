@@ -315,8 +315,11 @@ class SwiGLUNormGrad:
   def value_columns(self, inputs) -> int:
     return inputs[0].shape[1]
 
-  def _dh(self, dy, h, gamma, rstd, row_mean, dtype):
-    return rms_norm_input_grad(dy, h, gamma, rstd, row_mean).astype(dtype).astype(jnp.float32)
+  @staticmethod
+  def _dh(dy, h, gamma, rstd, row_mean, dtype, rounding=lambda y, dtype: y.astype(dtype)):
+    """The norm's input gradient rounded to ``h``'s dtype (as the unfused norm writes it), back in float32.
+    ``rounding``: a cast in the kernel; :func:`round_to` in XLA, which may drop a bare cast's round trip."""
+    return rounding(rms_norm_input_grad(dy, h, gamma, rstd, row_mean), dtype).astype(jnp.float32)
 
   def write(self, refs, out_refs, rows, cols):
     dy_ref, h_ref, gate_up_ref, gamma_ref, rstd_ref, mean_ref = refs
@@ -337,7 +340,7 @@ class SwiGLUNormGrad:
     """``(d gate_up [R, 2H], d gamma [1, H])`` in XLA (d gamma as one partial sum)."""
     dy, h, gate_up, gamma, rstd, row_mean = inputs
     dy, h32 = dy.astype(jnp.float32), h.astype(jnp.float32)
-    dh = self._dh(dy, h32, gamma.astype(jnp.float32), rstd[:, None], row_mean[:, None], h.dtype)
+    dh = self._dh(dy, h32, gamma.astype(jnp.float32), rstd[:, None], row_mean[:, None], h.dtype, round_to)
     dgamma = jnp.sum(dy * (h32 * rstd[:, None]), axis=0, keepdims=True)
     return SwiGLUGrad(self.activation).reference((dh, gate_up)), dgamma
 
