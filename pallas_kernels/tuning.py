@@ -46,8 +46,9 @@ QUANTIZE_STATS_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "RmsNo
 # The values kernel (a prologue's output written in its dtype): (tile rows, tile columns, warps).
 # swiglu_grad_h200.json (d gate_up of 16384 x 8192, bf16): 16 x 256 0.381 ms, 32 x 128 0.412, 64 x 64
 # 0.428; XLA's concatenate fusion of the same expression alone 0.367 (in the 1B step XLA did not fuse it).
-# SwiGLUNormGrad (BitNet's ffn_sub_norm and SwiGLU backward, 16384 x 5632 of the 1B model, H100, jit-timed
-# alone): 16 x 128 0.571 ms, 8 x 512 0.660, 32 x 128 0.666, 16 x 256 0.719, 64 x 128 1.076.
+# SwiGLUNormGrad (BitNet's ffn_sub_norm and SwiGLU backward, 16384 x 5632 of the 1B model, H100, 30 calls
+# queued; prologue_tile_sweep_h100_2f26d4e.log): 16 x 128 x 4 warps 0.416 ms, within 1% of the best of ten
+# (0.415); 16 x 64 0.454, 64 x 128 was 1.5x slower in a first timing. SwiGLUGrad's tiles all took 0.337 there.
 PROLOGUE_TILE = {"SwiGLUGrad": (16, 256, 4), "SwiGLUNormGrad": (16, 128, 4)}
 
 # Fused optimizer step (pallas_kernels.adam; the update kernel takes the same): (m kind, m bits, v kind)
