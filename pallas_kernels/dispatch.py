@@ -7,6 +7,7 @@ implementation runs is decided here and nowhere else:
 - :func:`quantize_rows`   ``[R, C]`` -> int8/fp8 ``[R, C]`` + one scale per row
 - :func:`quantize_cols_t` ``[R, C]`` -> int8/fp8 ``[C, R]`` + one scale per column (transposed)
 - :func:`fused_quantize`  both, of the output of an RMSNorm or SwiGLU that is never written
+- :func:`swiglu_norm_grad` the backward of an RMSNorm of SwiGLU's output (BitNet's ffn_sub_norm) in one pass
 - :func:`scaled_matmul`   ``[M, K] x [N, K]`` -> ``[M, N]`` with the scales applied
 
 and ``jaxlowbit.optim`` sends the Adam step of every block-wise quantized tensor through
