@@ -530,8 +530,12 @@ def test_kv_cache_decode_equals_full_forward(scheme):
   for t in range(4, 11):
     logits, state = step(state["cache"], tokens[:, t : t + 1])
     got.append(logits)
-  # float32 model: attention over a longer (masked) key axis sums in another order; 1e-5 relative.
-  np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-5, atol=1e-5)
+  got = jnp.concatenate(got, axis=1)
+  if scheme == "bf16":  # float32 model: attention over a longer (masked) key axis sums in another order
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+  else:  # ...and ternary rounds each layer's input to int8 codes: an ulp there can move a value across a rounding
+    # boundary (seen at 1 of 22 positions in ~1 of 60 seeds: the logits 1.4e-3 apart); far below a wrong cache's error
+    assert rel_err(got, full) <= 1e-2, rel_err(got, full)
   assert int(state["cache"]["index"]) == 11
 
 

@@ -262,7 +262,7 @@ def test_swiglu_norm_grad_interpret_matches_reference_and_autodiff(activation):
   tile_rows = tuning.prologue_tile_config(prologue)[0]
   assert got.shape == want.shape == (64, 512) and got.dtype == want.dtype == jnp.bfloat16
   assert partials.shape == (64 // tile_rows, 256) and partials.dtype == jnp.float32
-  bf16_values_close(got, want)
+  bf16_values_close(got, want, steps=2)  # dh is rounded to bf16, then d gate_up: a moved first rounding carries
   np.testing.assert_allclose(partials.sum(axis=0), dgamma[0], rtol=1e-5, atol=1e-5 * np.abs(dgamma).max())
   dy, _, gate_up, gamma, _, _ = inputs
 
