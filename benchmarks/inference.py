@@ -79,7 +79,7 @@ VARIANTS = {
     "w8a8_xla": ("w8a8", "xla"),
     "ternary": ("ternary", None),
     "ternary_xla": ("ternary", "xla"),
-    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.ternary_gemv forced (M <= 4), whatever the dispatch says
+    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.ternary_gemv forced (M <= its MAX_M), whatever the dispatch says
 }
 # Issue 28 targets per linear (speed-up over bf16): (largest M it applies to, target), the first that applies.
 TARGETS = {"ternary": ((1, 3.0), (16, 2.0)), "w8a16": ((1, 1.8), (16, 1.5)), "w8a8": ((1, 1.8), (16, 1.5))}

@@ -70,13 +70,14 @@ W8A8_KERNEL_MAX_M = 0
 GEMV_MAX_M = 64
 # Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
 TERNARY_KERNEL_MAX_M = 32
-# Ternary on CUDA cores (pallas_kernels.ternary_gemv, quantizer inside): one H100 (ternary_gemv_sweep_h100.json,
-# inference_linears_h100_57561a1.json, inference_decode_1b_h100_57561a1.json), M = 1: 4096 x 14336 in 19 us against
-# 31 for quantizer + A8W2 kernel, and 1B decode at batch 1 1293 tokens/s against 866 (bf16 789). Its outputs equal
-# the XLA quantizer + A8W2 reference bit for bit; a converted layer reproduces its training forward also for float32
-# inputs since every layer rounds its input cast explicitly (quantize.to_compute_dtype: XLA had dropped the bare
-# float32 -> bf16 round trip inside its quantizer fusion). M = 2..4 tile too but are not faster than the A8W2 kernel.
-TERNARY_GEMV_MAX_M = 1
+# Ternary on CUDA cores (pallas_kernels.ternary_gemv: quantizer inside, one dp4a per weight byte). One H100, the
+# kernel alone against the old shift-and-multiply form of the same kernel (2026-11-27, gemv sweep in
+# benchmarks/results/ternary_gemv_dp4a_sweep_h100.json): 4096 x 14336 at M = 1 in 10.7 us (was 17.5; bf16 41.6),
+# at M = 4 in 23-28 us (was 181; the quantizer + A8W2 kernel took 37-39), and every other Llama and 1B shape at
+# M = 4 below the A8W2 path's time. Its outputs equal the XLA quantizer + A8W2 reference bit for bit; a converted
+# layer reproduces its training forward also for float32 inputs since every layer rounds its input cast explicitly
+# (quantize.to_compute_dtype: XLA had dropped the bare float32 -> bf16 round trip inside its quantizer fusion).
+TERNARY_GEMV_MAX_M = 4
 # High-precision one-row dots (jaxlowbit.matmul; bf16 decode at batch 1): XLA on GPU strength-reduces a dot with
 # one row whose operands hold fewer than 10M elements into multiply + reduce, which read the bf16 weight at
 # 0.6-1.3 TB/s on an H100 against its GEMM's 2.2-2.8. Given a second (zero) row the dot stays a GEMM: 2048 x 3072

@@ -1,4 +1,4 @@
-"""Ternary GEMV on CUDA cores for M <= 4 (Pallas, Triton backend): packed 2-bit weights, no tensor cores.
+"""Ternary GEMV on CUDA cores for M <= 16 (Pallas, Triton backend): packed 2-bit weights, no tensor cores.
 
 ``a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale)`` computes the same as
 :func:`pallas_kernels.int8_gemv.a8w2_matmul_kernel`, ``out[m, n] = (sum_k xq[m, k] w[n, k]) * x_scale[m] *
@@ -10,15 +10,17 @@ in the same launch (BitNet's per-token int8), as ``pallas_kernels.quantize`` wou
 Why another kernel: the A8W2 GEMM pads M to 16 and feeds int8 mma. At M = 1 it moves 14 MiB in ~30 us (H200,
 ~0.5 TB/s): every decoded weight tile is converted from the load's register layout to the mma operand layout
 (through shared memory) four times, once per 2-bit position, for 15 padding rows. Here each program streams
-``[block_n, block_k]`` packed bytes (rows of W are K-major, so a row's bytes are contiguous), decodes the four
-codes of each byte with two shifts and multiplies code ``j`` by the activations ``x[4 i + j]`` (a strided load of
-a row that sits in L2: no interleave, no permuted copy), summing in int32 registers: no layout conversion, no
-shared memory, no padding rows. K is split across programs (split-K) where N alone gives the SMs too little
-work; the int32 partials are then added by XLA (exact).
+``[block_n, block_k]`` packed bytes (rows of W are K-major, so a row's bytes are contiguous) and does one ``dp4a``
+per byte and row of x: a multiply and a mask spread the byte's four 2-bit weights over the four bytes of an int32
+(:func:`spread_codes`), and ``dp4a`` multiplies them with the four int8 activation codes they meet, ``x[4 i + j]``,
+packed into one int32 per byte (strided loads of a row that sits in L2; no interleaved copy) and adds the sum.
+Decoding each weight with shifts and an int32 multiply-add instead cost ~13 integer instructions per byte, which
+bound the kernel by the SM's integer throughput at a quarter of HBM bandwidth; this is ~4. K is split across programs
+(split-K) where N alone gives the SMs too little work; the int32 partials are then added by XLA (exact).
 
 Decode at M = 1 pays per launch as much as per byte (a 4096 x 4096 ternary weight is 4 MiB, ~2 us of HBM), so
 the activation quantizer runs inside the GEMV: one launch per linear. Tilings and the M the dispatch sends here
-come from the H100 sweep recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``).
+come from the H100 sweeps recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``).
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
-from pallas_kernels.int8_gemv import BYTE_TOP_SHIFT, CODE_BITS, INT32_TOP_SHIFT, check_a8w2
+from pallas_kernels.int8_gemv import check_a8w2
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import choose_split_k, fit_block, num_sms
 
 # Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
-# (block_n with reduce_per_step).
-MAX_M = 4
+# (block_n with reduce_per_step) and one packed activation word per byte of a step.
+MAX_M = 16
 MIN_BLOCK_N, MIN_BLOCK_K = 8, 16
 
 
@@ -63,8 +65,8 @@ class TernaryGemvConfig:
 # Tilings from the H100 sweep (2026-11-26, benchmarks/results/ternary_gemv_sweep_h100.json), best per M:
 # M = 1: 16 rows x 512 bytes, one K reduction per step (4096 x 14336: 17.7 us; the old 32 x 128 default: 21.2).
 # M = 2..4: 64 rows x 128 bytes on 8 warps (4096 x 14336 at M = 4: 43 us, 4 warps: 70).
-DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4, reduce_per_step=True)
-BATCH_TILING = TernaryGemvConfig(block_n=64, block_k=128, num_warps=8, reduce_per_step=True)
+DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4)
+BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
 
 
 def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
@@ -79,6 +81,33 @@ def supports(m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> bool:
   """Whether the kernel takes M rows and an ``[N, k_bytes]`` weight with this tiling (never padded)."""
   return (1 <= m <= MAX_M and n % config.block_n == 0 and k_bytes % (config.block_k * config.split_k) == 0
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
+
+
+# dp4a operands. A packed byte holds weight j in bits 7-2j .. 6-2j (pack_2bit). Multiplied by SPREAD (shifts of 0, 10,
+# 20 and 30 bits, whose copies of a byte never overlap) and masked with TOP_CODES, byte j of the int32 holds weight j
+# in its top two bits: the int8 64 x w (0b11 -> -64, 0b01 -> 64), so one dp4a against four int8 activation codes
+# sums 64 x the byte's four products. An arithmetic shift by SPREAD_SHIFT undoes the 64 exactly.
+SPREAD, TOP_CODES, SPREAD_SHIFT = 0x40100401, -0x3F3F3F40, 6  # TOP_CODES: 0xC0C0C0C0 as an int32
+BYTE_MASK, BYTE_BITS = 0xFF, 8
+
+
+def spread_codes(packed: jax.Array) -> jax.Array:
+  """int8 packed bytes -> int32 whose byte j is 64 x the byte's weight j (signed), for :func:`dp4a`."""
+  return (packed.astype(jnp.int32) & BYTE_MASK) * SPREAD & TOP_CODES
+
+
+def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
+  """``c + sum_j a_j * b_j`` over the four signed int8 bytes of int32 ``a`` and ``b`` (same shapes), int32.
+
+  ``native``: the GPU's ``dp4a`` instruction (inline PTX: one instruction for four products and the add);
+  otherwise the same sum written with shifts, for the Pallas interpreter.
+  """
+  if native:
+    [out] = plt.elementwise_inline_asm("dp4a.s32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
+                                       pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return out
+  byte = lambda v, j: lax.shift_right_arithmetic(lax.shift_left(v, 24 - BYTE_BITS * j), 24)  # noqa: E731
+  return c + sum(byte(a, j) * byte(b, j) for j in range(VALUES_PER_BYTE))
 
 
 def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
@@ -97,6 +126,12 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
   k0 = i_s * k_per_split
+
+  def load(t):
+    start = pl.multiple_of(k0 + t * bk, bk)
+    return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
+
+  first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
   if spec is None:
     scales = [sx_ref[r] for r in range(m)]
   else:
@@ -110,29 +145,34 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     amaxes = lax.fori_loop(0, k // chunk, row_amax, tuple(jnp.float32(0) for _ in range(m)))
     params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
 
-  def x_codes(r, j, start):
-    # x[r, 4 i + j] for the step's bytes i: the activations that meet code j of each byte (no interleave).
-    x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
-    if spec is not None:
-      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
-    return x.astype(jnp.int32)
+  def x_words(r, start):
+    # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight byte i of the step: the four
+    # activations that byte's weights meet (strided loads of a row that sits in L2; no interleaved copy).
+    words = jnp.zeros((bk,), jnp.int32)
+    for j in range(VALUES_PER_BYTE):
+      x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
+      if spec is not None:
+        x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
+      words = words | lax.shift_left(x.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
+    return words
 
-  def step(t, accs):
-    start = pl.multiple_of(k0 + t * bk, bk)
-    p = w_ref[cols, pl.ds(start, bk)].astype(jnp.int32)  # [bn, bk] packed bytes
-    # Code j of each byte, sign-extended (0b11 -> -1, 0b01 -> 1, 0b00 -> 0), as int8_gemv decodes it.
-    codes = [lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
-             for j in range(VALUES_PER_BYTE)]
-    products = [sum(w * x_codes(r, j, start)[None, :] for j, w in enumerate(codes)) for r in range(m)]
-    if config.reduce_per_step:
-      products = [jnp.sum(prod, axis=1) for prod in products]
-    return tuple(acc + prod for acc, prod in zip(accs, products))
+  def step(p, start, accs):
+    weights = spread_codes(p)  # [bn, bk]: byte j of each = 64 x weight j of the packed byte
+    new = []
+    for r in range(m):
+      xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
+      if config.reduce_per_step:
+        new.append(accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
+      else:
+        new.append(dp4a(weights, xw, accs[r], native))
+    return tuple(new)
 
   acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
-  zeros = tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m))
-  accs = lax.fori_loop(0, k_per_split // bk, step, zeros)
+  accs = step(*first, tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)))
+  accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
-    total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)  # [bn] int32, exact
+    total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)
+    total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)  # [bn] int32, exact: each product was 64 x its value
     if config.split_k == 1:  # the reference's epilogue, same order
       sw = sw_ref[0] if tensor_scale else sw_ref[cols]
       o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)

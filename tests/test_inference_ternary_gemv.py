@@ -2,7 +2,9 @@
 
 Numerics: int32 sums are exact and the float32 epilogue runs the reference's operations in its order, so the
 kernel is bit-identical to ``int8_gemv.a8w2_matmul_reference`` on fresh random operands, with and without
-split-K, for every M it takes (1..4).
+split-K, for every M it takes (1..16). The kernel's dp4a step is checked alone here too (its interpreter form
+against plain integer arithmetic); the GPU instruction is checked through the kernel on the GPU
+(tests/test_inference_gpu.py).
 """
 
 import dataclasses
@@ -40,7 +42,24 @@ def _tiling(m, n, k, split, reduce_per_step):
 
 
 CASES = [(1, 64, 512, 1, False), (2, 128, 2048, 4, True), (3, 64, 1024, 2, False), (4, 32, 256, 1, True),
-         (1, 32, 1024, 2, True)]  # (m, n, k, split_k, reduce_per_step)
+         (1, 32, 1024, 2, True), (16, 32, 512, 2, True)]  # (m, n, k, split_k, reduce_per_step)
+
+
+def test_spread_codes_and_dp4a_are_the_byte_products():
+  """Every packed byte of ternary weights spreads to 64 x its four weights; dp4a (interpreter form) adds the four
+  signed byte products to its accumulator, for every int8 pair including -128 and 127."""
+  key = fresh_key()
+  weights = np.stack(np.meshgrid(*[np.array([-1, 0, 1])] * 4, indexing="ij"), -1).reshape(-1, 4)  # all 81 bytes
+  packed = pack_2bit(jnp.asarray(weights, jnp.int8), axis=-1)[:, 0]
+  spread = np.asarray(ternary_gemv.spread_codes(packed)).astype(np.uint32)
+  got = np.stack([(spread >> (8 * j) & 0xFF).astype(np.uint8).view(np.int8) for j in range(4)], -1)
+  np.testing.assert_array_equal(got, 64 * weights)
+  a, b = (jax.random.randint(jax.random.fold_in(key, i), (4096, 4), -128, 128, jnp.int32) for i in range(2))
+  a, b = (jnp.concatenate([v, jnp.array([[-128] * 4, [127] * 4])]) for v in (a, b))
+  word = lambda v: jax.lax.bitcast_convert_type(v.astype(jnp.int8), jnp.int32)  # noqa: E731  [R, 4] -> [R]
+  c = jax.random.randint(jax.random.fold_in(key, 2), (a.shape[0],), -2**20, 2**20, jnp.int32)
+  out = ternary_gemv.dp4a(word(a), word(b), c, native=False)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(c) + np.sum(np.asarray(a) * np.asarray(b), axis=-1))
 
 
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
@@ -70,17 +89,18 @@ def test_gemv_lowers_for_cuda(m, k, n):
 
 def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
   xq, x_scale, w_packed, w_scale = _operands(fresh_key(), ternary_gemv.MAX_M + 1, 64, 512)
-  with pytest.raises(ValueError, match="at most 4"):
+  with pytest.raises(ValueError, match=f"at most {ternary_gemv.MAX_M}"):
     ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, interpret=True)
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
-  """M = 1 on the Llama shapes goes to the GEMV (policy.TERNARY_GEMV_MAX_M = 1); M = 2 and a weight it cannot tile
-  do not, and 0 turns it off."""
-  assert policy.TERNARY_GEMV_MAX_M == 1
+  """M = 1..4 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 4); M = 5 and a weight it cannot
+  tile do not, and 0 turns it off."""
+  assert policy.TERNARY_GEMV_MAX_M == 4
   assert inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
   assert inference_dispatch.ternary_gemv_wanted(1, 4096, 3584)
-  assert not inference_dispatch.ternary_gemv_wanted(2, 14336, 1024)
+  assert inference_dispatch.ternary_gemv_wanted(4, 4096, 3584)
+  assert not inference_dispatch.ternary_gemv_wanted(5, 14336, 1024)
   assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024)
   monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 0)
   assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
