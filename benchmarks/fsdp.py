@@ -53,7 +53,8 @@ VARIANTS = {
     "int8-row-regather": (Int8MixedPrecision(), {"int8_weight_scaling": "row", "remat": "regather"}),
     "fp8-tensorwise": (Float8("tensorwise"), {}),
     "fp8-rowwise": (Float8("rowwise"), {}),
-    "bitnet": (BitNet(), {}),
+    "bitnet": (BitNet.presets["bitnet"], {}),  # the trainer's "bitnet"; before 2026-11-27 this row ran BitNet()
+    "bitnet_hp_bwd": (BitNet.presets["bitnet_hp_bwd"], {}),
 }
 # Llama-1B-like widths: 16 blocks x (4 x 2048^2 + 3 x 2048 x 8192) = 1.07e9 parameters.
 DEFAULT_LAYERS, DEFAULT_DIM, DEFAULT_HIDDEN = 16, 2048, 8192

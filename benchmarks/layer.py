@@ -36,8 +36,11 @@ RECIPES = {
     "int8": Int8MixedPrecision(),
     "fp8_tensorwise": Float8("tensorwise"),
     "fp8_rowwise": Float8("rowwise"),
-    "bitnet": BitNet(),
-    "bitnet_int8_bwd": BitNet(grad_input=True, grad_weight=True),
+    # The trainer's names (BitNet.presets): "bitnet" is the shipped recipe (both backward matmuls in int8),
+    # "bitnet_hp_bwd" BitNet()'s high-precision backward. Results before 2026-11-27 called BitNet() "bitnet" and the
+    # int8 backward "bitnet_int8_bwd".
+    "bitnet": BitNet.presets["bitnet"],
+    "bitnet_hp_bwd": BitNet.presets["bitnet_hp_bwd"],
 }
 
 
