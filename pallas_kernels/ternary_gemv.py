@@ -1,4 +1,4 @@
-"""Ternary GEMV on CUDA cores for M <= 16 (Pallas, Triton backend): packed 2-bit weights, no tensor cores.
+"""Ternary GEMV on CUDA cores for M <= 4 (Pallas, Triton backend): packed 2-bit weights, no tensor cores.
 
 ``a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale)`` computes the same as
 :func:`pallas_kernels.int8_gemv.a8w2_matmul_kernel`, ``out[m, n] = (sum_k xq[m, k] w[n, k]) * x_scale[m] *
@@ -39,11 +39,13 @@ from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
 from pallas_kernels.int8_gemv import check_a8w2
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import choose_split_k, fit_block, num_sms
+from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms
 
 # Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
-# (block_n with reduce_per_step) and one packed activation word per byte of a step.
-MAX_M = 16
+# (block_n with reduce_per_step) and, per step, the quantization and packing of its activations. Tried to 16 on an
+# H100: at M = 16 the Llama shapes took 52-187 us against the A8W2 path's 16-29 (inference_linears_h100_aafef12.json),
+# and 1B decode at batch 8 ran 0.72x bf16 against the A8W2 path's 0.97x.
+MAX_M = 4
 MIN_BLOCK_N, MIN_BLOCK_K = 8, 16
 
 
@@ -62,18 +64,28 @@ class TernaryGemvConfig:
   reduce_per_step: bool = False
 
 
-# Tilings from the H100 sweep (2026-11-26, benchmarks/results/ternary_gemv_sweep_h100.json), best per M:
-# M = 1: 16 rows x 512 bytes, one K reduction per step (4096 x 14336: 17.7 us; the old 32 x 128 default: 21.2).
-# M = 2..4: 64 rows x 128 bytes on 8 warps (4096 x 14336 at M = 4: 43 us, 4 warps: 70).
+# Tilings from the H100 sweep of the dp4a kernel (2026-11-27, benchmarks/results/ternary_gemv_dp4a_sweep_h100.json,
+# quantizer inside, 8 Llama and 1B shapes): M = 1: 16 rows x 512 bytes, summed across K once at the end (4096 x
+# 14336: 10.7 us; one reduction per step: 17.6); M = 2..4: 16 rows x 256 bytes, one reduction per step (the lowest
+# total over the shapes at M = 4; 64 x 128 on 8 warps, the old kernel's best, was 2-7x slower here).
 DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4)
 BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
 
 
+# Split-K costs an XLA kernel after the GEMV (the partial sums' add and the epilogue). At M = 1 it pays only where
+# the row blocks alone leave SMs idle (one program per SM): 4096 x 4096 on an H100 ran 9.1 us unsplit against 11.1
+# split in two (benchmarks/results/ternary_gemv_split_h100_aafef12.json). At M = 4 the split up to four programs per
+# SM stays: 14336 x 4096 34.8 us split against 42.6 (4096 x 4096 went the other way, 20.3 against 12.9).
+DECODE_PROGRAMS_PER_SM = 1
+
+
 def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
-  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to ~4 programs per SM."""
+  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to one program per SM at M = 1
+  (:data:`DECODE_PROGRAMS_PER_SM`), ~4 above."""
   base = DECODE_TILING if m == 1 else BATCH_TILING
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
-  split = choose_split_k(max(n // block_n, 1), k_bytes, block_k, sms or num_sms())
+  split = choose_split_k(max(n // block_n, 1), k_bytes, block_k, sms or num_sms(),
+                         DECODE_PROGRAMS_PER_SM if m == 1 else PROGRAMS_PER_SM)
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 

@@ -86,10 +86,10 @@ def num_sms() -> int:
   return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
 
 
-def choose_split_k(tiles: int, k: int, block_k: int, sms: int) -> int:
-  """Largest power-of-two split of K (each part a multiple of ``block_k``) up to the program target."""
+def choose_split_k(tiles: int, k: int, block_k: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+  """Largest power-of-two split of K (each part a multiple of ``block_k``) up to ``programs_per_sm`` programs per SM."""
   split = 1
-  while tiles * split * 2 <= PROGRAMS_PER_SM * sms and k % (split * 2 * block_k) == 0:
+  while tiles * split * 2 <= programs_per_sm * sms and k % (split * 2 * block_k) == 0:
     split *= 2
   return split
 

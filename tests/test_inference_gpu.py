@@ -136,12 +136,14 @@ def test_decode_on_gpu_matches_full_forward():
 
 
 @needs_sm80
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (2048, 1024), (1024, 2048)])
-def test_quantizing_ternary_gemv_matches_the_reference_on_gpu(k, n):
-  """Decode's one launch per linear (the quantizer inside the GEMV, M = 1) == quantize_rows_reference, then the
-  A8W2 reference, and == the pre-quantized GEMV, bit for bit, on activations without rounding ties."""
+def test_quantizing_ternary_gemv_matches_the_reference_on_gpu(k, n, m):
+  """Decode's one launch per linear (the quantizer inside the dp4a GEMV) == quantize_rows_reference, then the A8W2
+  reference, and == the pre-quantized GEMV, bit for bit, on activations without rounding ties, at M = 1 (decode)
+  and 4 (the kernel's limit)."""
   key = fresh_key()
-  x = tie_free_activations(key, 1, k, BITNET_TOKENS)
+  x = tie_free_activations(key, m, k, BITNET_TOKENS)
   wt = jax.random.randint(jax.random.fold_in(key, 1), (n, k), -1, 2, jnp.int32).astype(jnp.int8)
   w_packed, w_scale = pack_2bit(wt), jnp.float32(0.02)
   fused = jax.jit(lambda x: ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS))(x)
