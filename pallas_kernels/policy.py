@@ -73,8 +73,9 @@ TERNARY_KERNEL_MAX_M = 32
 # Ternary on CUDA cores (pallas_kernels.ternary_gemv: quantizer inside, one dp4a per weight byte). One H100, the
 # kernel alone against the old shift-and-multiply form of the same kernel (2026-11-27, gemv sweep in
 # benchmarks/results/ternary_gemv_dp4a_sweep_h100.json): 4096 x 14336 at M = 1 in 10.7 us (was 17.5; bf16 41.6),
-# at M = 4 in 23-28 us (was 181; the quantizer + A8W2 kernel took 37-39), and every other Llama and 1B shape at
-# M = 4 below the A8W2 path's time. Its outputs equal the XLA quantizer + A8W2 reference bit for bit; a converted
+# at M = 4 in 23-28 us (was 181; the quantizer + A8W2 kernel took 37-39 in a8w2_sweep_m8_h100_128ffef.json), and
+# 14336 x 4096 at M = 4 in 34.5 us (that path: 43-49). The 1B shapes at M = 4 were not timed on the A8W2 path
+# beside it. Its outputs equal the XLA quantizer + A8W2 reference bit for bit; a converted
 # layer reproduces its training forward also for float32 inputs since every layer rounds its input cast explicitly
 # (quantize.to_compute_dtype: XLA had dropped the bare float32 -> bf16 round trip inside its quantizer fusion).
 TERNARY_GEMV_MAX_M = 4
