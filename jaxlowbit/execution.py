@@ -11,9 +11,6 @@ field                  what reads it
                        environment's, below)
 ``fused_quantizers``   ``jaxlowbit.fused``: an RMSNorm / SwiGLU quantizes its output for the
                        linear reading it (off in a model converted for inference)
-``deferred_norms``     ``jaxlowbit.fused``: an RMSNorm feeding a quantized linear hands it the norm's
-                       input and statistic (``DeferredRmsNorm``) instead of its output (on in a model
-                       converted for ``ternary``, whose decode GEMV applies the norm as it reads x)
 ``tensor_parallel``    the model (``train/model.py``): this device's tokens, the gathers before
                        column-parallel groups; ``jaxlowbit.parallel.apply`` sets it
 =====================  ========================================================================
@@ -49,8 +46,6 @@ class ExecutionOptions:
     backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (``pallas_kernels.policy.BACKENDS``); None:
       ``$JAXLOWBIT_BACKEND`` (``auto`` when unset), read where the options are resolved.
     fused_quantizers: producers (``jaxlowbit.fused``) may hand a linear its input quantized.
-    deferred_norms: an RMSNorm that would hand a quantized linear its output high precision hands it a
-      :class:`jaxlowbit.operand.DeferredRmsNorm` instead (the same values, computed where the linear reads them).
     tensor_parallel: the :class:`jaxlowbit.parallel.TensorParallel` a model runs over inside
       ``shard_map`` (set by ``jaxlowbit.parallel.apply``), or None.
 
@@ -63,14 +58,12 @@ class ExecutionOptions:
   backend: str | None = None
   fused_quantizers: bool = True
   tensor_parallel: Any = None
-  deferred_norms: bool = False
 
   def __post_init__(self):
     if self.backend is not None:
       policy.check_backend(self.backend)
-    for flag in ("fused_quantizers", "deferred_norms"):
-      if not isinstance(getattr(self, flag), bool):
-        raise TypeError(f"ExecutionOptions.{flag} must be a bool, got {getattr(self, flag)!r}")
+    if not isinstance(self.fused_quantizers, bool):
+      raise TypeError(f"ExecutionOptions.fused_quantizers must be a bool, got {self.fused_quantizers!r}")
 
   def resolved(self) -> ExecutionOptions:
     """These options with the backend filled in from the environment where it is None."""

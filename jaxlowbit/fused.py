@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit.execution import ExecutionOptions, resolve
-from jaxlowbit.operand import DeferredRmsNorm, LowBitOperand, QuantizedMatrix, carrier_like, vary_over, varying_axes
+from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, vary_over, varying_axes
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
@@ -151,22 +151,15 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
 
   ``split`` (tensor parallelism, inside ``shard_map``): how this device's x is split (module
   docstring); with ``Split(cols=...)``, x and scale hold this device's ``C / n`` features.
-  ``options``: the kernels' backend, ``fused_quantizers`` (off: the normed array, never an operand) and
-  ``deferred_norms``.
+  ``options``: the kernels' backend and ``fused_quantizers`` (off: the normed array, never an operand).
 
   Returns:
     a :class:`LowBitOperand` ``[M, C]`` when ``recipe.input_quantization()`` says how (the norm's
-    output quantized in one pass, never written in ``dtype``); for a ``recipe`` whose input arrives
-    high precision under ``options.deferred_norms`` (unsplit features), a
-    :class:`~jaxlowbit.operand.DeferredRmsNorm` (x, scale and the statistic: the reading linear
-    applies the norm); else the normed ``[..., C]`` array of ``dtype`` (what
-    ``flax.linen.RMSNorm(dtype=dtype)`` computes).
+    output quantized in one pass, never written in ``dtype``), else the normed ``[..., C]`` array
+    of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
-  if how is None and recipe is not None and options is not None and options.deferred_norms and not split.cols:
-    rstd = RmsNorm(eps, jnp.dtype(dtype)).reference_stat((x, scale))
-    return DeferredRmsNorm(x, scale, rstd, jnp.dtype(dtype))
   if how is None:
     return rms_norm(x, scale, eps, dtype, split)
   # Inside shard_map the scale's gradient varies with the tokens: autodiff of this cast sums it.

@@ -37,7 +37,7 @@ from flax.core import meta
 
 from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.matmul import HIGH_PRECISION_DOT_GENERAL, quantized_dot_general, quantized_matmul
-from jaxlowbit.operand import LowBitOperand, is_deferred_norm, is_low_bit
+from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
 from pallas_kernels.quantize import to_compute_dtype
 
@@ -125,7 +125,7 @@ def resolve(module: nn.Module, inputs: jax.Array) -> DenseCall:
   name = type(module).__name__
   if is_low_bit(inputs):
     _check_low_bit_input(module, inputs)
-  elif not is_deferred_norm(inputs) and not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
+  elif not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
     raise TypeError(f"{name}: inputs must be floating point, got {jnp.result_type(inputs)}")
   features = _as_tuple(module.features)
   axis = _as_tuple(getattr(module, "axis", -1))
@@ -160,13 +160,6 @@ def _check_low_bit_input(module: nn.Module, inputs: LowBitOperand) -> None:
 Matmul = Callable[[DenseCall, jax.Array, Any], jax.Array]
 
 
-def reads_deferred_norms(matmul: Matmul) -> Matmul:
-  """Marks a Dense body's ``matmul`` as taking a :class:`~jaxlowbit.operand.DeferredRmsNorm` input in the compute
-  dtype (it applies the norm itself); :func:`dense_general` computes the norm first for any other."""
-  matmul.reads_deferred_norms = True
-  return matmul
-
-
 def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe | None, kernel: Any = None,
                   bias: Any = None):
   """The body of ``DenseGeneral.__call__`` (and ``Dense``'s) with the dot run by ``matmul``.
@@ -191,9 +184,6 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   Returns:
     ``batch + free input dims + features`` in the compute dtype, bias added.
   """
-  if is_deferred_norm(inputs) and not (getattr(matmul, "reads_deferred_norms", False) and inputs.dtype == jnp.dtype(
-      module.dtype or jnp.result_type(inputs.dtype, module.param_dtype))):
-    inputs = inputs.materialize()
   call = resolve(module, inputs)
   if kernel is None:
     fan_in, fan_out = math.prod(call.kernel_shape[: len(call.batch_dims) + len(call.axis)]), call.kn[1]
@@ -209,8 +199,7 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
     bias = jnp.asarray(bias, call.dtype)
   if not callable(matmul):
     matmul = recipe_matmul(matmul, getattr(module, "execution", None))
-  out = matmul(call, inputs if is_low_bit(inputs) or is_deferred_norm(inputs) else to_compute_dtype(inputs, call.dtype),
-               kernel)
+  out = matmul(call, inputs if is_low_bit(inputs) else to_compute_dtype(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
     # The bias's own feature dims: a tensor-parallel layer's (jaxlowbit.parallel) holds its share of them.

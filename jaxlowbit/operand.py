@@ -43,7 +43,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels.quantize import RmsNormApply
 
 
 @jax.tree_util.register_dataclass
@@ -120,57 +119,6 @@ class LowBitOperand:
     return self.carrier.ndim
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DeferredRmsNorm:
-  """An RMSNorm's output not yet computed: its input, weight and statistic, for a linear that applies the norm as
-  it reads x (inference: the ternary GEMV, ``pallas_kernels.ternary_gemv``), one pass and one launch fewer.
-
-  A producer hands it on only where ``ExecutionOptions.deferred_norms`` asks (a model converted for ``ternary``);
-  whatever else receives it calls :meth:`materialize`, which computes what the norm would have returned (the same
-  XLA ops, bit for bit).
-
-  Attributes:
-    x: the norm's input ``[..., C]`` (float).
-    gamma: its weight ``[C]``.
-    rstd: float32 ``[...]``: ``rsqrt(mean(x^2) + eps)`` of each row (``pallas_kernels.quantize.RmsNorm``).
-    dtype: the norm's output dtype (static).
-  """
-
-  x: jax.Array
-  gamma: jax.Array
-  rstd: jax.Array
-  dtype: jnp.dtype = dataclasses.field(metadata={"static": True})
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.x.shape
-
-  @property
-  def ndim(self) -> int:
-    return self.x.ndim
-
-  def reshape(self, *shape: int) -> DeferredRmsNorm:
-    """The same norm with its rows reshaped: ``shape`` keeps the last (normed) axis, e.g. ``reshape(-1, C)``."""
-    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-    if shape[-1] != self.shape[-1]:
-      raise ValueError(f"DeferredRmsNorm.reshape: the normed axis ({self.shape[-1]}) must stay last, got {shape}")
-    return DeferredRmsNorm(self.x.reshape(shape), self.gamma, self.rstd.reshape(shape[:-1]), self.dtype)
-
-  def materialize(self) -> jax.Array:
-    """The normed ``[..., C]`` array of ``dtype``."""
-    return RmsNormApply(self.dtype).reference((self.x, self.gamma, self.rstd))
-
-
-def is_deferred_norm(a) -> bool:
-  return isinstance(a, DeferredRmsNorm)
-
-
-def materialized(a):
-  """``a``, with a :class:`DeferredRmsNorm` computed (for consumers that read plain arrays)."""
-  return a.materialize() if is_deferred_norm(a) else a
-
-
 def varying_axes(a: jax.Array) -> frozenset:
   """Mesh axes ``a`` varies over inside ``shard_map`` (empty outside)."""
   aval = jax.typeof(a)
@@ -200,5 +148,4 @@ def is_low_bit(a) -> bool:
   return isinstance(a, LowBitOperand)
 
 
-__all__ = ["DeferredRmsNorm", "LowBitOperand", "QuantizedMatrix", "carrier_like", "is_deferred_norm", "is_low_bit",
-           "materialized", "vary_over", "varying_axes"]
+__all__ = ["LowBitOperand", "QuantizedMatrix", "carrier_like", "is_low_bit", "vary_over", "varying_axes"]

@@ -41,7 +41,6 @@ from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.int8_gemv import A8W2_BASE, A8W8_BASE, check_a8w2, check_a8w8
 from pallas_kernels.int8_gemv import config_for as gemv_config_for
 from pallas_kernels.int8_gemv import supports as gemv_supports
-from pallas_kernels.quantize import RmsNormApply
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.w8a16 import ACTIVATION_DTYPES, check_operands, w8a16_matmul_reference
 from pallas_kernels.w8a16 import config_for as w8a16_config_for
@@ -105,29 +104,20 @@ def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
                                                                    ternary_gemv.config_for(n, k_bytes, m=m))
 
 
-def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None, *,
-                   norm: RmsNormApply | None = None, gamma=None, rstd=None) -> jax.Array:
+def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
   """BitNet's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times packed ``[N, K/4]``.
 
   M up to ``policy.TERNARY_GEMV_MAX_M`` runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the
   quantizer inside the GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes
   are XLA's bit for bit (``pallas_kernels.quantize.encode``).
-
-  ``norm`` (with ``gamma [K]``, float32 ``rstd [M]``): x is an RMSNorm's input and the linear reads the norm's
-  output, ``norm.reference((x, gamma, rstd))``; the GEMV computes it as it reads x (no pass writes it), the other
-  paths compute it first.
   """
-  if norm is None:
-    out_dtype = out_dtype or x.dtype
+  out_dtype = out_dtype or x.dtype
   options = DispatchOptions.from_environment() if options is None else options
   if (x.ndim == 2 and ternary_gemv_wanted(x.shape[0], *w_packed.shape)
       and policy.use_inference_kernel("ternary GEMV", True, True, options.backend)):
     from pallas_kernels.ternary_gemv import quantize_a8w2_gemv_kernel
 
-    return quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec, out_dtype, norm=norm, gamma=gamma, rstd=rstd)
-  if norm is not None:
-    x = norm.reference((x, gamma, rstd))
-    out_dtype = out_dtype or x.dtype
+    return quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec, out_dtype)
   xq, sx = dispatch.quantize_rows(x, spec, options=options)
   return ternary_matmul(xq, sx, w_packed, w_scale, out_dtype, options=options)
 

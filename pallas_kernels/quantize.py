@@ -108,13 +108,6 @@ class Identity:
     return inputs[0]
 
 
-def rms_norm_scaled(x: jax.Array, gamma: jax.Array, rstd: jax.Array) -> jax.Array:
-  """``x * (rstd * gamma)``: an RMSNorm's output from its statistic, float32 operands broadcast against each other,
-  before the rounding to the norm's dtype. The one formula the kernels, the references and the GEMVs that apply a
-  norm as they read x (``pallas_kernels.ternary_gemv``) share, so they round the same products."""
-  return x * (rstd * gamma)
-
-
 @dataclasses.dataclass(frozen=True)
 class RmsNorm:
   """``x [R, C]``, ``gamma [C]`` -> ``x * (rsqrt(mean(x^2) + eps) * gamma)`` rounded to ``dtype``.
@@ -140,13 +133,13 @@ class RmsNorm:
   def values(self, refs, rows, cols, rstd):
     x = refs[0][rows, cols].astype(jnp.float32)
     gamma = refs[1][cols].astype(jnp.float32)
-    return rms_norm_scaled(x, gamma[None, :], rstd[:, None]).astype(self.dtype).astype(jnp.float32)
+    return (x * (rstd[:, None] * gamma[None, :])).astype(self.dtype).astype(jnp.float32)
 
   def reference(self, inputs) -> jax.Array:
     x, gamma = inputs
     x = x.astype(jnp.float32)
     rstd = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return round_to(rms_norm_scaled(x, gamma.astype(jnp.float32), rstd), self.dtype)
+    return round_to(x * (rstd * gamma.astype(jnp.float32)), self.dtype)
 
   def reference_stat(self, inputs) -> jax.Array:
     x = inputs[0].astype(jnp.float32)
@@ -172,12 +165,11 @@ class RmsNormApply:
     x = refs[0][rows, cols].astype(jnp.float32)
     gamma = refs[1][cols].astype(jnp.float32)
     rstd = refs[2][rows].astype(jnp.float32)
-    return rms_norm_scaled(x, gamma[None, :], rstd[:, None]).astype(self.dtype).astype(jnp.float32)
+    return (x * (rstd[:, None] * gamma[None, :])).astype(self.dtype).astype(jnp.float32)
 
   def reference(self, inputs) -> jax.Array:
-    """``x [..., C]``, ``gamma [C]``, ``rstd [...]`` (float32) -> the normed ``[..., C]`` of ``dtype``."""
     x, gamma, rstd = inputs
-    return round_to(rms_norm_scaled(x.astype(jnp.float32), gamma.astype(jnp.float32), rstd[..., None]), self.dtype)
+    return round_to(x.astype(jnp.float32) * (rstd[:, None] * gamma.astype(jnp.float32)), self.dtype)
 
 
 # The gate activations of a gated MLP ``act(gate) * up`` (ModelConfig.mlp_activation): silu (SwiGLU)

@@ -38,7 +38,6 @@ from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
 from pallas_kernels.int8_gemv import check_a8w2
-from pallas_kernels.quantize import RmsNormApply
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms
 
@@ -124,20 +123,17 @@ def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
 
 
 def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
-            tensor_scale: bool, norm: RmsNormApply | None):
+            tensor_scale: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
   Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the
   packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]``
-  when ``tensor_scale``), with ``norm`` its ``gamma [K]`` and ``rstd [m]``; out, then (``spec`` and split-K) the
-  activation scales ``[m]``.
+  when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales ``[m]``.
   """
   if spec is None:
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
-  elif norm is None:
-    x_ref, w_ref, sw_ref, o_ref, *scale_out = refs
   else:
-    x_ref, w_ref, sw_ref, g_ref, rstd_ref, o_ref, *scale_out = refs
+    x_ref, w_ref, sw_ref, o_ref, *scale_out = refs
   i_n, i_s = pl.program_id(0), pl.program_id(1)
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
@@ -147,14 +143,6 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     start = pl.multiple_of(k0 + t * bk, bk)
     return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
 
-  def x_values(r, start, size, stride=1):
-    # Row r's x[start :: stride][:size] in float32: as stored, or (norm) the norm's output rounded to its dtype.
-    x = x_ref[pl.ds(r * k + start, size, stride=stride)].astype(jnp.float32)
-    if norm is None:
-      return x
-    gamma = g_ref[pl.ds(start, size, stride=stride)].astype(jnp.float32)
-    return quantize.rms_norm_scaled(x, gamma, rstd_ref[r]).astype(norm.dtype).astype(jnp.float32)
-
   first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
   if spec is None:
     scales = [sx_ref[r] for r in range(m)]
@@ -163,7 +151,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     chunk = VALUES_PER_BYTE * bk
 
     def row_amax(t, amaxes):
-      values = [x_values(r, t * chunk, chunk) for r in range(m)]
+      values = [x_ref[pl.ds(r * k + t * chunk, chunk)].astype(jnp.float32) for r in range(m)]
       return tuple(jnp.maximum(a, jnp.max(quantize.magnitude(v))) for a, v in zip(amaxes, values))
 
     amaxes = lax.fori_loop(0, k // chunk, row_amax, tuple(jnp.float32(0) for _ in range(m)))
@@ -174,10 +162,9 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     # activations that byte's weights meet (strided loads of a row that sits in L2; no interleaved copy).
     words = jnp.zeros((bk,), jnp.int32)
     for j in range(VALUES_PER_BYTE):
-      if spec is None:
-        x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
-      else:
-        x = quantize.encode(x_values(r, VALUES_PER_BYTE * start + j, bk, VALUES_PER_BYTE), params[r], spec, native)
+      x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
+      if spec is not None:
+        x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
       words = words | lax.shift_left(x.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
     return words
 
@@ -211,11 +198,10 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
         scale_out[0][r] = scales[r]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret", "norm"))
-def _call(x, x_scale, w_packed, w_scale, norm_inputs=(), *, out_dtype, config: TernaryGemvConfig,
-          spec: QuantSpec | None, interpret: bool, norm: RmsNormApply | None = None):
-  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel (``norm``: its RMSNorm's output,
-  ``norm_inputs = (gamma [K], rstd [M])``)."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
+def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, spec: QuantSpec | None,
+          interpret: bool):
+  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel."""
   m = x.shape[0]
   n, k_bytes = w_packed.shape
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
@@ -228,16 +214,13 @@ def _call(x, x_scale, w_packed, w_scale, norm_inputs=(), *, out_dtype, config: T
     operands = (x.reshape(-1), w_packed, sx, sw)
   else:
     operands = (x.reshape(-1), w_packed, sw)
-  if norm is not None:
-    gamma, rstd = norm_inputs
-    operands += (gamma, rstd.astype(jnp.float32).reshape(m))
   out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
                else out_struct((split * m, n), jnp.int32, *operands))
   if spec is not None and split > 1:
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
-                        native=not interpret, tensor_scale=tensor_scale, norm=norm),
+                        native=not interpret, tensor_scale=tensor_scale),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -282,39 +265,27 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
 
 
 def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
-                              config: TernaryGemvConfig | None = None, interpret: bool = False, *,
-                              norm: RmsNormApply | None = None, gamma=None, rstd=None) -> jax.Array:
+                              config: TernaryGemvConfig | None = None, interpret: bool = False) -> jax.Array:
   """Float activations x packed-ternary weights for M <= :data:`MAX_M`, the activations quantized in the kernel.
 
   One launch instead of a quantizer and a GEMV: each program finds the amax of the whole ``x`` row (a few KiB,
   read from L2), takes ``spec``'s scale and quantizes the slice it multiplies (``pallas_kernels.quantize.encode``).
-  With ``norm``, ``x`` is an RMSNorm's input and the kernel quantizes the norm's output, computed as it reads x
-  (``quantize.rms_norm_scaled``, rounded to ``norm.dtype``): the pass that would write it is not run.
 
   Args:
     x: ``[M, K]`` float activations (bf16/f16/f32). spec: per-row int8 :class:`QuantSpec` (BitNet's tokens).
     w_packed: ``[N, K / 4]`` int8 from ``pack_2bit(w_ternary [N, K], axis=-1)``; w_scale: float32 ``[N]`` or one.
-    out_dtype: result dtype (default ``x.dtype``, or ``norm.dtype``). config, interpret: as
-      :func:`a8w2_gemv_kernel`.
-    norm: an :class:`~pallas_kernels.quantize.RmsNormApply` to apply to x first, with its weight ``gamma [K]``
-      (float) and statistic ``rstd`` float32 ``[M]``.
+    out_dtype: result dtype (default ``x.dtype``). config, interpret: as :func:`a8w2_gemv_kernel`.
 
   Returns:
-    ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(v, spec), w_packed, w_scale)`` bit for bit, where
-    v is x, or ``norm.reference((x, gamma, rstd))`` (the codes are computed as XLA computes them:
-    ``quantize.encode``).
+    ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)`` bit for bit (the
+    codes are computed as XLA computes them: ``quantize.encode``).
   """
-  who = "quantize_a8w2_gemv_kernel"
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{who}: x must be float [M, K], got {x.dtype} {x.shape}")
+    raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")
   if not spec.is_int8 or spec.per_tensor or spec.ternary:
-    raise ValueError(f"{who}: spec must quantize rows to int8, got {spec}")
-  m, k = x.shape
-  if norm is not None and (gamma is None or rstd is None or gamma.shape != (k,) or rstd.size != m):
-    raise ValueError(f"{who}: a norm needs gamma [K={k}] and rstd [M={m}], got "
-                     f"{getattr(gamma, 'shape', None)} and {getattr(rstd, 'shape', None)}")
-  check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32), w_packed, w_scale)
-  config = _tiling(who, m, w_packed, config)
-  out_dtype = jnp.dtype(out_dtype or (norm.dtype if norm is not None else x.dtype))
-  return _call(x, None, w_packed, w_scale, () if norm is None else (gamma, rstd), out_dtype=out_dtype,
-               config=config, spec=spec, interpret=interpret, norm=norm)
+    raise ValueError(f"quantize_a8w2_gemv_kernel: spec must quantize rows to int8, got {spec}")
+  check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
+             w_scale)
+  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config)
+  return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
+               interpret=interpret)

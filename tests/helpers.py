@@ -110,27 +110,8 @@ def tie_free_activations(key: jax.Array, m: int, k: int, spec) -> jax.Array:
   """
   kx, kr = jax.random.split(key)
   rows = jnp.exp(jax.random.uniform(kr, (m, 1), minval=-3.0, maxval=3.0))
-  x = (jax.random.normal(kx, (m, k)) * rows).astype(jnp.bfloat16)
-  return jnp.where(_rounding_ties(x, spec), 0.0, x).astype(jnp.bfloat16)
-
-
-def _rounding_ties(values: jax.Array, spec) -> np.ndarray:
-  """Where ``values [m, k]`` quantized per row by ``spec`` land within :data:`TIE_MARGIN` of a rounding tie."""
-  scale = np.asarray(quantize_rows_reference(values, spec)[1], np.float64)
-  quotient = np.asarray(values, np.float64) / scale
-  return np.abs(quotient - np.floor(quotient) - 0.5) < TIE_MARGIN
-
-
-def tie_free_norm_inputs(key: jax.Array, m: int, k: int, spec) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(x bf16 [m, k], gamma float32 [k], rstd float32 [m])`` of an RMSNorm whose bf16 output
-  (``RmsNormApply(bf16).reference``) has no element on an int8 rounding tie under ``spec`` (as
-  :func:`tie_free_activations`): x is 0 where the output would be. rstd is the statistic of the x drawn first
-  (given, not recomputed, so zeroing elements moves neither it nor, the amax never being a tie, the scales)."""
-  from pallas_kernels.quantize import RmsNorm, RmsNormApply
-
-  kx, kg = jax.random.split(key)
-  x = tie_free_activations(kx, m, k, spec)
-  gamma = 1.0 + 0.5 * jax.random.normal(kg, (k,), jnp.float32)
-  rstd = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)).reference_stat((x, gamma))
-  normed = RmsNormApply(jnp.dtype(jnp.bfloat16)).reference((x, gamma, rstd))
-  return jnp.where(_rounding_ties(normed, spec), 0.0, x).astype(jnp.bfloat16), gamma, rstd
+  x = np.asarray((jax.random.normal(kx, (m, k)) * rows).astype(jnp.bfloat16), np.float64)
+  scale = np.asarray(quantize_rows_reference(jnp.asarray(x, jnp.bfloat16), spec)[1], np.float64)
+  quotient = x / scale
+  ties = np.abs(quotient - np.floor(quotient) - 0.5) < TIE_MARGIN
+  return jnp.asarray(np.where(ties, 0.0, x), jnp.bfloat16)

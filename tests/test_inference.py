@@ -26,7 +26,6 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit import nnx as lbnnx
-from jaxlowbit.execution import with_execution
 from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.int8 import quantize_int8
@@ -538,91 +537,6 @@ def test_kv_cache_decode_equals_full_forward(scheme):
     # boundary (seen at 1 of 22 positions in ~1 of 60 seeds: the logits 1.4e-3 apart); far below a wrong cache's error
     assert rel_err(got, full) <= 1e-2, rel_err(got, full)
   assert int(state["cache"]["index"]) == 11
-
-
-def _decode_logits(model, params, tokens, prefill: int = 4):
-  """Logits of ``model`` (decode=True) over ``tokens [B, T]``: ``prefill`` tokens in one call, then one per call."""
-  from train.generate import init_cache
-
-  step = jax.jit(lambda c, t: model.apply({"params": params, "cache": c}, t, mutable=["cache"]))
-  logits, state = step(init_cache(model, tokens.shape[0], 16), tokens[:, :prefill])
-  got = [logits]
-  for t in range(prefill, tokens.shape[1]):
-    logits, state = step(state["cache"], tokens[:, t : t + 1])
-    got.append(logits)
-  return np.asarray(jnp.concatenate(got, axis=1), np.float32)
-
-
-def _tiny_bitnet(placement: str, dtype):
-  from train.model import ModelConfig, Transformer
-
-  config = ModelConfig(vocab_size=64, d_model=128, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=256, dtype=dtype,
-                       recipe=BitNet(), bitnet_norm_placement=placement)
-  key = fresh_key()
-  tokens = jax.random.randint(key, (1, 7), 0, 64)
-  return config, tokens, jax.jit(Transformer(config).init)(jax.random.fold_in(key, 1), tokens)["params"]
-
-
-@pytest.mark.parametrize("placement", ["sub", "every_projection"])
-def test_deferred_norms_compute_what_the_norms_would(placement):
-  """ExecutionOptions.deferred_norms changes where a norm is applied, not its values: a float32 BitNet model's
-  logits are equal with and without it, unconverted (each Dense computes the norm first) and converted for
-  ternary on the XLA path (the linear computes it), in decode."""
-  from train.model import Transformer
-
-  config, tokens, params = _tiny_bitnet(placement, jnp.float32)
-  for deferred in (True, False):
-    model = Transformer(config, execution=jaxlowbit.ExecutionOptions(fused_quantizers=False, deferred_norms=deferred))
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
-    if deferred:
-      first = logits
-  np.testing.assert_array_equal(first, logits)
-  converted = inference.convert_for_inference(Transformer(config, decode=True), "ternary")
-  assert converted.execution.deferred_norms and not converted.execution.fused_quantizers
-  qparams = inference.quantize_params(params, "ternary")
-  np.testing.assert_array_equal(_decode_logits(converted, qparams, tokens),
-                                _decode_logits(with_execution(converted, deferred_norms=False), qparams, tokens))
-  assert not inference.convert_for_inference(Transformer(config), "w8a8").execution.deferred_norms
-
-
-@pytest.mark.parametrize("placement", ["sub", "every_projection"])
-def test_ternary_decode_applies_every_norm_inside_the_gemv(placement, monkeypatch):
-  """A bf16 BitNet model converted for ternary, decoded on a faked H100 with the GEMV in the Pallas interpreter:
-  every ternary linear of prefill (M = 4) and decode (M = 1) gets its norm deferred into the GEMV (no pass writes
-  the norm's output), and the logits equal the XLA path's bit for bit."""
-  from pallas_kernels import ternary_gemv
-  from train.model import Transformer
-
-  config, tokens, params = _tiny_bitnet(placement, jnp.bfloat16)
-  params = inference.quantize_params(params, "ternary")
-  model = inference.convert_for_inference(Transformer(config, decode=True), "ternary")
-  want = _decode_logits(model, params, tokens)  # CPU: the XLA path
-  kernel, normed = ternary_gemv.quantize_a8w2_gemv_kernel, []
-
-  def interpreted(*args, **kwargs):
-    normed.append(kwargs.get("norm") is not None)
-    return kernel(*args, interpret=True, **kwargs)
-
-  monkeypatch.setattr(ternary_gemv, "quantize_a8w2_gemv_kernel", interpreted)
-  monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
-  monkeypatch.delenv("JAXLOWBIT_BACKEND", raising=False)
-  got = _decode_logits(model, params, tokens)
-  # Each trace (prefill M = 4, decode M = 1, retraces) runs the GEMV for the 4 ternary linears of each layer.
-  assert normed and len(normed) % (4 * config.n_layers) == 0 and all(normed), normed
-  np.testing.assert_array_equal(got, want)
-
-
-def test_deferred_norm_reshape_and_options_checks():
-  from jaxlowbit.operand import DeferredRmsNorm
-
-  x = jnp.ones((2, 3, 8), jnp.bfloat16)
-  norm = DeferredRmsNorm(x, jnp.ones((8,)), jnp.ones((2, 3)), jnp.dtype(jnp.bfloat16))
-  rows = norm.reshape(-1, 8)
-  assert rows.shape == (6, 8) and rows.rstd.shape == (6,) and rows.materialize().dtype == jnp.bfloat16
-  with pytest.raises(ValueError, match="normed axis"):
-    norm.reshape(3, 16)
-  with pytest.raises(TypeError, match="deferred_norms must be a bool"):
-    jaxlowbit.ExecutionOptions(deferred_norms=1)
 
 
 def test_sampling_greedy_top_k_and_seed():

@@ -20,7 +20,7 @@ import jax
 from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions, with_execution
 from jaxlowbit.inference.weights import CONVERTED_NAMES, check_scheme, quantized_linear, scheme_of
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
-from jaxlowbit.layers import DenseCall, dense_general, reads_deferred_norms
+from jaxlowbit.layers import DenseCall, dense_general
 
 PARAMS = "params"
 
@@ -52,7 +52,7 @@ def _inference_matmul(scheme: str, path: str, execution: ExecutionOptions | None
                        f"{call.features[0]}")
     return y
 
-  return reads_deferred_norms(matmul)
+  return matmul
 
 
 def inference_dense(module: nn.Module, inputs: jax.Array, scheme: str, leaves: dict[str, jax.Array],
@@ -82,8 +82,7 @@ def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | 
   check_scheme(scheme, "convert_for_inference")
   # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
   # execution options say so, for a model that takes them).
-  # Under ternary they hand the norms' inputs on instead (deferred_norms): its decode GEMV applies the norm.
-  module = with_execution(module, fused_quantizers=False, deferred_norms=scheme == "ternary")
+  module = with_execution(module, fused_quantizers=False)
   if execution is None:  # the model's own options, for a model that takes them
     execution = getattr(module, EXECUTION_FIELD, None)
   return intercepted_copy(module, dense_interceptor(_handler(scheme, execution)), "convert_for_inference",

@@ -36,12 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit.execution import ExecutionOptions, resolve
-from jaxlowbit.operand import is_deferred_norm, materialized
 from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
 from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
 from pallas_kernels import dispatch, inference_dispatch
-from pallas_kernels.quantize import RmsNormApply
 
 SCHEMES = ("w8a16", "w8a8", "ternary")
 KERNEL_Q = "kernel_q"
@@ -170,14 +168,8 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str,
   GPU, XLA elsewhere) on the backend of ``options`` (:class:`jaxlowbit.ExecutionOptions`; None, or
   a backend of None: ``$JAXLOWBIT_BACKEND``, read here, the public edge). For ``ternary`` this is
   bit-for-bit BitNet's training forward; for ``w8a8`` without smoothing, Int8MixedPrecision's.
-
-  ``x`` may be a :class:`jaxlowbit.operand.DeferredRmsNorm` (a model converted for ``ternary`` hands its norms'
-  inputs on, ``ExecutionOptions.deferred_norms``): ``ternary`` applies the norm inside its decode GEMV, the other
-  schemes compute it first; the result is the same either way.
   """
   check_scheme(scheme, "quantized_linear")
-  norm = x if is_deferred_norm(x) and scheme == "ternary" else None
-  x = materialized(x) if norm is None else x
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantized_linear: x must be floating point, got {x.dtype}")
   if x.ndim < 1:
@@ -185,7 +177,7 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str,
   k = x.shape[-1]
   n = _check_leaves(leaves, scheme, k, "quantized_linear")
   batch_shape = x.shape[:-1]
-  x2 = x.reshape(-1, k) if norm is None else None
+  x2 = x.reshape(-1, k)
   kernels = resolve(options).dispatch()  # the backend, once, for the quantizer and the GEMM
   if scheme == "w8a16":
     y = inference_dispatch.w8a16_matmul(x2, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
@@ -194,12 +186,7 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str,
       x2 = x2.astype(jnp.float32) / leaves[SMOOTH]  # quantized straight from float32
     xq, sx = dispatch.quantize_rows(x2, INT8_TOKENS, options=kernels)
     y = inference_dispatch.w8a8_matmul(xq, sx, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
-  elif norm is None:
+  else:
     y = inference_dispatch.ternary_linear(x2, BITNET_TOKENS, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
                                           options=kernels)
-  else:
-    rows = norm.reshape(-1, k)
-    y = inference_dispatch.ternary_linear(rows.x, BITNET_TOKENS, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE],
-                                          norm.dtype, options=kernels, norm=RmsNormApply(norm.dtype), gamma=norm.gamma,
-                                          rstd=rows.rstd)
   return y.reshape(*batch_shape, n)
