@@ -20,7 +20,8 @@ row tiles and no split: it runs at Triton's tensor-core speed, not wgmma's.
 At M = 1 (``block_m = 1``) the products are summed on CUDA cores instead (float32: a bf16 times an
 int8 value is exact in float32): no tensor-core tile, so no padding rows, and no padding pass over x,
 which in a decode step was a kernel launch of its own per linear (2-3 us on an H100, as long as
-reading a 2048 x 2048 int8 weight).
+reading a 2048 x 2048 int8 weight). Its weights become float32 by bit operations
+(:func:`int8_to_float32`, exact), not the quarter-rate conversion instruction.
 
 Reference: :func:`w8a16_matmul_reference`.
 """
@@ -154,6 +155,19 @@ def w8a16_matmul_reference(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_
   return (acc * w_scale.astype(jnp.float32).reshape(1, -1)).astype(out_dtype or x.dtype)
 
 
+# int8 -> float32 without the conversion instruction: the byte b, offset to u = b + 128 (its bits XOR 0x80), is the
+# low mantissa of the float 2^23 + u (bits 0x4B000000 | u), so subtracting 2^23 + 128 leaves b exactly. Two integer
+# operations and an add per weight instead of I2F, which an SM issues at a quarter of the integer and float rate
+# (16 a clock on sm80/sm90): at M = 1 the GEMV converts every weight byte it streams.
+INT8_AS_FLOAT_BITS, INT8_AS_FLOAT_OFFSET = 0x4B000080, 8388736.0
+
+
+def int8_to_float32(w: jax.Array) -> jax.Array:
+  """int8 ``w`` as float32, exactly, by integer bit operations and one float subtraction (no I2F)."""
+  bits = (w.astype(jnp.int32) & 0xFF) ^ INT8_AS_FLOAT_BITS
+  return lax.bitcast_convert_type(bits, jnp.float32) - INT8_AS_FLOAT_OFFSET
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m_pad: int, apply_scale: bool):
   i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -165,7 +179,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
     x = x_ref[rows, ks]
     if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
-      products = w_ref[cols, ks].astype(jnp.float32) * x.astype(jnp.float32)
+      products = int8_to_float32(w_ref[cols, ks]) * x.astype(jnp.float32)
       return acc + jnp.sum(products, axis=1)[None, :]
     w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -52,6 +52,14 @@ def _ternary(key, shape):
 # Kernels
 
 
+def test_int8_to_float32_by_bits_is_exact_for_every_byte():
+  """The M = 1 W8A16 GEMV's conversion (bit operations and one subtraction, no I2F) == the conversion, all 256 values."""
+  w = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(16, 16)
+  got = jax.jit(w8a16.int8_to_float32)(w)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), np.arange(-128, 128, dtype=np.float32).reshape(16, 16))
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 128, 512), (5, 64, 256), (16, 256, 1024), (40, 128, 256), (130, 256, 128)])
 def test_w8a16_kernel_interpret_matches_float64(m, n, k):
   kx, kw, ks = jax.random.split(fresh_key(), 3)
