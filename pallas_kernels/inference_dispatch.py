@@ -95,33 +95,6 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype, backend)
 
 
-def w8a8_gemv_wanted(m: int, n: int, k: int) -> bool:
-  """Whether the CUDA-core W8A8 GEMV (``ternary_gemv.quantize_a8w8_gemv_kernel``) should take ``[M, K] x [N, K]``:
-  M up to ``policy.W8A8_GEMV_MAX_M`` (0: off) and a weight it tiles."""
-  from pallas_kernels import ternary_gemv
-
-  words = k // 4
-  return (m <= policy.W8A8_GEMV_MAX_M and k % 4 == 0
-          and ternary_gemv.supports(m, n, words, ternary_gemv.config_for(n, words, m=m, weights="int8")))
-
-
-def w8a8_linear(x, spec, wq, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
-  """W8A8's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times int8 ``wq [N, K]``.
-
-  M up to ``policy.W8A8_GEMV_MAX_M`` runs one kernel (``ternary_gemv.quantize_a8w8_gemv_kernel``: the quantizer
-  inside a dp4a GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`w8a8_matmul`. Bit-identical either way.
-  """
-  out_dtype = out_dtype or x.dtype
-  options = DispatchOptions.from_environment() if options is None else options
-  if (x.ndim == 2 and w8a8_gemv_wanted(x.shape[0], *wq.shape)
-      and policy.use_inference_kernel("W8A8 GEMV", True, True, options.backend)):
-    from pallas_kernels.ternary_gemv import quantize_a8w8_gemv_kernel
-
-    return quantize_a8w8_gemv_kernel(x, wq, w_scale, spec, out_dtype)
-  xq, sx = dispatch.quantize_rows(x, spec, options=options)
-  return w8a8_matmul(xq, sx, wq, w_scale, out_dtype, options=options)
-
-
 def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
   """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``:
   M up to ``policy.TERNARY_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""

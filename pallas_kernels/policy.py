@@ -79,8 +79,6 @@ TERNARY_KERNEL_MAX_M = 32
 # layer reproduces its training forward also for float32 inputs since every layer rounds its input cast explicitly
 # (quantize.to_compute_dtype: XLA had dropped the bare float32 -> bf16 round trip inside its quantizer fusion).
 TERNARY_GEMV_MAX_M = 4
-# W8A8 on the same CUDA-core kernel (int8 weights read as words of four, quantizer inside): M up to this.
-W8A8_GEMV_MAX_M = 4
 # High-precision one-row dots (jaxlowbit.matmul; bf16 decode at batch 1): XLA on GPU strength-reduces a dot with
 # one row whose operands hold fewer than 10M elements into multiply + reduce, which read the bf16 weight at
 # 0.6-1.3 TB/s on an H100 against its GEMM's 2.2-2.8. Given a second (zero) row the dot stays a GEMM: 2048 x 3072

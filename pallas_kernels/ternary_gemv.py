@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
-from pallas_kernels.int8_gemv import check_a8w2, check_a8w8
+from pallas_kernels.int8_gemv import check_a8w2
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms
 
@@ -70,11 +70,6 @@ class TernaryGemvConfig:
 # total over the shapes at M = 4; 64 x 128 on 8 warps, the old kernel's best, was 2-7x slower here).
 DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4)
 BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
-# int8 weights (W8A8): ``block_k`` counts int32 words of four weights. The same bytes per step as the ternary
-# tilings (16 rows x 512 bytes at M = 1); not swept.
-INT8_DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=128, num_warps=4)
-INT8_BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=64, num_warps=4, reduce_per_step=True)
-WEIGHT_FORMATS = ("ternary", "int8")
 
 
 # Split-K costs an XLA kernel after the GEMV (the partial sums' add and the epilogue). At M = 1 it pays only where
@@ -84,14 +79,10 @@ WEIGHT_FORMATS = ("ternary", "int8")
 DECODE_PROGRAMS_PER_SM = 1
 
 
-def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, weights: str = "ternary") -> TernaryGemvConfig:
-  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight (``weights="int8"``: ``k_bytes`` counts the
-  ``K / 4`` words of an int8 ``[N, K]``): split-K up to one program per SM at M = 1 (:data:`DECODE_PROGRAMS_PER_SM`),
-  ~4 above."""
-  if weights == "int8":
-    base = INT8_DECODE_TILING if m == 1 else INT8_BATCH_TILING
-  else:
-    base = DECODE_TILING if m == 1 else BATCH_TILING
+def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
+  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to one program per SM at M = 1
+  (:data:`DECODE_PROGRAMS_PER_SM`), ~4 above."""
+  base = DECODE_TILING if m == 1 else BATCH_TILING
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   split = choose_split_k(max(n // block_n, 1), k_bytes, block_k, sms or num_sms(),
                          DECODE_PROGRAMS_PER_SM if m == 1 else PROGRAMS_PER_SM)
@@ -132,13 +123,12 @@ def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
 
 
 def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
-            tensor_scale: bool, weights: str = "ternary"):
+            tensor_scale: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
   Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the
-  packed weight ``[N, K/4]`` (``weights="int8"``: the int8 ``[N, K]``, read as int32 words of four), the codes'
-  scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]`` when ``tensor_scale``); out, then
-  (``spec`` and split-K) the activation scales ``[m]``. ``k_per_split`` and the steps count packed bytes (words).
+  packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]``
+  when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales ``[m]``.
   """
   if spec is None:
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
@@ -151,15 +141,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
 
   def load(t):
     start = pl.multiple_of(k0 + t * bk, bk)
-    if weights == "ternary":
-      return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
-    # int8: word i of a row holds its weights 4 i + j as byte j, the order dp4a pairs with x_words (four strided
-    # loads of the same lines, the later three from L1).
-    words = jnp.zeros((bn, bk), jnp.int32)
-    for j in range(VALUES_PER_BYTE):
-      byte = w_ref[cols, pl.ds(VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
-      words = words | lax.shift_left(byte.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
-    return words, start
+    return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
 
   first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
   if spec is None:
@@ -187,15 +169,14 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     return words
 
   def step(p, start, accs):
-    # [bn, bk] int32: byte j of each = 64 x weight j of the packed byte (ternary), or weight j itself (int8)
-    w = spread_codes(p) if weights == "ternary" else p
+    weights = spread_codes(p)  # [bn, bk]: byte j of each = 64 x weight j of the packed byte
     new = []
     for r in range(m):
-      xw = jnp.broadcast_to(x_words(r, start)[None, :], w.shape)
+      xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
       if config.reduce_per_step:
-        new.append(accs[r] + jnp.sum(dp4a(w, xw, jnp.zeros_like(w), native), axis=1))
+        new.append(accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
       else:
-        new.append(dp4a(w, xw, accs[r], native))
+        new.append(dp4a(weights, xw, accs[r], native))
     return tuple(new)
 
   acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
@@ -203,8 +184,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
   accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
     total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)
-    if weights == "ternary":
-      total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)  # [bn] int32, exact: each product was 64 x its value
+    total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)  # [bn] int32, exact: each product was 64 x its value
     if config.split_k == 1:  # the reference's epilogue, same order
       sw = sw_ref[0] if tensor_scale else sw_ref[cols]
       o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
@@ -218,13 +198,12 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
         scale_out[0][r] = scales[r]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret", "weights"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
 def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, spec: QuantSpec | None,
-          interpret: bool, weights: str = "ternary"):
-  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel. ``weights="int8"``: ``w_packed`` is
-  an int8 ``[N, K]``."""
+          interpret: bool):
+  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel."""
   m = x.shape[0]
-  n, k_bytes = _words(w_packed, weights)
+  n, k_bytes = w_packed.shape
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
   # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
   sw = w_scale.astype(jnp.float32).reshape(-1)
@@ -241,12 +220,12 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
-                        native=not interpret, tensor_scale=tensor_scale, weights=weights),
+                        native=not interpret, tensor_scale=tensor_scale),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
-      name="jaxlowbit_ternary_gemv" if weights == "ternary" else "jaxlowbit_w8a8_gemv",
+      name="jaxlowbit_ternary_gemv",
   )(*operands)
   if split > 1:
     out, sx = out if spec is not None else (out, sx)
@@ -255,24 +234,14 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   return out
 
 
-def _words(w, weights: str) -> tuple[int, int]:
-  """``(N, packed bytes or int32 words per row)`` of a ``[N, K/4]`` packed or ``[N, K]`` int8 weight."""
-  n, cols = w.shape
-  return (n, cols) if weights == "ternary" else (n, cols // VALUES_PER_BYTE)
-
-
-def _tiling(who: str, m: int, w, config: TernaryGemvConfig | None, weights: str = "ternary") -> TernaryGemvConfig:
-  """``config`` (default :func:`config_for`) after checking it takes M rows and the weight (``[N, K/4]`` packed,
-  or int8 ``[N, K]``)."""
-  n, k_words = _words(w, weights)
-  config = config or config_for(n, k_words, m=m, weights=weights)
-  if weights == "int8" and w.shape[1] % VALUES_PER_BYTE:
-    raise ValueError(f"{who}: K={w.shape[1]} must be a multiple of {VALUES_PER_BYTE}; use the reference")
-  if not supports(m, n, k_words, config):
-    unit = "bytes" if weights == "ternary" else "words of 4"
-    raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_words} {unit} of K] do not "
-                     f"fit the tiling {config} (N a multiple of {config.block_n}, K {unit} of "
-                     f"{config.block_k * config.split_k}); use the GEMM kernels or the reference")
+def _tiling(who: str, m: int, w_packed, config: TernaryGemvConfig | None) -> TernaryGemvConfig:
+  """``config`` (default :func:`config_for`) after checking it takes M rows and the ``[N, K/4]`` packed weight."""
+  n, k_bytes = w_packed.shape
+  config = config or config_for(n, k_bytes, m=m)
+  if not supports(m, n, k_bytes, config):
+    raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
+                     f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
+                     f"{config.block_k * config.split_k}); use a8w2_matmul_kernel or the reference")
   return config
 
 
@@ -295,36 +264,6 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
                interpret=interpret)
 
 
-def _check_float_rows(who: str, x, spec: QuantSpec) -> None:
-  if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{who}: x must be float [M, K], got {x.dtype} {x.shape}")
-  if not spec.is_int8 or spec.per_tensor or spec.ternary:
-    raise ValueError(f"{who}: spec must quantize rows to int8, got {spec}")
-
-
-def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, config: TernaryGemvConfig | None = None,
-                              interpret: bool = False) -> jax.Array:
-  """Float activations x int8 weights for M <= :data:`MAX_M` (W8A8 decode), the activations quantized in the kernel.
-
-  The kernel of :func:`quantize_a8w2_gemv_kernel` with the weight's bytes read as they are: each int32 word of
-  four int8 weights meets the four activation codes it multiplies in one ``dp4a``.
-
-  Args:
-    x: ``[M, K]`` float activations. spec: per-row int8 :class:`QuantSpec` (``INT8_TOKENS``).
-    wq: ``[N, K]`` int8 (K a multiple of 4); w_scale: float32 ``[N]`` or one.
-    out_dtype, config (``block_k`` in words of four weights), interpret: as :func:`quantize_a8w2_gemv_kernel`.
-
-  Returns:
-    ``[M, N]``: ``a8w8_matmul_reference(*quantize_rows_reference(x, spec), wq, w_scale)`` bit for bit.
-  """
-  who = "quantize_a8w8_gemv_kernel"
-  _check_float_rows(who, x, spec)
-  check_a8w8(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), wq, w_scale)
-  config = _tiling(who, x.shape[0], wq, config, "int8")
-  return _call(x, None, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
-               interpret=interpret, weights="int8")
-
-
 def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
                               config: TernaryGemvConfig | None = None, interpret: bool = False) -> jax.Array:
   """Float activations x packed-ternary weights for M <= :data:`MAX_M`, the activations quantized in the kernel.
@@ -341,7 +280,10 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
     ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)`` bit for bit (the
     codes are computed as XLA computes them: ``quantize.encode``).
   """
-  _check_float_rows("quantize_a8w2_gemv_kernel", x, spec)
+  if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")
+  if not spec.is_int8 or spec.per_tensor or spec.ternary:
+    raise ValueError(f"quantize_a8w2_gemv_kernel: spec must quantize rows to int8, got {spec}")
   check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
              w_scale)
   config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config)

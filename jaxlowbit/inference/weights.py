@@ -39,7 +39,7 @@ from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
 from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
-from pallas_kernels import inference_dispatch
+from pallas_kernels import dispatch, inference_dispatch
 
 SCHEMES = ("w8a16", "w8a8", "ternary")
 KERNEL_Q = "kernel_q"
@@ -184,8 +184,8 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str,
   elif scheme == "w8a8":
     if SMOOTH in leaves:
       x2 = x2.astype(jnp.float32) / leaves[SMOOTH]  # quantized straight from float32
-    y = inference_dispatch.w8a8_linear(x2, INT8_TOKENS, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype,
-                                       options=kernels)
+    xq, sx = dispatch.quantize_rows(x2, INT8_TOKENS, options=kernels)
+    y = inference_dispatch.w8a8_matmul(xq, sx, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
   else:
     y = inference_dispatch.ternary_linear(x2, BITNET_TOKENS, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
                                           options=kernels)
