@@ -50,7 +50,10 @@ MIN_BLOCK_M = 16
 GEMV_BLOCK_M = 1
 # (block_n, block_k) at M = 1. One H100 (2026-11-26): alone, 8 x 1024 was the best or within 5% of it on 7 of 8
 # Llama 1B / 8B shapes (benchmarks/results/w8a16_gemv_bf16_matvec_h100_ba701ca.json; 16 x 512 up to 22% slower),
-# but the 1B decode at batch 1 ran 1145 tokens/s with it against 1186 with 16 x 512 (two machine starts).
+# but the 1B decode at batch 1 ran 1145 tokens/s with it against 1186 with 16 x 512 (two machine starts). Checked
+# again with the conversion by bit operations (2026-11-27, one call, alternating processes): alone 8 x 1024 summed
+# 63.1 us over the 1B model's four linears against 72.9, the decode 1190-1191 tokens/s against 1239-1240
+# (benchmarks/results/w8a16_gemv_tiling_sweep_h100_53950ff.json, w8a16_decode_tiling_*_h100_53950ff_run*.json).
 GEMV_TILING = (16, 512)
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
