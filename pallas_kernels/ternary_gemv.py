@@ -73,19 +73,29 @@ BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_pe
 
 
 # Split-K costs an XLA kernel after the GEMV (the partial sums' add and the epilogue). At M = 1 it pays only where
-# the row blocks alone leave SMs idle (one program per SM): 4096 x 4096 on an H100 ran 9.1 us unsplit against 11.1
-# split in two (benchmarks/results/ternary_gemv_split_h100_aafef12.json). At M = 4 the split up to four programs per
-# SM stays: 14336 x 4096 34.8 us split against 42.6 (4096 x 4096 went the other way, 20.3 against 12.9).
-DECODE_PROGRAMS_PER_SM = 1
+# the row blocks alone leave SMs idle (fewer blocks than SMs); there it splits up to DECODE_PROGRAMS_PER_SM programs
+# per SM. On an H100, 4096 x 4096 (256 row blocks) ran 9.1 us unsplit against 11.1 split in two
+# (benchmarks/results/ternary_gemv_split_h100_aafef12.json). The 1B model's down projection (8192 x 2048: 128 row
+# blocks) is the shape the first clause split: 1B decode on an H200 ran 1675 and 1586 tokens/s with it split in four
+# against 1620 and 1539 unsplit (two calls, inference_decode_1b{,_rest}_h200_21b5d4f.json). At M = 4 the split up to
+# four programs per SM stays: 14336 x 4096 34.8 us split against 42.6 (4096 x 4096 went the other way, 20.3
+# against 12.9).
+DECODE_PROGRAMS_PER_SM = 4
 
 
 def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
-  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: split-K up to one program per SM at M = 1
-  (:data:`DECODE_PROGRAMS_PER_SM`), ~4 above."""
+  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: at M = 1, split-K only where the row blocks
+  are fewer than the SMs (then up to :data:`DECODE_PROGRAMS_PER_SM` programs per SM); ~4 per SM above."""
   base = DECODE_TILING if m == 1 else BATCH_TILING
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
-  split = choose_split_k(max(n // block_n, 1), k_bytes, block_k, sms or num_sms(),
-                         DECODE_PROGRAMS_PER_SM if m == 1 else PROGRAMS_PER_SM)
+  sms = sms or num_sms()
+  row_blocks = max(n // block_n, 1)
+  if m > 1:
+    split = choose_split_k(row_blocks, k_bytes, block_k, sms, PROGRAMS_PER_SM)
+  elif row_blocks < sms:
+    split = choose_split_k(row_blocks, k_bytes, block_k, sms, DECODE_PROGRAMS_PER_SM)
+  else:
+    split = 1
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 

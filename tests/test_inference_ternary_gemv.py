@@ -106,6 +106,20 @@ def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
   assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
 
 
+
+@pytest.mark.parametrize("n,k,m,split", [
+    (2048, 8192, 1, 4),   # 1B down: 128 row blocks < 132 SMs -> split up to 4 programs per SM
+    (4096, 4096, 1, 1),   # 256 row blocks fill the SMs: unsplit at M = 1 (9.1 us against 11.1 split)
+    (4096, 14336, 1, 1),
+    (16384, 2048, 1, 1),  # one block of K: nothing to split
+    (4096, 4096, 4, 2),   # M > 1: up to ~4 programs per SM
+])
+def test_split_k_policy_on_132_sms(n, k, m, split):
+  """Split-K at M = 1 only where the row blocks leave SMs idle (an H100's 132), as measured; the split divides K."""
+  config = ternary_gemv.config_for(n, k // 4, sms=132, m=m)
+  assert config.split_k == split
+  assert ternary_gemv.supports(m, n, k // 4, config)
+
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
 def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split, reduce_per_step):
   """x quantized inside the kernel (BitNet's per-token int8) == quantize_rows_reference, then the A8W2 reference."""
