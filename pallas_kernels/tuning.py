@@ -31,8 +31,11 @@ QUANTIZE_ROWS_BY_PROLOGUE = {
     ("fp8", "SwiGLU"): (4, 4096, 8),
 }
 # Transposing tile kernel: (tile rows, tile columns, warps) per prologue (same file): 64 x 128 took
-# identity x 8192 from 0.487 to 0.445 ms (int8); 32 x 128 RmsNorm from 0.159 to 0.147 ms.
-QUANTIZE_TILE = {"Identity": (64, 128, 4), "RmsNorm": (32, 128, 4), "RmsNormApply": (32, 128, 4),
+# identity x 8192 from 0.487 to 0.445 ms (int8); 32 x 128 RmsNorm from 0.159 to 0.147 ms. Identity moved to
+# 32 x 128 on 2026-11-28: rows + q^T int8 of the 1B gate_up gradient (16384 x 16384 bf16, both passes) took
+# 0.522 ms against 0.555 on an H200 (quantize_tile_sweep_h200_c1bcbdd.json; 64 x 64 0.519, the others 0.53-0.63),
+# and the H100 write-pass sweep had it first too (0.443 against 0.454; prologue_tile_sweep_h100_2f26d4e.log).
+QUANTIZE_TILE = {"Identity": (32, 128, 4), "RmsNorm": (32, 128, 4), "RmsNormApply": (32, 128, 4),
                  "SwiGLU": (32, 128, 4)}
 # Per-column scales of a rows + transposed (or transposed-only) request come either from the rows
 # kernel, which writes per-program column maxima ([R / rows per program, C] float32, as many bytes
