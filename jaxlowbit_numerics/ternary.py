@@ -30,6 +30,11 @@ def ternary_scale(mean_abs: jax.Array) -> jax.Array:
   return jnp.maximum(mean_abs.astype(jnp.float32), ABSMEAN_EPS)
 
 
+def absmean_scale(w: jax.Array) -> jax.Array:
+  """float32 ``max(mean(|w|), 1e-5)`` of the whole tensor, shape ``()``: the one scale of a ternary weight."""
+  return ternary_scale(absmean(w)).reshape(())
+
+
 def quantize_ternary_with_scale(w: jax.Array, scale: jax.Array) -> jax.Array:
   """``clip(round(w / scale), -1, 1)`` as int8 for a given float32 ``scale``."""
   return jnp.clip(jnp.round(w.astype(jnp.float32) / scale), -1, 1).astype(jnp.int8)
@@ -47,7 +52,7 @@ def quantize_ternary(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   check_floating(w, "quantize_ternary")
   check_nonempty_slices(w, None, "quantize_ternary")
-  scale = ternary_scale(absmean(w)).reshape(())
+  scale = absmean_scale(w)
   return quantize_ternary_with_scale(w, scale), scale
 
 

@@ -132,7 +132,8 @@ def fused_quantize(
   split = options.split
   with jax.named_scope(QUANTIZE_SCOPE):
     if (not policy.quantize_on_kernel(options.backend) or inputs[0].ndim != 2
-        or policy.quantize_rows_to_xla(r, options.backend) or (split.cols and prologue.stats)):
+        or policy.quantize_rows_to_xla(r, options.backend) or (split.cols and prologue.stats)
+        or (spec.ternary and not policy.ternary_weights_on_kernel(options.backend))):
       # (A row statistic over split columns needs the whole row: the reference raises a clear error for it,
       # and jaxlowbit.fused computes such a norm across the devices before quantizing.)
       return quantize_kernels.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
@@ -169,7 +170,9 @@ def _refuse_forced_fallback(spec: QuantSpec, r: int, c: int, transposed: bool, p
                             backend: str) -> None:
   """Under the ``pallas`` backend, ValueError where a quantize kernel exists for ``spec`` but
   cannot take this ``[R, C]`` shape: forcing the kernels must not run XLA in their place unseen.
-  (Ternary weights and a bare per-tensor row copy have no kernel on purpose: XLA is their path.)"""
+  (A bare per-tensor row copy has no kernel on purpose: XLA is its path. A ternary weight whose shape the tile kernel
+  does not divide, or a split one, is quantized by XLA too: FSDP and tensor parallelism quantize split weights with
+  their own global scale.)"""
   bare_per_tensor = spec.per_tensor and not transposed and isinstance(prologue, Identity)
   if backend != "pallas" or spec.ternary or bare_per_tensor:
     return

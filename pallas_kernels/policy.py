@@ -169,6 +169,19 @@ def fuse_prologue(prologue_name: str) -> bool:
   return prologue_name in FUSED_PROLOGUES
 
 
+# BitNet's ternary weights, quantized for the forward GEMM (codes written transposed, one abs-mean scale) once per
+# step, or per microbatch: by XLA (an abs-mean reduce, then a convert + transpose fusion) or by the quantizers' tile
+# kernel after XLA's abs-mean (pallas_kernels.quantize). In the 1B BitNet step on an H200 XLA's transposes took 3.3
+# ms per step at ~1.5-1.9 TB/s (profile_step_1b_bitnet_h200_21b5d4f.json), where the tile kernel's bf16 passes run
+# at ~2.7. The kernel has not been timed in the step yet: auto keeps XLA until it is; ``pallas`` takes the kernel.
+TERNARY_WEIGHTS_ON_KERNEL = False
+
+
+def ternary_weights_on_kernel(backend: str) -> bool:
+  """Whether BitNet's ternary weights are quantized by the tile kernel (where it takes the shape) under ``backend``."""
+  return check_backend(backend) == "pallas" or TERNARY_WEIGHTS_ON_KERNEL
+
+
 # Fewer rows than this are quantized by XLA under auto: decode at batch 2..16 quantizes a few rows per linear per
 # token, and the rows kernel (8 rows per program) then ran one program on one SM: [8, 8192] in ~9 us on an H100,
 # 268 us per token of the 1B ternary model at batch 8 (inference_decode_profile_1b_batch8_h100_2129284.json);

@@ -29,6 +29,10 @@ Kernels:
   one pass where XLA would concatenate its halves in a second one), or :class:`SwiGLUNormGrad` (the
   backward of an RMSNorm after the gated activation, BitNet's ``ffn_sub_norm``, and SwiGLU's, in one pass).
 
+BitNet's ternary weights (``spec.ternary``) take the tile kernel alone: their one scale is the weight's abs-mean,
+which XLA reduces (:func:`jaxlowbit_numerics.ternary.absmean_scale`, the reference's own arithmetic), and one tiled
+pass writes ``clip(round(w * (1 / scale)), -1, 1)`` transposed (and, on request, in the rows layout).
+
 Public entry points: :func:`quantize_rows_kernel`, :func:`quantize_cols_t_kernel`,
 :func:`quantize_rows_and_cols_t_kernel` (identity prologue), :func:`fused_quantize_kernel`
 (any prologue, any of the layouts) and :func:`prologue_kernel` (the values).
@@ -55,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxlowbit_numerics import fp8, int8
+from jaxlowbit_numerics import fp8, int8, ternary
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import tuning
@@ -405,6 +409,8 @@ def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
   x = jnp.where(x != x, 0.0, x)
+  if spec.ternary:  # param: the weight's abs-mean scale (a NaN weight made it NaN: every code is then 0)
+    return jnp.clip(_rint(x * (1.0 / param), native), -1.0, 1.0).astype(jnp.int8)
   if spec.is_int8:
     y = _rint(x * (1.0 / param), native)
     return jnp.clip(y, -int8.INT8_MAX, int8.INT8_MAX).astype(jnp.int8)
@@ -585,7 +591,10 @@ def supported(spec: QuantSpec, r: int, c: int, transposed: bool, prologue: Prolo
   after their amaxes are reduced, so the tiles must divide; a prologue with a row statistic (RMSNorm)
   cannot take split columns (its caller computes the norm across devices).
   """
-  if spec.ternary or (spec.per_tensor and not transposed and isinstance(prologue, Identity)):
+  if spec.ternary:  # a weight: one tile pass writing q^T (and the rows), never split (FSDP gathers packed codes)
+    return (transposed and isinstance(prologue, Identity) and not split.rows and not split.cols
+            and _tiles_divide(r, c, tuning.quantize_tile_config(prologue)))
+  if spec.per_tensor and not transposed and isinstance(prologue, Identity):
     return False
   if c % 16:
     return False
@@ -686,6 +695,13 @@ def fused_quantize_kernel(
                      f"{tuning.quantize_stats_tile_config(prologue)[:2]}"
                      f"{' (columns split: no row statistic, tiles divide)' if split.cols else ''}; use "
                      "pallas_kernels.dispatch.fused_quantize, which falls back to XLA")
+  if spec.ternary:  # the abs-mean by XLA (exactly the reference's scale), then one tile pass writes the layouts
+    scale = ternary.absmean_scale(inputs[0])
+    r_param = jnp.broadcast_to(scale, (r,)) if rows_spec is not None else None
+    outs = _tile_call(inputs, prologue, None, jnp.broadcast_to(scale, (c,)), spec, per_row=False,
+                      interpret=interpret, r_param=r_param)
+    rows = (outs[1], scale.reshape(1, 1)) if rows_spec is not None else None
+    return rows, (outs[0], scale.reshape(1, 1)), None
   if spec.per_tensor:  # one amax over everything, then one tile pass writes both layouts
     amax, *stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)
     param, scale = code_scales(_pmax(jnp.max(amax), split.rows + split.cols), spec)  # one all-reduce

@@ -204,3 +204,33 @@ def test_prologue_values_use_the_kernel_where_it_tiles(monkeypatch):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2.0**-7, atol=0)
     assert calls == ([((64, h), (64, 2 * h))] if tiles else []), calls
     calls.clear()
+
+
+@pytest.mark.parametrize("backend, on_kernel", [("auto", False), ("auto", True), ("pallas", False)])
+def test_ternary_weights_take_the_tile_kernel_where_the_policy_says(monkeypatch, backend, on_kernel):
+  """GPU dispatch (kernel in interpret mode): BitNet's weight goes to the tile kernel under ``pallas`` or with
+  policy.TERNARY_WEIGHTS_ON_KERNEL, to XLA under ``auto`` otherwise; the codes and the scale are quantize_ternary's
+  either way, and a split weight (FSDP's global scale) never reaches the kernel."""
+  from jaxlowbit_numerics.stats import Split
+  from jaxlowbit_numerics.ternary import quantize_ternary
+  from pallas_kernels import quantize as qk
+
+  calls = []
+
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+    calls.append(inputs[0].shape)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
+  monkeypatch.setattr(policy, "TERNARY_WEIGHTS_ON_KERNEL", on_kernel)
+  monkeypatch.setattr(dispatch, "_kernel", recording)
+  spec = QuantSpec("int8", per_tensor=True, ternary=True)
+  w = jax.random.normal(fresh_key(), (256, 512)) * 0.02
+  qt, st = dispatch.quantize_cols_t(w, spec, DispatchOptions(backend))
+  want_q, want_s = quantize_ternary(w)
+  np.testing.assert_array_equal(np.asarray(qt), np.asarray(want_q.T))
+  np.testing.assert_array_equal(np.asarray(st).reshape(()), np.asarray(want_s))
+  assert calls == ([(256, 512)] if backend == "pallas" or on_kernel else [])
+  with pytest.raises(NotImplementedError, match="global scale"):  # the reference refuses a split ternary weight
+    dispatch.quantize_cols_t(w, spec, DispatchOptions(backend, split=Split(rows=("fsdp",))))
+  assert len(calls) == (1 if backend == "pallas" or on_kernel else 0)

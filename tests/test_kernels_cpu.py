@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from jaxlowbit_numerics.formats import QuantSpec
+from jaxlowbit_numerics.stats import Split
+from jaxlowbit_numerics.ternary import quantize_ternary
 from pallas_kernels import quantize as qk
 from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
@@ -80,7 +82,52 @@ def test_supported_shapes():
   assert not qk.supported(QuantSpec("int8"), 100, 256, transposed=True)  # transposing tiles
   assert not qk.supported(QuantSpec("int8", per_tensor=True), 128, 256, transposed=False)
   assert qk.supported(QuantSpec("int8", per_tensor=True), 128, 256, transposed=True)
-  assert not qk.supported(QuantSpec("int8", per_tensor=True, ternary=True), 128, 256, transposed=True)
+  ternary = QuantSpec("int8", per_tensor=True, ternary=True)
+  assert qk.supported(ternary, 128, 256, transposed=True)  # a weight: the tile pass after XLA's abs-mean
+  assert not qk.supported(ternary, 128, 256, transposed=False)  # rows alone: XLA's elementwise pass
+  assert not qk.supported(ternary, 100, 256, transposed=True)  # tiles
+  assert not qk.supported(ternary, 128, 256, transposed=True, split=Split(rows=("fsdp",)))  # FSDP's global scale
+
+
+TERNARY = QuantSpec("int8", per_tensor=True, ternary=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_ternary_weight_tile_kernel_interpret_is_quantize_ternary(dtype):
+  """BitNet's weight quantized by the tile kernel (XLA's abs-mean, one tiled pass) == quantize_ternary, codes bit
+  for bit in both layouts and the same scale: the kernel multiplies by the scale's reciprocal, which is what XLA
+  computes for the reference's division (no tie needs bounding: both round the same float32 product)."""
+  w = (jax.random.normal(fresh_key(), (256, 384)) * 0.02).astype(dtype)
+  (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(w, TERNARY, interpret=True)
+  want_q, want_s = quantize_ternary(w)
+  _same(q, want_q)
+  _same(qt, want_q.T)
+  assert s.shape == st.shape == (1, 1)
+  np.testing.assert_array_equal(np.asarray(s)[0, 0], np.asarray(want_s))
+  np.testing.assert_array_equal(np.asarray(st)[0, 0], np.asarray(want_s))
+  qt_only, _ = qk.quantize_cols_t_kernel(w, TERNARY, interpret=True)
+  _same(qt_only, qt)
+  assert set(np.unique(np.asarray(q))) <= {-1, 0, 1}
+
+
+def test_ternary_weight_tile_kernel_rounds_ties_to_even_and_clips():
+  """|w| / scale on exact ties: 0.5 -> 0, 1.5 -> 2 -> 1 (clipped), 2.5 -> 2 -> 1; 7 -> 1. The row's abs-mean is
+  exactly 1 (16 / 16), so the scale is 1 and the ratios are the values themselves."""
+  row = jnp.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 7.0] + [0.0] * 9, jnp.float32)
+  w = jnp.tile(row, (32, 8))
+  q, s = quantize_ternary(w)
+  (kq, ks), _ = qk.quantize_rows_and_cols_t_kernel(w, TERNARY, interpret=True)
+  assert float(ks[0, 0]) == float(s) == 1.0
+  np.testing.assert_array_equal(np.asarray(kq)[0, :8], [0, 1, 1, 0, -1, -1, 1, 0])
+  _same(kq, q)
+
+
+def test_ternary_weight_tile_kernel_nan_weight_is_nan_everywhere():
+  """A NaN weight makes the abs-mean scale NaN, as in the reference: the weight dequantizes to NaN, not to codes."""
+  w = (jax.random.normal(fresh_key(), (64, 128)) * 0.02).at[5, 7].set(jnp.nan)
+  (q, s), (qt, st) = qk.quantize_rows_and_cols_t_kernel(w, TERNARY, interpret=True)
+  assert np.isnan(np.asarray(s)).all() and np.isnan(np.asarray(st)).all()
+  _same(q, quantize_ternary(w)[0])
 
 
 @pytest.mark.timeout(300)
@@ -281,3 +328,11 @@ def test_prologue_kernel_rejects_what_it_cannot_tile():
     qk.prologue_kernel(_swiglu_grad_inputs(64, 192), qk.SwiGLUGrad(), interpret=True)  # a half of 192 columns
   with pytest.raises(ValueError, match="by blocks"):
     qk.prologue_kernel((jnp.ones((64, 128)), jnp.ones(128)), qk.RmsNorm(1e-5, jnp.dtype(jnp.float32)), interpret=True)
+
+
+def test_ternary_weight_tile_kernel_lowers_for_cuda():
+  """The ternary tile pass (PTX rounding, clip to [-1, 1], int8 stores of both layouts) lowers to a Triton call."""
+  w = jax.ShapeDtypeStruct((2048, 3072), jnp.float32)
+  lowered = jax.jit(lambda w: qk.quantize_rows_and_cols_t_kernel(w, TERNARY)).trace(w).lower(
+      lowering_platforms=("cuda",))
+  assert "__gpu$xla.gpu.triton" in lowered.as_text()

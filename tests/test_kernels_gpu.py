@@ -323,3 +323,20 @@ def test_fused_quantize_kernel_rows_only_over_split_columns(rows_t):
     assert (g != w).mean() <= 1e-3 and np.all(np.abs(g - w) <= 1.0)
   for copy in got[1]:
     np.testing.assert_allclose(copy, s_w, rtol=1e-5)
+
+@pytest.mark.parametrize("k,n", [(2048, 16384), (8192, 2048), (2048, 3072)])
+def test_ternary_weight_tile_kernel_is_quantize_ternary_on_gpu(k, n):
+  """BitNet's float32 weight at the 1B model's shapes: the tile kernel (PTX rounding, the scale's reciprocal) writes
+  exactly quantize_ternary's codes in both layouts, with its scale (XLA rewrites the reference's division by the
+  scale into the same multiplication)."""
+  from jaxlowbit_numerics.ternary import quantize_ternary
+  from pallas_kernels import quantize as qk
+
+  spec = QuantSpec("int8", per_tensor=True, ternary=True)
+  w = jax.random.normal(fresh_key(), (k, n), jnp.float32) * 0.02
+  (q, s), (qt, st) = jax.jit(lambda w: qk.quantize_rows_and_cols_t_kernel(w, spec))(w)
+  want_q, want_s = jax.jit(quantize_ternary)(w)
+  np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
+  np.testing.assert_array_equal(np.asarray(qt), np.asarray(want_q).T)
+  np.testing.assert_array_equal(np.asarray(s).reshape(()), np.asarray(want_s))
+  np.testing.assert_array_equal(np.asarray(st).reshape(()), np.asarray(want_s))
