@@ -16,7 +16,10 @@ device's result bytes with loops counted; the table prints the per-axis bytes un
 
 ``--variants "A;B"`` runs every config once per variant, each a comma-separated list of KEY=VALUE
 overrides on top of ``--set`` ("" = as configured), e.g. ``";mesh.xla_overlap=false"`` times each config
-with and without collective overlap in one process. ``speedup_vs_bf16`` compares a row with the bf16
+with and without collective overlap in one process. A key ``policy.NAME`` sets the dispatch constant
+``pallas_kernels.policy.NAME`` for that variant's rows instead (restored after each), so a kernel the
+policy keeps off is timed against the default in one process:
+``";policy.TERNARY_WEIGHTS_ON_KERNEL=true"``. ``speedup_vs_bf16`` compares a row with the bf16
 row of the same model shape, device count and variant. ``--one_device_row`` adds the first config's
 bf16 step on one device with the same sequences per device (``batch_size / devices``), against which
 FSDP rows report ``per_device_vs_one_device``. ``--time_budget_s`` starts no row after that many seconds
@@ -37,6 +40,7 @@ visible device (``train.main``'s default there), MFU then counting all of their 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import pathlib
@@ -49,6 +53,7 @@ import numpy as np
 
 from benchmarks import common, peers
 from jaxlowbit.parallel.hlo import bytes_by_axis, collectives, summarize
+from pallas_kernels import policy
 from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
@@ -86,6 +91,32 @@ def parse_overrides(pairs: list[str]) -> dict:
     key, value = pair.split("=", 1)
     overrides[key] = parse_value(value)
   return overrides
+
+
+POLICY_PREFIX = "policy."
+
+
+def split_policy(variant: dict) -> tuple[dict, dict]:
+  """A variant's ``(config overrides, pallas_kernels.policy constants)``; SystemExit naming an unknown constant."""
+  values = {k[len(POLICY_PREFIX):]: v for k, v in variant.items() if k.startswith(POLICY_PREFIX)}
+  unknown = [name for name in values if not name.isupper() or not hasattr(policy, name)]
+  if unknown:
+    raise SystemExit(f"--variants: pallas_kernels.policy has no constant {', '.join(unknown)} "
+                     f"(e.g. {POLICY_PREFIX}TERNARY_WEIGHTS_ON_KERNEL=true)")
+  return {k: v for k, v in variant.items() if not k.startswith(POLICY_PREFIX)}, values
+
+
+@contextlib.contextmanager
+def policy_set(values: dict):
+  """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed (read when the step traces)."""
+  old = {name: getattr(policy, name) for name in values}
+  try:
+    for name, value in values.items():
+      setattr(policy, name, value)
+    yield
+  finally:
+    for name, value in old.items():
+      setattr(policy, name, value)
 
 
 def bench_one(config, steps: int, warmup: int, peak: float | None, peer: str | None = None) -> dict:
@@ -283,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
   runs += [(runs[0][0], "optimizer", name) for name in args.extra_optimizers.split(",") if name]
   runs += [(runs[0][0], "peer", name) for name in args.peers.split(",") if name]
   variants = [parse_overrides([pair for pair in text.split(",") if pair.strip()]) for text in args.variants.split(";")]
+  for variant in variants:
+    split_policy(variant)  # an unknown policy constant stops the run before anything compiles
   first = runs[0][0]
   runs = [(path, field, value, variant) for variant in variants for path, field, value in runs]
   if args.one_device_row:  # after the first variant's rows: a time budget cuts the other variants first
@@ -296,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     variant_name = ",".join(f"{k}={v}" for k, v in variant.items())
     name = config_name(path) + (f"+{value}" if value else "") + (f" [{variant_name}]" if variant_name else "")
     peer = value if field == "peer" else None
-    run_overrides = {**overrides, **variant, **({"recipe": "bf16"} if peer else {field: value} if field else {})}
+    config_variant, policy_values = split_policy(variant)
+    run_overrides = {**overrides, **config_variant, **({"recipe": "bf16"} if peer else {field: value} if field else {})}
     if field == "one_device":
       name = config_name(path).split(":")[0] + ":bf16 one device"
       run_overrides = {**overrides, "mesh.fsdp": 1, "recipe": "bf16"}
@@ -313,8 +347,10 @@ def main(argv: list[str] | None = None) -> None:
         fsdp_size = overrides.get("mesh.fsdp", 1)
         config.batch_size //= jax.device_count() if fsdp_size == train_config.MESH_AUTO else fsdp_size
       train_config.check(config)
-      row = {"name": name, **bench_one(config, args.steps, args.warmup, peak, peer), "variant": variant,
-             "variant_name": variant_name, "one_device_baseline": field == "one_device"}
+      with policy_set(policy_values):
+        timed = bench_one(config, args.steps, args.warmup, peak, peer)
+      row = {"name": name, **timed, "variant": variant, "variant_name": variant_name,
+             "one_device_baseline": field == "one_device"}
       print(f"{name}: {row['tokens_per_s']:,.0f} tokens/s, {1e3 * row['step_time_s']:.1f} ms/step, "
             f"loss {row['last_loss']:.3f}", flush=True)
     except Exception as e:  # one failing recipe (e.g. out of memory) must not lose the others

@@ -12,6 +12,7 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MICRO = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1, "model.d_ff": 64,
@@ -58,3 +59,30 @@ def test_time_budget_skips_rows_and_lists_them(tmp_path):
   first, second = result["rows"]
   assert "tokens_per_s" not in first and first["skipped"] == "time budget"
   assert second["name"] == "layers_8b:bf16 [mesh.xla_overlap=False]" and second["skipped"] == "time budget"
+
+
+def test_policy_variants_set_the_dispatch_constant_for_their_rows_only(tmp_path):
+  """``policy.NAME=value`` in a variant sets pallas_kernels.policy.NAME while that row is built and timed (the A/B of
+  a kernel the policy keeps off), restores it after, and an unknown name stops the run before anything compiles."""
+  from pallas_kernels import policy
+
+  module = _benchmark()
+  seen, real = [], module.bench_one
+
+  def recording(*args, **kwargs):
+    seen.append(policy.TERNARY_WEIGHTS_ON_KERNEL)
+    return real(*args, **kwargs)
+
+  module.bench_one = recording
+  out = tmp_path / "throughput.json"
+  common = ["--configs", f"{REPO / 'configs' / 'layers_8b.py'}:bf16", "--steps", "1", "--warmup", "1", "--out", str(out),
+            *[arg for k, v in MICRO.items() for arg in ("--set", f"{k}={v}")]]
+  default = policy.TERNARY_WEIGHTS_ON_KERNEL
+  module.main([*common, "--variants", f";policy.TERNARY_WEIGHTS_ON_KERNEL={not default}"])
+  assert seen == [default, not default] and policy.TERNARY_WEIGHTS_ON_KERNEL == default
+  rows = json.loads(out.read_text())["rows"]
+  assert rows[1]["name"] == f"layers_8b:bf16 [policy.TERNARY_WEIGHTS_ON_KERNEL={not default}]"
+  assert all("tokens_per_s" in r for r in rows)
+  with pytest.raises(SystemExit, match="NO_SUCH_CONSTANT"):
+    module.main([*common, "--variants", "policy.NO_SUCH_CONSTANT=1"])
+  assert len(seen) == 2  # nothing compiled for the refused run
