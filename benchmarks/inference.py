@@ -40,6 +40,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--profile-decode" in sys.argv:  # before jax starts: profile_step turns XLA's CUDA graphs off
@@ -300,14 +301,16 @@ def _decode_cases(schemes, batches, prompt_len, long_schemes, long_context, new_
 
 
 def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: int, runs: int, long_schemes=(),
-                 long_context: int = 0, scan_layers: bool = False, profile: bool = False) -> list[dict]:
+                 long_context: int = 0, scan_layers: bool = False, profile: bool = False,
+                 on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
   """Decode ms/token and tokens/s (median, min, max of ``runs``) per (scheme, KV cache dtype, batch, context).
 
   Short-context rows prefill a ``prompt_len`` random prompt (``train.generate``'s prefill); long-context rows
   start from a zero cache whose index says ``long_context - new_tokens`` tokens are in it: a step's attention
   reads all S cached positions whatever they hold, so the time is that of a real cache, without a 2k-token
   prefill to compile and run per row. ``profile`` adds each row's kernel time per token by category
-  (:func:`profile_decode`).
+  (:func:`profile_decode`). ``on_row(rows)`` is called with the rows so far after each one (``main`` saves them,
+  so a call cut by its time limit keeps what it measured).
   """
   from train import config as train_config
   from train import kv_cache
@@ -378,6 +381,8 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
         traceback.print_exc()
       rows.append(row)
       print({k_: v for k_, v in row.items() if k_ != "profile_top_kernels"}, flush=True)
+      if on_row is not None:
+        on_row(rows)
     del prepared
   for r in rows:  # against bf16 weights with the bf16 cache at the same batch and context
     base = next((b.get("tokens_per_s") for b in rows if b.get("scheme") == "bf16" and b.get("kv_cache") == "auto"
@@ -502,7 +507,9 @@ def main(argv=None):
   if not args.skip_decode:
     decode_rows = bench_decode(DECODE_CONFIGS[args.decode_config], args.decode_schemes, args.decode_batches,
                                args.prompt_len, args.new_tokens, args.runs, args.long_schemes, args.long_context,
-                               args.decode_scan, args.profile_decode)
+                               args.decode_scan, args.profile_decode,
+                               on_row=lambda rows: write_json("inference", linear_rows, args.out, sweep=sweep_rows,
+                                                              decode=rows, partial=True))
   memory = [{"k": k, "n": n, **{s: r["weight_mib"] for s in ("bf16", *inference.SCHEMES)
                                 for r in linear_rows if (r["k"], r["n"]) == (k, n) and r["variant"] == s}}
             for k, n in shapes]

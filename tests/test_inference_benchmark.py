@@ -47,3 +47,13 @@ def test_timed_runs_last_at_least_the_minimum_run_time():
   assert short["iters"] == 2 and len(short["samples_us"]) == 3 and short["us_min"] <= short["us"] <= short["us_max"]
   long = benchmark.time_runs(fn, x, iters=2, runs=3, min_run_s=0.05)
   assert long["iters"] > 2 and len(long["samples_us"]) == 3
+
+
+def test_decode_rows_reach_the_caller_as_each_is_measured():
+  """``on_row`` sees the rows after each one (main writes them to --out then: a call cut by its time limit on the GPU
+  keeps the rows it measured, where the H200 profile run of 2026-11-28 lost all of them)."""
+  seen = []
+  rows = benchmark.bench_decode(benchmark.DECODE_CONFIGS["tiny"], ["bf16", "ternary"], [1], 4, 5, 1,
+                                on_row=lambda so_far: seen.append([r["scheme"] for r in so_far]))
+  assert seen == [["bf16"], ["bf16", "ternary"]]
+  assert [r["scheme"] for r in rows] == ["bf16", "ternary"] and all("error" not in r for r in rows)
