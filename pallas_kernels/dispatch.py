@@ -244,6 +244,18 @@ def quantize_cols_t(x: jax.Array, spec: QuantSpec,
   return fused_quantize((x,), Identity(), None, spec, options=options)[1]
 
 
+def quantize_ternary_weight(w: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None):
+  """BitNet's weight ``W [K, N]`` -> ``(rows or None, transposed)``: ``Wq^T [N, K]`` (int8, scale ``[1, 1]``) for the
+  forward GEMM and, where the tile kernel quantizes ternary weights (``policy.ternary_weights_on_kernel``), ``Wq
+  [K, N]`` for grad_input from the same pass. Elsewhere rows is None: the backward transposes the forward's codes
+  (XLA quantizes W and transposes in one fusion), so the XLA path reads W once as before."""
+  options = _resolve(options)
+  if policy.ternary_weights_on_kernel(options.backend):
+    rows, transposed, _ = fused_quantize((w,), Identity(), spec, spec, options=options)
+    return rows, transposed
+  return None, quantize_cols_t(w, spec, options)
+
+
 def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None):
   """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can."""
   rows, transposed, _ = fused_quantize((x,), Identity(), spec, spec, options=options)

@@ -234,3 +234,38 @@ def test_ternary_weights_take_the_tile_kernel_where_the_policy_says(monkeypatch,
   with pytest.raises(NotImplementedError, match="global scale"):  # the reference refuses a split ternary weight
     dispatch.quantize_cols_t(w, spec, DispatchOptions(backend, split=Split(rows=("fsdp",))))
   assert len(calls) == (1 if backend == "pallas" or on_kernel else 0)
+
+
+def test_bitnet_weight_from_one_kernel_pass_keeps_the_xla_paths_numbers(monkeypatch):
+  """With the ternary tile kernel on (interpret mode), BitNet's forward takes Wq^T and Wq from one pass and its
+  backward reads Wq without transposing: output, dx and dW equal the XLA path's bit for bit. (Other quantizations go
+  to their reference here, so only the weight's path differs.)"""
+  from jaxlowbit import BitNet, quantized_matmul
+  from pallas_kernels import quantize as qk
+
+  kx, kw, kg = jax.random.split(fresh_key(), 3)
+  x = jax.random.normal(kx, (64, 128)).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (128, 256)) * 0.02
+  g = jax.random.normal(kg, (64, 256)).astype(jnp.bfloat16)
+
+  def run():
+    y, vjp = jax.vjp(lambda x, w: quantized_matmul(x, w, BitNet.presets["bitnet"]), x, w)
+    return (y, *vjp(g))
+
+  want = jax.jit(lambda: run())()  # a new function object per trace: jit's cache must not hand back the first
+  calls = []
+
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+    spec = rows_spec or cols_spec
+    if not spec.ternary:
+      return qk.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
+    calls.append((rows_spec is not None, cols_spec is not None))
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+
+  monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
+  monkeypatch.setattr(policy, "TERNARY_WEIGHTS_ON_KERNEL", True)
+  monkeypatch.setattr(dispatch, "_kernel", recording)
+  got = jax.jit(lambda: run())()
+  assert calls == [(True, True)]  # one pass, both layouts
+  for name, a, b in zip(("y", "dx", "dw"), got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)

@@ -90,9 +90,10 @@ class BitNet(Recipe):
       if is_low_bit(w):
         w_t = provided(w, "transposed", TERNARY, self, "weight")
         w_kept = w  # a producer's operand: FSDP's gather brings grad_input's rows too, train.steps' not
-      else:
-        w_t = QuantizedMatrix(*dispatch.quantize_cols_t(w, TERNARY, options), TERNARY)  # Wq^T [N, K], one scale
-        w_kept = w_t  # the backward derives Wq from these codes: W is quantized once per use
+      else:  # Wq^T [N, K] (one scale), and Wq [K, N] where one kernel pass writes both: W is quantized once per use
+        rows, transposed = dispatch.quantize_ternary_weight(w, TERNARY, options)
+        w_t = QuantizedMatrix(*transposed, TERNARY)
+        w_kept = (None if rows is None else QuantizedMatrix(*rows, TERNARY), w_t)
       y = gemm(x_rows, w_t, x.dtype, options)
     # The straight-through grad_weight multiplies by the quantized x (int8 + one scale per row), or
     # an int8 grad_weight by x^T quantized per input feature.
@@ -104,12 +105,14 @@ class BitNet(Recipe):
     g_rows, g_t = quantize_operand(g, OperandQuantization(GRADIENTS if self.grad_input else None,
                                                           GRADIENTS if self.grad_weight else None), options)
     with jax.named_scope(GRAD_INPUT_SCOPE):
-      if is_low_bit(w) and w.rows is not None:
-        w_rows = provided(w, "rows", TERNARY, self, "weight")
+      if is_low_bit(w):
+        w_rows = provided(w, "rows", TERNARY, self, "weight") if w.rows is not None else None
+        w_t = provided(w, "transposed", TERNARY, self, "weight")
       else:
+        w_rows, w_t = w  # the forward's codes (Wq or None, Wq^T)
+      if w_rows is None:
         # Wq [K, N] K-major for the GEMM: an int8 transpose of the forward's codes (one scale for
         # the tensor, so the rows' scale is the same), bit-identical to quantizing W again by rows.
-        w_t = provided(w, "transposed", TERNARY, self, "weight") if is_low_bit(w) else w
         w_rows = QuantizedMatrix(w_t.data.T, w_t.scale, TERNARY)
       if self.grad_input:
         dx = gemm(g_rows, w_rows, g.dtype, options)  # Wq is exact in int8
