@@ -247,8 +247,9 @@ def quantize_cols_t(x: jax.Array, spec: QuantSpec,
 def quantize_ternary_weight(w: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None):
   """BitNet's weight ``W [K, N]`` -> ``(rows or None, transposed)``: ``Wq^T [N, K]`` (int8, scale ``[1, 1]``) for the
   forward GEMM and, where the tile kernel quantizes ternary weights (``policy.ternary_weights_on_kernel``), ``Wq
-  [K, N]`` for grad_input from the same pass. Elsewhere rows is None: the backward transposes the forward's codes
-  (XLA quantizes W and transposes in one fusion), so the XLA path reads W once as before."""
+  [K, N]`` for grad_input from the same pass. Elsewhere rows is None and the backward transposes the forward's codes,
+  as before (the 1B step's H200 profile shows no transpose kernel of its own for them: XLA writes both layouts in
+  its quantizing fusion, as far as the profile tells)."""
   options = _resolve(options)
   if policy.ternary_weights_on_kernel(options.backend):
     rows, transposed, _ = fused_quantize((w,), Identity(), spec, spec, options=options)
