@@ -107,7 +107,7 @@ class BitNet(Recipe):
     with jax.named_scope(GRAD_INPUT_SCOPE):
       if is_low_bit(w):
         w_rows = provided(w, "rows", TERNARY, self, "weight") if w.rows is not None else None
-        w_t = provided(w, "transposed", TERNARY, self, "weight")
+        w_t = provided(w, "transposed", TERNARY, self, "weight") if w_rows is None else None
       else:
         w_rows, w_t = w  # the forward's codes (Wq or None, Wq^T)
       if w_rows is None:
