@@ -502,14 +502,15 @@ def main(argv=None):
   linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.runs, args.layers)
   sweep_rows = (bench_kernel_sweep(shapes, args.iters, args.runs, args.layers, args.sweep_m, args.sweep_kernels)
                 if args.sweep else [])
-  write_json("inference", linear_rows, args.out, sweep=sweep_rows, partial=True)  # kept if decode runs out of time
+  def save_partial(decode_rows: list[dict]):  # what is measured so far, kept if a later row runs out of time
+    write_json("inference", linear_rows, args.out, sweep=sweep_rows, decode=decode_rows, partial=True)
+
+  save_partial([])
   decode_rows = []
   if not args.skip_decode:
     decode_rows = bench_decode(DECODE_CONFIGS[args.decode_config], args.decode_schemes, args.decode_batches,
                                args.prompt_len, args.new_tokens, args.runs, args.long_schemes, args.long_context,
-                               args.decode_scan, args.profile_decode,
-                               on_row=lambda rows: write_json("inference", linear_rows, args.out, sweep=sweep_rows,
-                                                              decode=rows, partial=True))
+                               args.decode_scan, args.profile_decode, on_row=save_partial)
   memory = [{"k": k, "n": n, **{s: r["weight_mib"] for s in ("bf16", *inference.SCHEMES)
                                 for r in linear_rows if (r["k"], r["n"]) == (k, n) and r["variant"] == s}}
             for k, n in shapes]

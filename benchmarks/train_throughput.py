@@ -47,6 +47,7 @@ import pathlib
 import sys
 import time
 import traceback
+from unittest import mock
 
 import jax
 import numpy as np
@@ -106,17 +107,9 @@ def split_policy(variant: dict) -> tuple[dict, dict]:
   return {k: v for k, v in variant.items() if not k.startswith(POLICY_PREFIX)}, values
 
 
-@contextlib.contextmanager
 def policy_set(values: dict):
   """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed (read when the step traces)."""
-  old = {name: getattr(policy, name) for name in values}
-  try:
-    for name, value in values.items():
-      setattr(policy, name, value)
-    yield
-  finally:
-    for name, value in old.items():
-      setattr(policy, name, value)
+  return mock.patch.multiple(policy, **values) if values else contextlib.nullcontext()
 
 
 def bench_one(config, steps: int, warmup: int, peak: float | None, peer: str | None = None) -> dict:
