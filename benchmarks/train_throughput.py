@@ -59,6 +59,7 @@ from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
 from train.spec import resolve
+from train.steps import clear_cache as clear_step_cache
 from train.steps import step_functions
 
 DEFAULT_CONFIGS = ("configs/bf16_1b.py", "configs/int8_1b.py", "configs/fp8_1b.py", "configs/bitnet_1b.py")
@@ -107,9 +108,23 @@ def split_policy(variant: dict) -> tuple[dict, dict]:
   return {k: v for k, v in variant.items() if not k.startswith(POLICY_PREFIX)}, values
 
 
+@contextlib.contextmanager
 def policy_set(values: dict):
-  """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed (read when the step traces)."""
-  return mock.patch.multiple(policy, **values) if values else contextlib.nullcontext()
+  """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed.
+
+  The constants are read when the step traces, and the trainer caches its traced steps by the run's spec, which
+  does not name them: the cache is cleared on the way in and out, so the row traces afresh under the constants and
+  the rows after it do not reuse its step.
+  """
+  if not values:
+    yield
+    return
+  clear_step_cache()
+  try:
+    with mock.patch.multiple(policy, **values):
+      yield
+  finally:
+    clear_step_cache()
 
 
 def bench_one(config, steps: int, warmup: int, peak: float | None, peer: str | None = None) -> dict:

@@ -63,8 +63,12 @@ def test_time_budget_skips_rows_and_lists_them(tmp_path):
 
 def test_policy_variants_set_the_dispatch_constant_for_their_rows_only(tmp_path):
   """``policy.NAME=value`` in a variant sets pallas_kernels.policy.NAME while that row is built and timed (the A/B of
-  a kernel the policy keeps off), restores it after, and an unknown name stops the run before anything compiles."""
-  from pallas_kernels import policy
+  a kernel the policy keeps off), its step traces afresh under it (the trainer caches steps by the spec, which does
+  not name the constant: on the GPU the variant row once reused the default row's step), the constant is restored
+  after, and an unknown name stops the run before anything compiles."""
+  from unittest import mock
+
+  from pallas_kernels import dispatch, policy
 
   module = _benchmark()
   seen, real = [], module.bench_one
@@ -75,13 +79,22 @@ def test_policy_variants_set_the_dispatch_constant_for_their_rows_only(tmp_path)
 
   module.bench_one = recording
   out = tmp_path / "throughput.json"
-  common = ["--configs", f"{REPO / 'configs' / 'layers_8b.py'}:bf16", "--steps", "1", "--warmup", "1", "--out", str(out),
-            *[arg for k, v in MICRO.items() for arg in ("--set", f"{k}={v}")]]
+  micro = {**MICRO, "mesh.fsdp": 1}  # one device: BitNet's forward quantizes its weights itself (FSDP gathers codes)
+  common = ["--configs", f"{REPO / 'configs' / 'layers_8b.py'}:bitnet", "--steps", "1", "--warmup", "1",
+            "--out", str(out), *[arg for k, v in micro.items() for arg in ("--set", f"{k}={v}")]]
   default = policy.TERNARY_WEIGHTS_ON_KERNEL
-  module.main([*common, "--variants", f";policy.TERNARY_WEIGHTS_ON_KERNEL={not default}"])
+  traced, quantize = [], dispatch.quantize_ternary_weight  # called as the step traces, never by a cached step
+
+  def tracing(*args, **kwargs):
+    traced.append(policy.TERNARY_WEIGHTS_ON_KERNEL)
+    return quantize(*args, **kwargs)
+
+  with mock.patch.object(dispatch, "quantize_ternary_weight", tracing):
+    module.main([*common, "--variants", f";policy.TERNARY_WEIGHTS_ON_KERNEL={not default}"])
   assert seen == [default, not default] and policy.TERNARY_WEIGHTS_ON_KERNEL == default
+  assert default in traced and (not default) in traced, traced
   rows = json.loads(out.read_text())["rows"]
-  assert rows[1]["name"] == f"layers_8b:bf16 [policy.TERNARY_WEIGHTS_ON_KERNEL={not default}]"
+  assert rows[1]["name"] == f"layers_8b:bitnet [policy.TERNARY_WEIGHTS_ON_KERNEL={not default}]"
   assert all("tokens_per_s" in r for r in rows)
   with pytest.raises(SystemExit, match="NO_SUCH_CONSTANT"):
     module.main([*common, "--variants", "policy.NO_SUCH_CONSTANT=1"])

@@ -196,6 +196,13 @@ def step_functions(spec: RunSpec) -> StepFunctions:
   return _step_functions(spec.compiled)
 
 
+def clear_cache() -> None:
+  """Drop the cached step functions and what JAX traced for them: the next :func:`step_functions` traces afresh
+  (after a change the spec does not name, such as a ``pallas_kernels.policy`` constant in a benchmark's A/B)."""
+  _step_functions.cache_clear()
+  jax.clear_caches()
+
+
 @functools.lru_cache(maxsize=4)
 def _step_functions(spec: RunSpec) -> StepFunctions:
   runtime = make_runtime(spec)
