@@ -171,15 +171,18 @@ def fuse_prologue(prologue_name: str) -> bool:
 
 # BitNet's ternary weights, quantized for the forward GEMM (codes written transposed, one abs-mean scale) once per
 # step, or per microbatch: by XLA (an abs-mean reduce, then a convert + transpose fusion) or by the quantizers' tile
-# kernel after XLA's abs-mean (pallas_kernels.quantize). In the 1B BitNet step on an H200 XLA's transposes took 3.3
-# ms per step at ~1.5-1.9 TB/s (profile_step_1b_bitnet_h200_21b5d4f.json), where the tile kernel's bf16 passes run
-# at ~2.7. The kernel has not been timed in the step yet: auto keeps XLA until it is; ``pallas`` takes the kernel.
-TERNARY_WEIGHTS_ON_KERNEL = False
+# kernel after XLA's abs-mean (pallas_kernels.quantize), which also writes Wq for grad_input from the same read. In
+# the 1B BitNet step on an H200 XLA's transposes took 3.3 ms per step at ~1.5-1.9 TB/s
+# (profile_step_1b_bitnet_h200_21b5d4f.json). The kernel took 1.4 ms off the step on both machines, in the same
+# process as the XLA row (train_throughput_1b_ternkernel_{h100,h200}_e375cc0.json): H100 163.4 -> 162.0 ms, H200
+# 155.7 -> 154.3 ms.
+TERNARY_WEIGHTS_ON_KERNEL = True
 
 
 def ternary_weights_on_kernel(backend: str) -> bool:
-  """Whether BitNet's ternary weights are quantized by the tile kernel (where it takes the shape) under ``backend``."""
-  return check_backend(backend) == "pallas" or TERNARY_WEIGHTS_ON_KERNEL
+  """Whether BitNet's ternary weights are quantized by the tile kernel (where it takes the shape) under ``backend``:
+  where the quantizers run on kernels at all (:func:`quantize_on_kernel`), under ``pallas`` or as the table says."""
+  return quantize_on_kernel(backend) and (backend == "pallas" or TERNARY_WEIGHTS_ON_KERNEL)
 
 
 # Fewer rows than this are quantized by XLA under auto: decode at batch 2..16 quantizes a few rows per linear per

@@ -236,6 +236,23 @@ def test_ternary_weights_take_the_tile_kernel_where_the_policy_says(monkeypatch,
   assert len(calls) == (1 if backend == "pallas" or on_kernel else 0)
 
 
+@pytest.mark.parametrize("backend", ["auto", "pallas", "xla"])
+def test_ternary_weight_rows_only_where_the_kernel_runs(monkeypatch, backend):
+  """quantize_ternary_weight asks for Wq's rows only where the tile kernel writes them in its pass: where the
+  quantizers run on no kernel (this CPU; the xla backend), the policy's table does not matter and the backward
+  transposes Wq^T as before."""
+  from jaxlowbit_numerics.ternary import quantize_ternary
+
+  monkeypatch.setattr(policy, "TERNARY_WEIGHTS_ON_KERNEL", True)
+  w = jax.random.normal(fresh_key(), (128, 256)) * 0.02
+  rows, (qt, st) = dispatch.quantize_ternary_weight(w, QuantSpec("int8", per_tensor=True, ternary=True),
+                                                    DispatchOptions(backend))
+  assert rows is None and not policy.ternary_weights_on_kernel(backend)
+  want_q, want_s = quantize_ternary(w)
+  np.testing.assert_array_equal(np.asarray(qt), np.asarray(want_q.T))
+  np.testing.assert_array_equal(np.asarray(st).reshape(()), np.asarray(want_s))
+
+
 def test_bitnet_weight_from_one_kernel_pass_keeps_the_xla_paths_numbers(monkeypatch):
   """With the ternary tile kernel on (interpret mode), BitNet's forward takes Wq^T and Wq from one pass and its
   backward reads Wq without transposing: output, dx and dW equal the XLA path's bit for bit. (Other quantizations go
