@@ -10,6 +10,7 @@ pre-quantized input.
 """
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -123,6 +124,32 @@ def test_norm_of_the_gated_activation_is_the_two_producers_in_one(recipe, activa
   for a, b in zip(*grads):
     assert a.dtype == b.dtype and a.shape == b.shape
     assert rel_err(a, b) <= 2 * BF16_ROUNDING, rel_err(a, b)
+
+
+def test_sub_norm_backward_reads_its_bf16_residual():
+  """The ffn_sub_norm backward reads h as the bf16 residual the forward saved, behind an optimization barrier: XLA
+  folded the cast of h back to float32 into the forward's float32 value, and on the GPU the forward fusion then
+  wrote h a second time in float32 for the backward (twice h's bytes, 1B step). The barrier sits on h's residual
+  (bf16 [M, H]) between the forward and the backward's first use of it."""
+  gate_up = jax.random.normal(fresh_key(), (64, 2 * 96)).astype(jnp.bfloat16)
+  scale, w = jnp.ones((96,)), jnp.ones((96, 32)) / 10
+  recipe = BitNet.presets["bitnet"]
+
+  def loss(g, s, w):
+    operand = fused.swiglu_rms_norm_for(g, s, 1e-5, recipe, jnp.bfloat16)
+    return jnp.sum(jaxlowbit.quantized_matmul(operand, w, recipe).astype(jnp.float32))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(gate_up, scale, w)
+  barriers = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+  assert [(v.aval.shape, v.aval.dtype) for e in barriers for v in e.invars] == [((64, 96), jnp.bfloat16)], barriers
+
+
+def _equations(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs its equations call (custom_vjp rules, jit, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _equations(sub)
 
 
 PLAIN_GATES = {"silu": jax.nn.silu, "relu2": lambda g: jnp.maximum(g, 0) ** 2}
