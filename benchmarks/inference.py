@@ -502,7 +502,7 @@ def main(argv=None):
   linear_rows = bench_linears(shapes, args.m, args.variants, args.iters, args.runs, args.layers)
   sweep_rows = (bench_kernel_sweep(shapes, args.iters, args.runs, args.layers, args.sweep_m, args.sweep_kernels)
                 if args.sweep else [])
-  def save_partial(decode_rows: list[dict]):  # what is measured so far, kept if a later row runs out of time
+  def save_partial(decode_rows: list[dict]) -> None:  # what is measured so far, kept if a later row runs out of time
     write_json("inference", linear_rows, args.out, sweep=sweep_rows, decode=decode_rows, partial=True)
 
   save_partial([])

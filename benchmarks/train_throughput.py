@@ -17,9 +17,9 @@ device's result bytes with loops counted; the table prints the per-axis bytes un
 ``--variants "A;B"`` runs every config once per variant, each a comma-separated list of KEY=VALUE
 overrides on top of ``--set`` ("" = as configured), e.g. ``";mesh.xla_overlap=false"`` times each config
 with and without collective overlap in one process. A key ``policy.NAME`` sets the dispatch constant
-``pallas_kernels.policy.NAME`` for that variant's rows instead (restored after each), so a kernel the
-policy keeps off is timed against the default in one process:
-``";policy.TERNARY_WEIGHTS_ON_KERNEL=true"``. ``speedup_vs_bf16`` compares a row with the bf16
+``pallas_kernels.policy.NAME`` for that variant's rows instead (restored after each), so a kernel is timed
+against the default dispatch in one process, e.g. ``";policy.TERNARY_WEIGHTS_ON_KERNEL=false"`` (XLA's
+quantization of BitNet's weights against the tile kernel). ``speedup_vs_bf16`` compares a row with the bf16
 row of the same model shape, device count and variant. ``--one_device_row`` adds the first config's
 bf16 step on one device with the same sequences per device (``batch_size / devices``), against which
 FSDP rows report ``per_device_vs_one_device``. ``--time_budget_s`` starts no row after that many seconds
@@ -59,7 +59,6 @@ from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
 from train.spec import resolve
-from train.steps import clear_cache as clear_step_cache
 from train.steps import step_functions
 
 DEFAULT_CONFIGS = ("configs/bf16_1b.py", "configs/int8_1b.py", "configs/fp8_1b.py", "configs/bitnet_1b.py")
@@ -104,27 +103,14 @@ def split_policy(variant: dict) -> tuple[dict, dict]:
   unknown = [name for name in values if not name.isupper() or not hasattr(policy, name)]
   if unknown:
     raise SystemExit(f"--variants: pallas_kernels.policy has no constant {', '.join(unknown)} "
-                     f"(e.g. {POLICY_PREFIX}TERNARY_WEIGHTS_ON_KERNEL=true)")
+                     f"(e.g. {POLICY_PREFIX}TERNARY_WEIGHTS_ON_KERNEL=false)")
   return {k: v for k, v in variant.items() if not k.startswith(POLICY_PREFIX)}, values
 
 
-@contextlib.contextmanager
 def policy_set(values: dict):
-  """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed.
-
-  The constants are read when the step traces, and the trainer caches its traced steps by the run's spec, which
-  does not name them: the cache is cleared on the way in and out, so the row traces afresh under the constants and
-  the rows after it do not reuse its step.
-  """
-  if not values:
-    yield
-    return
-  clear_step_cache()
-  try:
-    with mock.patch.multiple(policy, **values):
-      yield
-  finally:
-    clear_step_cache()
+  """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed (read as the step traces;
+  ``train.steps`` caches steps on them, so the row traces afresh)."""
+  return mock.patch.multiple(policy, **values) if values else contextlib.nullcontext()
 
 
 def bench_one(config, steps: int, warmup: int, peak: float | None, peer: str | None = None) -> dict:

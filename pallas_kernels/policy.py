@@ -8,8 +8,8 @@ live in ``tuning``. Every number below comes from a recorded run on the GPU runn
 Backends (:data:`BACKENDS`): ``auto`` (default: a kernel where the device supports it and the numbers
 say it wins, XLA elsewhere), ``xla`` (the references everywhere) or ``pallas`` (the kernels for every
 shape they can take; a clear error where they cannot run: a GEMM off Hopper, and on a device with the
-kernels, a quantizer or fused Adam shape they do not tile. Ternary weights, a bare per-tensor cast and
-tiles of a column-split matrix have no kernel on purpose: XLA runs them). Every decision below takes
+kernels, a quantizer or fused Adam shape they do not tile. A bare per-tensor cast, tiles of a column-split matrix
+and a ternary weight split over devices have no kernel on purpose: XLA runs them). Every decision below takes
 the backend as an argument: callers hold it in ``dispatch.DispatchOptions`` (``jaxlowbit.ExecutionOptions``
 above that). ``$JAXLOWBIT_BACKEND`` is read in one place, :func:`requested_backend`, which the options'
 ``from_environment()`` calls where a caller passed none.
@@ -102,6 +102,13 @@ def requested_backend() -> str:
   return value
 
 
+def constants() -> tuple[tuple[str, object], ...]:
+  """This module's scalar constants as ``(name, value)`` pairs: what a step traced under them depends on
+  (``train.steps`` caches its steps on them too, so a benchmark variant that sets one traces afresh)."""
+  return tuple((name, value) for name, value in sorted(globals().items())
+               if name.isupper() and isinstance(value, (bool, int, float, str)))
+
+
 def check_backend(backend: str) -> str:
   """``backend`` if it is one of :data:`BACKENDS`, else a ValueError naming them."""
   if backend not in BACKENDS:
@@ -173,15 +180,16 @@ def fuse_prologue(prologue_name: str) -> bool:
 # step, or per microbatch: by XLA (an abs-mean reduce, then a convert + transpose fusion) or by the quantizers' tile
 # kernel after XLA's abs-mean (pallas_kernels.quantize), which also writes Wq for grad_input from the same read. In
 # the 1B BitNet step on an H200 XLA's transposes took 3.3 ms per step at ~1.5-1.9 TB/s
-# (profile_step_1b_bitnet_h200_21b5d4f.json). The kernel took 1.4 ms off the step on both machines, in the same
-# process as the XLA row (train_throughput_1b_ternkernel_{h100,h200}_e375cc0.json): H100 163.4 -> 162.0 ms, H200
-# 155.7 -> 154.3 ms.
+# (profile_step_1b_bitnet_h200_21b5d4f.json). Timed in one process against the XLA row
+# (train_throughput_1b_ternkernel_{h100,h200}_e375cc0.json), the kernel took the step from 163.4 to 162.0 ms on an
+# H100 and from 155.7 to 154.3 ms on an H200.
 TERNARY_WEIGHTS_ON_KERNEL = True
 
 
 def ternary_weights_on_kernel(backend: str) -> bool:
   """Whether BitNet's ternary weights are quantized by the tile kernel (where it takes the shape) under ``backend``:
-  where the quantizers run on kernels at all (:func:`quantize_on_kernel`), under ``pallas`` or as the table says."""
+  where the quantizers run on kernels at all (:func:`quantize_on_kernel`), under ``pallas`` or with
+  :data:`TERNARY_WEIGHTS_ON_KERNEL`."""
   return quantize_on_kernel(backend) and (backend == "pallas" or TERNARY_WEIGHTS_ON_KERNEL)
 
 

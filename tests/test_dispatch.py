@@ -239,11 +239,12 @@ def test_ternary_weights_take_the_tile_kernel_where_the_policy_says(monkeypatch,
 @pytest.mark.parametrize("backend", ["auto", "pallas", "xla"])
 def test_ternary_weight_rows_only_where_the_kernel_runs(monkeypatch, backend):
   """quantize_ternary_weight asks for Wq's rows only where the tile kernel writes them in its pass: where the
-  quantizers run on no kernel (this CPU; the xla backend), the policy's table does not matter and the backward
-  transposes Wq^T as before."""
+  quantizers run on no kernel (no NVIDIA GPU, as here; the xla backend anywhere), TERNARY_WEIGHTS_ON_KERNEL does not
+  matter and the backward transposes Wq^T as before."""
   from jaxlowbit_numerics.ternary import quantize_ternary
 
   monkeypatch.setattr(policy, "TERNARY_WEIGHTS_ON_KERNEL", True)
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: None)  # no kernel device, on any runner
   w = jax.random.normal(fresh_key(), (128, 256)) * 0.02
   rows, (qt, st) = dispatch.quantize_ternary_weight(w, QuantSpec("int8", per_tensor=True, ternary=True),
                                                     DispatchOptions(backend))

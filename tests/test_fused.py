@@ -129,8 +129,8 @@ def test_norm_of_the_gated_activation_is_the_two_producers_in_one(recipe, activa
 def test_sub_norm_backward_reads_its_bf16_residual():
   """The ffn_sub_norm backward reads h as the bf16 residual the forward saved, behind an optimization barrier: XLA
   folded the cast of h back to float32 into the forward's float32 value, and on the GPU the forward fusion then
-  wrote h a second time in float32 for the backward (twice h's bytes, 1B step). The barrier sits on h's residual
-  (bf16 [M, H]) between the forward and the backward's first use of it."""
+  wrote h a second time in float32 for the backward (twice h's bytes, 1B step). The gradient's jaxpr holds one
+  barrier, on h's bf16 [M, H] residual, and the backward casts its output to float32."""
   gate_up = jax.random.normal(fresh_key(), (64, 2 * 96)).astype(jnp.bfloat16)
   scale, w = jnp.ones((96,)), jnp.ones((96, 32)) / 10
   recipe = BitNet.presets["bitnet"]
@@ -140,8 +140,12 @@ def test_sub_norm_backward_reads_its_bf16_residual():
     return jnp.sum(jaxlowbit.quantized_matmul(operand, w, recipe).astype(jnp.float32))
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(gate_up, scale, w)
-  barriers = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+  equations = list(_equations(jaxpr.jaxpr))
+  barriers = [e for e in equations if e.primitive.name == "optimization_barrier"]
   assert [(v.aval.shape, v.aval.dtype) for e in barriers for v in e.invars] == [((64, 96), jnp.bfloat16)], barriers
+  (h,) = barriers[0].outvars
+  assert any(e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32
+             for e in equations if h in e.invars)
 
 
 def _equations(jaxpr):

@@ -63,13 +63,15 @@ def test_time_budget_skips_rows_and_lists_them(tmp_path):
 
 def test_policy_variants_set_the_dispatch_constant_for_their_rows_only(tmp_path):
   """``policy.NAME=value`` in a variant sets pallas_kernels.policy.NAME while that row is built and timed (the A/B of
-  a kernel the policy keeps off), its step traces afresh under it (the trainer caches steps by the spec, which does
-  not name the constant: on the GPU the variant row once reused the default row's step), the constant is restored
+  a kernel against the default dispatch), its step traces afresh under it (the trainer's step cache is keyed on the
+  policy's constants too: on the GPU a variant row once reused the default row's step), the constant is restored
   after, and an unknown name stops the run before anything compiles."""
   from unittest import mock
 
   from pallas_kernels import dispatch, policy
+  from train import steps
 
+  steps._step_functions.cache_clear()  # a step another test cached for the same spec would not trace here
   module = _benchmark()
   seen, real = [], module.bench_one
 

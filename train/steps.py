@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from jaxlowbit.parallel import overlap
+from pallas_kernels import policy
 from train import checkpoint, data
 from train.io.hf_config import describe
 from train.io.hf_reader import load_pretrained, merge_into
@@ -192,19 +193,14 @@ class StepFunctions:
 
 def step_functions(spec: RunSpec) -> StepFunctions:
   """:class:`StepFunctions` for ``spec``, cached on ``spec.compiled`` (every field not in
-  :data:`~train.spec.RUNTIME_ONLY_FIELDS`, the mesh as resolved: the key names the devices used)."""
-  return _step_functions(spec.compiled)
-
-
-def clear_cache() -> None:
-  """Drop the cached step functions and what JAX traced for them: the next :func:`step_functions` traces afresh
-  (after a change the spec does not name, such as a ``pallas_kernels.policy`` constant in a benchmark's A/B)."""
-  _step_functions.cache_clear()
-  jax.clear_caches()
+  :data:`~train.spec.RUNTIME_ONLY_FIELDS`, the mesh as resolved: the key names the devices used) and on
+  ``pallas_kernels.policy``'s constants, which the step reads as it traces (a benchmark's A/B sets them)."""
+  return _step_functions(spec.compiled, policy.constants())
 
 
 @functools.lru_cache(maxsize=4)
-def _step_functions(spec: RunSpec) -> StepFunctions:
+def _step_functions(spec: RunSpec, policy_constants: tuple) -> StepFunctions:
+  del policy_constants  # part of the cache key only
   runtime = make_runtime(spec)
   optimizer = make_optimizer(spec)
   init = jax.jit(make_init(runtime, optimizer, spec))
