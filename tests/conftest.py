@@ -1,14 +1,29 @@
-"""Shared pytest setup: GPU marker handling and numerics helpers."""
+"""Shared pytest setup: GPU marker handling, numerics helpers and one XLA compilation cache per run."""
 
 import os
+import shutil
+import tempfile
 
 # Eight virtual CPU devices for sharding tests; must be set before jax initializes a backend.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+# Many tests compile the same programs (a tiny model's step on one mesh, the trainings they start as
+# subprocesses): one persistent compilation cache for the whole run, made by the first process that loads this
+# file (pytest-xdist's controller, whose workers and their subprocesses inherit the variable) and removed when it
+# ends. Only the backend compile is skipped on a hit: tracing, lowering and the HLO tests read are unchanged.
+_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlowbit-tests-xla-cache-")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  if _CACHE_DIR is not None:
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def _has_gpu() -> bool:
