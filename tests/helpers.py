@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,14 @@ from pallas_kernels import policy
 from pallas_kernels.reference import quantize_rows_reference
 
 _counter = itertools.count()
+
+
+def equations(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs nested in its equations (scan, pjit, remat, custom_vjp rules...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from equations(sub)
 
 
 def fresh_key() -> jax.Array:

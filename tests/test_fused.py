@@ -10,7 +10,6 @@ pre-quantized input.
 """
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -21,7 +20,7 @@ import jaxlowbit
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fused
 from jaxlowbit.recipes.base import quantize_operand
 from pallas_kernels.quantize import GATE_ACTIVATIONS
-from helpers import fresh_key, rel_err
+from helpers import equations, fresh_key, rel_err
 from train.model import ModelConfig, Transformer
 
 RECIPES = [Int8MixedPrecision(), Float8("tensorwise"), Float8("rowwise"), BitNet(), BitNet(True, True)]
@@ -140,20 +139,12 @@ def test_sub_norm_backward_reads_its_bf16_residual():
     return jnp.sum(jaxlowbit.quantized_matmul(operand, w, recipe).astype(jnp.float32))
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(gate_up, scale, w)
-  equations = list(_equations(jaxpr.jaxpr))
-  barriers = [e for e in equations if e.primitive.name == "optimization_barrier"]
+  eqns = list(equations(jaxpr.jaxpr))
+  barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
   assert [(v.aval.shape, v.aval.dtype) for e in barriers for v in e.invars] == [((64, 96), jnp.bfloat16)], barriers
   (h,) = barriers[0].outvars
   assert any(e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32
-             for e in equations if h in e.invars)
-
-
-def _equations(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs its equations call (custom_vjp rules, jit, ...)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _equations(sub)
+             for e in eqns if h in e.invars)
 
 
 PLAIN_GATES = {"silu": jax.nn.silu, "relu2": lambda g: jnp.maximum(g, 0) ** 2}

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jax_core
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxlowbit
@@ -16,7 +15,7 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision, interception, quantize
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.recipes import bitnet
 from pallas_kernels import dispatch, policy
-from helpers import fresh_key, rel_err, sqnr_db
+from helpers import equations, fresh_key, rel_err, sqnr_db
 
 M, K, N = 256, 512, 384
 # SQNR floors (output, grad_input, grad_weight) against the exact float64 product: the lowest of 10
@@ -146,14 +145,7 @@ _bitnet_quantizing_twice.defvjp(_twice_fwd, _twice_bwd)
 
 def _ternary_rounds(jaxpr, shape) -> int:
   """``round`` equations on an operand of ``shape`` in ``jaxpr`` and the jaxprs nested in it."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == "round" and tuple(eqn.invars[0].aval.shape) == shape
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        count += _ternary_rounds(sub.jaxpr, shape) if isinstance(sub, jax_core.ClosedJaxpr) else 0
-        count += _ternary_rounds(sub, shape) if isinstance(sub, jax_core.Jaxpr) else 0
-  return count
+  return sum(e.primitive.name == "round" and tuple(e.invars[0].aval.shape) == shape for e in equations(jaxpr))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from benchmarks import peers
+from helpers import equations
 from train import config as train_config
 from train import data
 from train.model import Transformer
@@ -52,16 +53,8 @@ def _micro_spec(seed: int = 0):
 
 def _dot_operand_dtypes(jaxpr) -> collections.Counter:
   """Every dot_general in ``jaxpr`` (and the jaxprs inside its equations), counted by operand dtypes."""
-  counts = collections.Counter()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      counts[tuple(str(v.aval.dtype) for v in eqn.invars)] += 1
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          counts.update(_dot_operand_dtypes(inner))
-  return counts
+  return collections.Counter(tuple(str(v.aval.dtype) for v in e.invars) for e in equations(jaxpr)
+                             if e.primitive.name == "dot_general")
 
 
 def test_quantized_projections_follow_the_recipe_switches():

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jax_core
 
 import test_train_loop
+from helpers import equations
 from test_train_config import _parse
 from test_train_loop import micro_config, train_losses
 from jaxlowbit import BitNet
@@ -107,19 +107,9 @@ def test_each_bitnet_form_trains_checkpoints_and_reloads(placement, activation, 
 TERNARY_QUANTIZATIONS_PER_STEP = 1
 
 
-def _rounds_by_shape(jaxpr, counts=None) -> collections.Counter:
+def _rounds_by_shape(jaxpr) -> collections.Counter:
   """``round`` equations of ``jaxpr`` and every jaxpr nested in it (scan, pjit, remat...), by operand shape."""
-  counts = collections.Counter() if counts is None else counts
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "round":
-      counts[tuple(eqn.invars[0].aval.shape)] += 1
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        if isinstance(sub, jax_core.ClosedJaxpr):
-          _rounds_by_shape(sub.jaxpr, counts)
-        elif isinstance(sub, jax_core.Jaxpr):
-          _rounds_by_shape(sub, counts)
-  return counts
+  return collections.Counter(tuple(e.invars[0].aval.shape) for e in equations(jaxpr) if e.primitive.name == "round")
 
 
 @pytest.mark.parametrize("placement", ["sub", "every_projection"])
