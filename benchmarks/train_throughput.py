@@ -17,10 +17,9 @@ device's result bytes with loops counted; the table prints the per-axis bytes un
 ``--variants "A;B"`` runs every config once per variant, each a comma-separated list of KEY=VALUE
 overrides on top of ``--set`` ("" = as configured), e.g. ``";mesh.xla_overlap=false"`` times each config
 with and without collective overlap in one process. A key ``policy.NAME`` sets the dispatch constant
-``pallas_kernels.policy.NAME`` for that variant's rows instead (restored after each), and ``tuning.NAME`` a
-kernel parameter of ``pallas_kernels.tuning``, so a kernel is timed against the default dispatch in one process,
-e.g. ``";policy.TERNARY_WEIGHTS_ON_KERNEL=false"`` (XLA's quantization of BitNet's weights against the tile
-kernel). ``speedup_vs_bf16`` compares a row with the bf16
+``pallas_kernels.policy.NAME`` for that variant's rows instead (restored after each), so a kernel is timed
+against the default dispatch in one process, e.g. ``";policy.TERNARY_WEIGHTS_ON_KERNEL=false"`` (XLA's
+quantization of BitNet's weights against the tile kernel). ``speedup_vs_bf16`` compares a row with the bf16
 row of the same model shape, device count and variant. ``--one_device_row`` adds the first config's
 bf16 step on one device with the same sequences per device (``batch_size / devices``), against which
 FSDP rows report ``per_device_vs_one_device``. ``--time_budget_s`` starts no row after that many seconds
@@ -55,7 +54,7 @@ import numpy as np
 
 from benchmarks import common, peers
 from jaxlowbit.parallel.hlo import bytes_by_axis, collectives, summarize
-from pallas_kernels import policy, tuning
+from pallas_kernels import policy
 from train import config as train_config
 from train import data, metrics
 from train.model import param_count, train_flops_per_token
@@ -95,34 +94,23 @@ def parse_overrides(pairs: list[str]) -> dict:
   return overrides
 
 
-# Variant keys that set a module constant for their rows: prefix -> module.
-CONSTANT_MODULES = {"policy.": policy, "tuning.": tuning}
+POLICY_PREFIX = "policy."
 
 
 def split_policy(variant: dict) -> tuple[dict, dict]:
-  """A variant's ``(config overrides, {module: {NAME: value}})`` for its ``policy.NAME`` / ``tuning.NAME`` keys;
-  SystemExit naming an unknown constant."""
-  values, config = {}, {}
-  for key, value in variant.items():
-    prefix = next((p for p in CONSTANT_MODULES if key.startswith(p)), None)
-    if prefix is None:
-      config[key] = value
-      continue
-    module, name = CONSTANT_MODULES[prefix], key[len(prefix):]
-    if not name.isupper() or not hasattr(module, name):
-      raise SystemExit(f"--variants: {module.__name__} has no constant {name} "
-                       f"(e.g. policy.TERNARY_WEIGHTS_ON_KERNEL=false, tuning.QUANTIZE_COLMAX_ROWS=4)")
-    values.setdefault(module, {})[name] = value
-  return config, values
+  """A variant's ``(config overrides, pallas_kernels.policy constants)``; SystemExit naming an unknown constant."""
+  values = {k[len(POLICY_PREFIX):]: v for k, v in variant.items() if k.startswith(POLICY_PREFIX)}
+  unknown = [name for name in values if not name.isupper() or not hasattr(policy, name)]
+  if unknown:
+    raise SystemExit(f"--variants: pallas_kernels.policy has no constant {', '.join(unknown)} "
+                     f"(e.g. {POLICY_PREFIX}TERNARY_WEIGHTS_ON_KERNEL=false)")
+  return {k: v for k, v in variant.items() if not k.startswith(POLICY_PREFIX)}, values
 
 
 def policy_set(values: dict):
-  """``{module: {NAME: value}}`` set while a row is built and timed (read as the step traces; ``train.steps``
-  caches steps on them, ``pallas_kernels.policy.constants``, so the row traces afresh)."""
-  stack = contextlib.ExitStack()
-  for module, constants in values.items():
-    stack.enter_context(mock.patch.multiple(module, **constants))
-  return stack
+  """``pallas_kernels.policy`` constants set to ``values`` while a row is built and timed (read as the step traces;
+  ``train.steps`` caches steps on them, so the row traces afresh)."""
+  return mock.patch.multiple(policy, **values) if values else contextlib.nullcontext()
 
 
 def bench_one(config, steps: int, warmup: int, peak: float | None, peer: str | None = None) -> dict:

@@ -18,7 +18,6 @@ above that). ``$JAXLOWBIT_BACKEND`` is read in one place, :func:`requested_backe
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import jax
@@ -104,13 +103,9 @@ def requested_backend() -> str:
 
 
 def constants() -> tuple[tuple[str, object], ...]:
-  """The scalar constants of this module and of :mod:`pallas_kernels.tuning` as ``(module.NAME, value)`` pairs:
-  what a step traced under them depends on (``train.steps`` caches its steps on them too, so a benchmark variant
-  that sets one traces afresh)."""
-  from pallas_kernels import tuning  # noqa: PLC0415 (it imports the kernel modules; this one stays light)
-
-  return tuple((f"{module.__name__.rsplit('.', 1)[-1]}.{name}", value)
-               for module in (sys.modules[__name__], tuning) for name, value in sorted(vars(module).items())
+  """This module's scalar constants as ``(name, value)`` pairs: what a step traced under them depends on
+  (``train.steps`` caches its steps on them too, so a benchmark variant that sets one traces afresh)."""
+  return tuple((name, value) for name, value in sorted(globals().items())
                if name.isupper() and isinstance(value, (bool, int, float, str)))
 
 

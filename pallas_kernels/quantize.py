@@ -427,66 +427,46 @@ def magnitude(x: jax.Array) -> jax.Array:
 # Kernels.
 
 
-def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, block_rows: int, row_steps: int,
-                 chunk: int, width: int, write: bool, with_colmax: bool, native: bool):
-  """Outputs, in order: [q, scale] if ``write``, else [row amax]; [colmax] if asked; [stat] if the prologue has one.
-
-  A program takes ``row_steps`` blocks of ``block_rows`` rows one after another (more than one only for rows
-  that fit in one chunk), keeping the column maxima of all of them in registers: ``colmax [R / (block_rows *
-  row_steps), C]``."""
+def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, block_rows: int, chunk: int,
+                 width: int, write: bool, with_colmax: bool, native: bool):
+  """Outputs, in order: [q, scale] if ``write``, else [row amax]; [colmax] if asked; [stat] if the prologue has one."""
   inputs, outs = refs[:n_inputs], list(refs[n_inputs:])
   i = pl.program_id(0)
+  rows = pl.ds(i * block_rows, block_rows)
   n_chunks = width // chunk
-  assert row_steps == 1 or n_chunks == 1, (row_steps, n_chunks)
+  stat = None
+  if prologue.stats:
+    total = lax.fori_loop(0, n_chunks, lambda j, acc: acc + prologue.partial_stat(inputs, rows, pl.ds(j * chunk, chunk)),
+                          jnp.zeros((block_rows,), jnp.float32))
+    stat = prologue.finish_stat(total, width)
   colmax_ref = outs[1 if not write else 2] if with_colmax else None
+  # A row block that fits in one chunk is loaded once and kept in registers for both sweeps.
+  resident = prologue.values(inputs, rows, pl.ds(0, chunk), stat) if n_chunks == 1 else None
 
-  def block(s, colmax):
-    """One block of rows; ``colmax`` is the running column maxima of this program's earlier blocks
-    (``[1, chunk]``, for ``row_steps > 1``)."""
-    rows = pl.ds((i * row_steps + s) * block_rows, block_rows)
-    stat = None
-    if prologue.stats:
-      total = lax.fori_loop(0, n_chunks,
-                            lambda j, acc: acc + prologue.partial_stat(inputs, rows, pl.ds(j * chunk, chunk)),
-                            jnp.zeros((block_rows,), jnp.float32))
-      stat = prologue.finish_stat(total, width)
-    # A row block that fits in one chunk is loaded once and kept in registers for both sweeps.
-    resident = prologue.values(inputs, rows, pl.ds(0, chunk), stat) if n_chunks == 1 else None
+  def values(j):
+    return resident if resident is not None else prologue.values(inputs, rows, pl.ds(j * chunk, chunk), stat)
 
-    def values(j):
-      return resident if resident is not None else prologue.values(inputs, rows, pl.ds(j * chunk, chunk), stat)
-
-    def sweep_amax(j, amax):
-      mags = magnitude(values(j))
-      if colmax_ref is not None and row_steps == 1:
-        colmax_ref[pl.ds(i, 1), pl.ds(j * chunk, chunk)] = jnp.max(mags, axis=0)[None, :]
-      return jnp.maximum(amax, jnp.max(mags, axis=1))
-
-    amax = lax.fori_loop(0, n_chunks, sweep_amax, jnp.zeros((block_rows,), jnp.float32))
-    if colmax is not None:
-      colmax = jnp.maximum(colmax, jnp.max(magnitude(resident), axis=0)[None, :])
-    if write:
-      q_ref, s_ref = outs[0], outs[1]
-      param, scale = code_scales(amax, spec)
-
-      def sweep_write(j, _):
-        q_ref[rows, pl.ds(j * chunk, chunk)] = encode(values(j), param[:, None], spec, native)
-        return 0
-
-      lax.fori_loop(0, n_chunks, sweep_write, 0)
-      s_ref[rows] = scale
-    else:
-      outs[0][rows] = amax
-    if prologue.stats:
-      outs[-1][rows] = stat
-    return colmax
-
-  if row_steps == 1:
-    block(0, None)
-  else:
-    colmax = lax.fori_loop(0, row_steps, block, jnp.zeros((1, chunk), jnp.float32))
+  def sweep_amax(j, amax):
+    mags = magnitude(values(j))
     if colmax_ref is not None:
-      colmax_ref[pl.ds(i, 1), pl.ds(0, chunk)] = colmax
+      colmax_ref[pl.ds(i, 1), pl.ds(j * chunk, chunk)] = jnp.max(mags, axis=0)[None, :]
+    return jnp.maximum(amax, jnp.max(mags, axis=1))
+
+  amax = lax.fori_loop(0, n_chunks, sweep_amax, jnp.zeros((block_rows,), jnp.float32))
+  if write:
+    q_ref, s_ref = outs[0], outs[1]
+    param, scale = code_scales(amax, spec)
+
+    def sweep_write(j, _):
+      q_ref[rows, pl.ds(j * chunk, chunk)] = encode(values(j), param[:, None], spec, native)
+      return 0
+
+    lax.fori_loop(0, n_chunks, sweep_write, 0)
+    s_ref[rows] = scale
+  else:
+    outs[0][rows] = amax
+  if prologue.stats:
+    outs[-1][rows] = stat
 
 
 def _tile_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, per_row: bool, with_rows: bool,
@@ -538,22 +518,19 @@ def _values_kernel(*refs, prologue: SwiGLUGrad | SwiGLUNormGrad, n_inputs: int, 
 def _rows_call(inputs, prologue: Prologue, spec: QuantSpec, write: bool, with_colmax: bool, interpret: bool):
   r, c = inputs[0].shape[0], prologue.width(inputs)
   block_rows, chunk, warps = tuning.quantize_rows_config(spec.jnp_dtype, prologue)
-  chunk = _col_chunk(c, chunk)
-  # more than one block per program only where it saves partials and a block is one chunk (the maxima in registers)
-  row_steps = tuning.quantize_colmax_row_steps(r, block_rows) if with_colmax and chunk == c else 1
   outs = [out_struct((r, c), spec.jnp_dtype, *inputs), out_struct((r,), jnp.float32, *inputs)] if write else [
       out_struct((r,), jnp.float32, *inputs)]
   if with_colmax:
-    outs.append(out_struct((r // (block_rows * row_steps), c), jnp.float32, *inputs))
+    outs.append(out_struct((r // block_rows, c), jnp.float32, *inputs))
   if prologue.stats:
     outs.append(out_struct((r,), jnp.float32, *inputs))
   kernel = functools.partial(_rows_kernel, prologue=prologue, n_inputs=len(inputs), spec=spec, block_rows=block_rows,
-                             row_steps=row_steps, chunk=chunk, width=c, write=write,
-                             with_colmax=with_colmax, native=not interpret)
+                             chunk=_col_chunk(c, chunk), width=c, write=write, with_colmax=with_colmax,
+                             native=not interpret)
   return pl.pallas_call(
       kernel,
       out_shape=tuple(outs),
-      grid=(r // (block_rows * row_steps),),
+      grid=(r // block_rows,),
       compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_quantize_rows",

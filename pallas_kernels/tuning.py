@@ -30,11 +30,6 @@ QUANTIZE_ROWS_BY_PROLOGUE = {
     ("fp8", "RmsNorm"): (8, 2048, 4),
     ("fp8", "SwiGLU"): (4, 4096, 8),
 }
-# Rows per program of the rows kernel when it also writes per-program column maxima (a rows + transposed
-# request of a prologue with a row statistic, RmsNorm): the program takes QUANTIZE_COLMAX_ROWS // block rows
-# blocks in turn, so its partials ([R / QUANTIZE_COLMAX_ROWS, C] float32) cover that many rows; at 4 rows
-# they were half the bytes of the bf16 input, written and read back by XLA's reduction.
-QUANTIZE_COLMAX_ROWS = 32
 # Transposing tile kernel: (tile rows, tile columns, warps) per prologue (same file): 64 x 128 took
 # identity x 8192 from 0.487 to 0.445 ms (int8); 32 x 128 RmsNorm from 0.159 to 0.147 ms. Identity moved to
 # 32 x 128 on 2026-11-28: rows + q^T int8 of the 1B gate_up gradient (16384 x 16384 bf16, both passes) took
@@ -99,15 +94,6 @@ def quantize_rows_config(dtype, prologue=None) -> tuple[int, int, int]:
   """(rows per program, columns per load, warps) of the row-quantization kernel (``pallas_kernels.quantize``)."""
   kind = _kind(dtype)
   return QUANTIZE_ROWS_BY_PROLOGUE.get((kind, type(prologue).__name__), QUANTIZE_ROWS[kind])
-
-
-def quantize_colmax_row_steps(rows: int, block_rows: int) -> int:
-  """Blocks of ``block_rows`` that one program of the rows kernel takes when it writes column maxima: up to
-  :data:`QUANTIZE_COLMAX_ROWS` rows, halved until the blocks divide ``rows`` (1: one block per program)."""
-  steps = max(1, QUANTIZE_COLMAX_ROWS // block_rows)
-  while steps > 1 and rows % (block_rows * steps):
-    steps //= 2
-  return steps
 
 
 def quantize_stats_tile_config(prologue=None) -> tuple[int, int, int]:

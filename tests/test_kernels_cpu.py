@@ -336,25 +336,3 @@ def test_ternary_weight_tile_kernel_lowers_for_cuda():
   lowered = jax.jit(lambda w: qk.quantize_rows_and_cols_t_kernel(w, TERNARY)).trace(w).lower(
       lowering_platforms=("cuda",))
   assert "__gpu$xla.gpu.triton" in lowered.as_text()
-
-
-@pytest.mark.parametrize("rows, colmax_rows, partials", [(128, 32, 4), (96, 64, 3), (128, 4, 32)])
-def test_rows_kernel_column_maxima_cover_several_row_blocks(rows, colmax_rows, partials, monkeypatch):
-  """With per-column scales from the rows kernel (RMSNorm in front), one program takes several blocks of rows in turn
-  and writes one partial row of column maxima for all of them (``tuning.QUANTIZE_COLMAX_ROWS``; fewer where the
-  blocks do not divide the rows: 96 rows in programs of 32, not 64), and the codes and scales are the reference's."""
-  from helpers import equations
-
-  monkeypatch.setattr(tuning, "QUANTIZE_STATS_FROM_TILES", frozenset())
-  monkeypatch.setattr(tuning, "QUANTIZE_COLMAX_ROWS", colmax_rows)
-  kx, kg = jax.random.split(fresh_key())
-  x = (jax.random.normal(kx, (rows, 256)) * 3).astype(jnp.bfloat16)
-  x = x.at[rows - 1, 5].set(40.0)  # the last block holds a column's maximum
-  gamma = 1 + 0.2 * jax.random.normal(kg, (256,))
-  prologue = qk.RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
-  INT8 = QuantSpec("int8")
-  jaxpr = jax.make_jaxpr(lambda *a: qk.fused_quantize_kernel(a, prologue, INT8, INT8, interpret=True))(x, gamma)
-  shapes = [tuple(v.aval.shape) for e in equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"
-            and "quantize_rows" in str(e.params.get("name")) for v in e.outvars]
-  assert (partials, 256) in shapes, shapes
-  _check_fused((x, gamma), prologue, INT8, INT8, False)

@@ -100,21 +100,4 @@ def test_policy_variants_set_the_dispatch_constant_for_their_rows_only(tmp_path)
   assert all("tokens_per_s" in r for r in rows)
   with pytest.raises(SystemExit, match="NO_SUCH_CONSTANT"):
     module.main([*common, "--variants", "policy.NO_SUCH_CONSTANT=1"])
-  with pytest.raises(SystemExit, match="NO_SUCH_PARAMETER"):
-    module.main([*common, "--variants", "tuning.NO_SUCH_PARAMETER=1"])
-  assert len(seen) == 2  # nothing compiled for the refused runs
-
-
-def test_tuning_variants_set_a_kernel_parameter_and_key_the_step_cache():
-  """``tuning.NAME=value`` sets a ``pallas_kernels.tuning`` scalar for a variant's rows, and the trainer's step cache
-  is keyed on it as on the dispatch policy's constants (the A/B of a kernel parameter in one process)."""
-  from pallas_kernels import policy, tuning
-
-  module = _benchmark()
-  config, values = module.split_policy({"recipe": "int8", "tuning.QUANTIZE_COLMAX_ROWS": 4})
-  assert config == {"recipe": "int8"} and values == {tuning: {"QUANTIZE_COLMAX_ROWS": 4}}
-  default = tuning.QUANTIZE_COLMAX_ROWS
-  assert ("tuning.QUANTIZE_COLMAX_ROWS", default) in policy.constants()
-  with module.policy_set(values):
-    assert tuning.QUANTIZE_COLMAX_ROWS == 4 and ("tuning.QUANTIZE_COLMAX_ROWS", 4) in policy.constants()
-  assert tuning.QUANTIZE_COLMAX_ROWS == default
+  assert len(seen) == 2  # nothing compiled for the refused run

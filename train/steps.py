@@ -193,15 +193,14 @@ class StepFunctions:
 
 def step_functions(spec: RunSpec) -> StepFunctions:
   """:class:`StepFunctions` for ``spec``, cached on ``spec.compiled`` (every field not in
-  :data:`~train.spec.RUNTIME_ONLY_FIELDS`, the mesh as resolved: the key names the devices used) and on the
-  kernel constants the step reads as it traces (``pallas_kernels.policy.constants``: the dispatch policy's and
-  the tuning table's scalars, which a benchmark's A/B sets)."""
+  :data:`~train.spec.RUNTIME_ONLY_FIELDS`, the mesh as resolved: the key names the devices used) and on
+  ``pallas_kernels.policy``'s constants, which the step reads as it traces (a benchmark's A/B sets them)."""
   return _step_functions(spec.compiled, policy.constants())
 
 
 @functools.lru_cache(maxsize=4)
-def _step_functions(spec: RunSpec, kernel_constants: tuple) -> StepFunctions:
-  del kernel_constants  # part of the cache key only
+def _step_functions(spec: RunSpec, policy_constants: tuple) -> StepFunctions:
+  del policy_constants  # part of the cache key only
   runtime = make_runtime(spec)
   optimizer = make_optimizer(spec)
   init = jax.jit(make_init(runtime, optimizer, spec))
