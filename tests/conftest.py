@@ -8,9 +8,12 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# The tests' programs are small and compile far longer than they run: LLVM's optimizations off cut a tiny
-# model's tensor-parallel run from 44 to 34 s on CPU. Every program of a test compiles at the same level.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+# On a machine without a GPU the tests' programs are small and compile far longer than they run: LLVM's
+# optimizations off cut a tiny model's tensor-parallel run from 44 to 34 s. The subprocesses the tests start inherit
+# the flag (helpers.xla_flags_with_devices), so the programs a test compares compile alike. A GPU run keeps the
+# compiler as users run it.
+_CPU_ONLY = os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu" or not os.path.exists("/dev/nvidiactl")
+if _CPU_ONLY and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # Small programs (slices of sharded arrays for a checkpoint, the init of a model) recur across tests too.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

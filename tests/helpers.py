@@ -69,6 +69,13 @@ def needs_devices(n: int):
   return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices, this host has {jax.device_count()}")
 
 
+def xla_flags_with_devices(devices: int) -> str:
+  """``$XLA_FLAGS`` as this run sets it (``tests/conftest.py``: its compile options) with ``devices`` virtual CPU
+  devices instead of its eight: the flags for a test's subprocess, so that it compiles as the test does."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+  return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def run_distributed_workers(worker: str, args: list[list[str]], timeout: float) -> list[str]:
   """Runs ``tests/<worker>`` as ``len(args)`` ``jax.distributed`` processes on this host with 2 CPU
   devices each (process ``i`` gets the command-line arguments ``args[i]``); asserts every one
@@ -77,7 +84,7 @@ def run_distributed_workers(worker: str, args: list[list[str]], timeout: float) 
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(2), JAX_PLATFORMS="cpu",
              JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(len(args)))
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
   procs = [subprocess.Popen([sys.executable, os.path.join(here, worker), *a], env=dict(env, JAX_PROCESS_ID=str(i)),

@@ -15,6 +15,8 @@ import tomllib
 
 import pytest
 
+from helpers import xla_flags_with_devices
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
@@ -49,7 +51,7 @@ def test_readme_has_the_blocks_we_expect():
 @pytest.mark.parametrize("index", range(len(PYTHON)))
 def test_python_block_runs(index):
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env["XLA_FLAGS"] = xla_flags_with_devices(4)
   result = subprocess.run(
       [sys.executable, "-c", PYTHON[index]], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )

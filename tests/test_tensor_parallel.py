@@ -189,6 +189,11 @@ def test_gather_activation_is_the_whole_operand(recipe, transposed, mesh):
     assert np.all(np.abs(x_t - np.asarray(x).T) <= bound * (1 + 1e-5)), np.max(np.abs(x_t - np.asarray(x).T) / bound)
 
 
+# Float32 roundings (2^-24 each) of the magnitude sum that bound two orders of dx's sum; 61 seeds measured at most
+# 0.13 of the bound (2 roundings).
+GATHER_GRADIENT_ROUNDINGS = 16
+
+
 def test_gather_gradient_is_the_summed_dx_reduce_scattered(mesh):
   """Each device reads the whole gathered x with its own weights; dx of its rows sums every reader's."""
   kx, kw = jax.random.split(fresh_key())
@@ -199,11 +204,12 @@ def test_gather_gradient_is_the_summed_dx_reduce_scattered(mesh):
 
   grad = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(AXIS, None), P(AXIS)), out_specs=P(AXIS, None)))
   want = jax.grad(lambda x: sum(jnp.sum(jnp.tanh(x @ w[d])) for d in range(N)))(x)
-  # Both sum the same float32 terms (1 - tanh^2) w_d[k, j] in another order: a few roundings of their magnitude
-  # sum, |w_d[k, :]| over every device's weights (a reader left out would move dx by a whole term, ~0.1-5).
-  terms = np.abs(np.asarray(w)).sum(axis=(0, 2))  # [K]
+  # Two float32 programs (one jitted under shard_map, one not) compute dx[m, k] = sum_d,j (1 - tanh^2) w_d[k, j]:
+  # their products and sums round in other orders, within a few roundings of sum_d,j |w_d[k, j]| (each factor
+  # 1 - tanh^2 is at most 1). A reader left out would move dx by a whole term (~0.1-5).
+  magnitude = np.abs(np.asarray(w)).sum(axis=(0, 2))  # [K]
   err = np.abs(np.asarray(grad(x, w)) - np.asarray(want))
-  bound = 2.0**-20 * terms[None, :]
+  bound = GATHER_GRADIENT_ROUNDINGS * 2.0**-24 * magnitude[None, :]
   assert np.all(err <= bound), np.max(err / bound)
 
 

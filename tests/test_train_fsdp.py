@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import test_train_loop
-from helpers import fresh_key
+from helpers import fresh_key, xla_flags_with_devices
 from test_train_loop import REPO, TINY, micro_config, train_losses, val_losses
 from train import checkpoint, loop, metrics, steps
 from train import config as train_config
@@ -120,9 +120,7 @@ def has_scales(run_dir, step: int) -> bool:
 def run_main(run_dir, fields: dict, devices: int) -> subprocess.CompletedProcess:
   """``python -m train.main --config=configs/tiny.py`` with ``--config.KEY=VALUE`` per field on
   ``devices`` virtual CPU devices, in a subprocess; asserts it exits 0."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-  env = {**os.environ, "PYTHONPATH": str(REPO),
-         "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
+  env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": xla_flags_with_devices(devices)}
   proc = subprocess.run(
       [sys.executable, "-m", "train.main", f"--config={TINY}", f"--workdir={run_dir}",
        *[f"--config.{k}={v}" for k, v in fields.items()]],

@@ -47,7 +47,6 @@ import os
 import pathlib
 import shutil
 import sys
-import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -418,8 +417,6 @@ class Checkpointer:
       try:
         state, data_state = self.restore(step, abstract_state)
       except Exception as e:  # its files are the ones saved: the state this config builds is another
-        # orbax's reads it never started are collected as the process ends, each a "never awaited" warning
-        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
         raise CheckpointMismatchError(
             f"checkpoint {self.directory / str(step)} is intact but does not restore into this config's state "
             f"({_one_line(e)[:200]}): it was written by another config; resume with that run's config.json or "
@@ -447,7 +444,7 @@ def _without_closed_loop_reports(previous):
   """``previous`` (a ``sys.unraisablehook``) minus the reports a failed orbax restore leaves behind: its reads
   still in flight finish after orbax closed its asyncio loop (``RuntimeError('Event loop is closed')``) or die
   with it (an orbax coroutine collected with its error), each a traceback after the run's one error line. (Reads
-  it never started are warnings instead, ignored where the restore fails.)"""
+  it never started are warnings instead: ``train.main`` ignores them as it exits on the error.)"""
 
   def leftover(unraisable) -> bool:
     error = unraisable.exc_value

@@ -37,6 +37,7 @@ from __future__ import annotations
 import signal
 import sys
 import traceback
+import warnings
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -73,10 +74,14 @@ EXIT_CODES = (
 
 
 def fail(message: str, code: int, with_traceback: bool) -> None:
-  """Print ``error: message`` (the traceback first, under --verbosity) and exit with ``code``."""
+  """Print ``error: message`` (the traceback first, under --verbosity) and exit with ``code``.
+
+  Nothing follows the line: a restore that failed leaves orbax reads it never started, which Python reports as
+  "coroutine ... was never awaited" when it collects them at exit; the process is ending, so they are ignored."""
   if with_traceback:
     traceback.print_exc()
   print(f"error: {message}", file=sys.stderr, flush=True)
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
   sys.exit(code)
 
 
