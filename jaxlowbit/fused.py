@@ -38,13 +38,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit.execution import ExecutionOptions, resolve
-from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, carrier_like, vary_over, varying_axes
+from jaxlowbit.operand import (LowBitOperand, MeasuredOutput, QuantizedMatrix, carrier_like, is_measured, vary_over,
+                               varying_axes)
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import DispatchOptions
-from pallas_kernels.quantize import (Identity, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, check_gate_activation,
-                                     rms_norm_input_grad, round_to)
+from pallas_kernels.quantize import (Identity, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, amaxes,
+                                     check_gate_activation, rms_norm_input_grad, round_to)
 
 
 def fused_quantization(recipe: Recipe | None, options: ExecutionOptions | None = None,
@@ -244,40 +245,71 @@ def swiglu_for(gate_up: jax.Array, recipe: Recipe | None, split: Split | None = 
 
 
 # ---------------------------------------------------------------------------------------------
+# A linear's measured output (jaxlowbit.operand.MeasuredOutput)
+
+
+@jax.custom_vjp
+def _measured(values: jax.Array, maxima: jax.Array) -> jax.Array:
+  return values
+
+
+def _measured_fwd(values, maxima):
+  del maxima
+  return values, None
+
+
+def _measured_bwd(_, g):
+  rowmax, colmax = amaxes(g)
+  return g, jnp.concatenate([rowmax, colmax])
+
+
+_measured.defvjp(_measured_fwd, _measured_bwd)
+
+
+def measured_values(y: jax.Array | MeasuredOutput) -> jax.Array:
+  """The values ``[M, N]`` of a linear's :class:`~jaxlowbit.operand.MeasuredOutput` for any consumer, whose backward
+  then measures the gradient's amaxes in XLA (one more pass over it; a producer that measures them as it writes
+  the gradient, :func:`swiglu_rms_norm_for`, saves that pass). An array comes back as it is."""
+  return _measured(y.values, y.maxima) if is_measured(y) else y
+
+
+# ---------------------------------------------------------------------------------------------
 # RMSNorm of the gated activation (BitNet's ffn_sub_norm before the down projection)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _swiglu_rms_norm_quantized(gate_up, scale, eps: float, how: OperandQuantization, dtype, options: DispatchOptions,
-                               activation: str) -> LowBitOperand:
-  return _swiglu_rms_norm_quantized_fwd(gate_up, scale, eps, how, dtype, options, activation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _swiglu_rms_norm_quantized(gate_up, maxima, scale, eps: float, how: OperandQuantization, dtype,
+                               options: DispatchOptions, activation: str) -> LowBitOperand:
+  return _swiglu_rms_norm_quantized_fwd(gate_up, maxima, scale, eps, how, dtype, options, activation)[0]
 
 
-def _swiglu_rms_norm_quantized_fwd(gate_up, scale, eps, how, dtype, options, activation):
+def _swiglu_rms_norm_quantized_fwd(gate_up, maxima, scale, eps, how, dtype, options, activation):
   # h and the norm's statistic by XLA (its elementwise pass beats recomputing h in the kernels), then the norm's
   # output quantized by the tiled passes.
   h = SwiGLU(activation).reference((gate_up,))
   rstd = RmsNorm(eps, dtype).reference_stat((h, scale))
   operand, _ = _produce((h, scale, rstd), RmsNormApply(dtype), how, dtype, options, (gate_up, scale))
-  return operand, (h, gate_up, scale, rstd)
+  return operand, (h, gate_up, scale, rstd, maxima)  # maxima: None, or the linear's slot (zeros, [M + 2H])
 
 
 def _swiglu_rms_norm_quantized_bwd(eps, how, dtype, options, activation, residuals, ct):
   del eps, how, dtype
-  h, gate_up, scale, rstd = residuals
+  h, gate_up, scale, rstd, maxima = residuals
+  measure = maxima is not None
   # Without the barrier XLA folds the exact bf16 -> float32 cast into the forward's float32 h and writes that too.
   h = jax.lax.optimization_barrier(h)
   dy = ct.carrier
   row_mean = _norm_row_mean(dy.astype(jnp.float32), h.astype(jnp.float32), scale.astype(jnp.float32), rstd[:, None])
-  d_gate_up, dscale = dispatch.swiglu_norm_grad(dy, h, gate_up, scale, rstd, row_mean[:, 0], activation, options)
-  return d_gate_up, dscale.astype(scale.dtype)
+  d_gate_up, dscale, *measured = dispatch.swiglu_norm_grad(dy, h, gate_up, scale, rstd, row_mean[:, 0], activation,
+                                                           options, maxima=measure)
+  return d_gate_up, jnp.concatenate(measured[0]) if measure else None, dscale.astype(scale.dtype)
 
 
 _swiglu_rms_norm_quantized.defvjp(_swiglu_rms_norm_quantized_fwd, _swiglu_rms_norm_quantized_bwd)
 
 
-def swiglu_rms_norm_for(gate_up: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
-                        split: Split | None = None, activation: str = "silu", *,
+def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, eps: float, recipe: Recipe | None,
+                        dtype, split: Split | None = None, activation: str = "silu", *,
                         options: ExecutionOptions | None = None) -> jax.Array | LowBitOperand:
   """RMSNorm of ``act(gate) * up`` (``gate_up [..., 2H]``, ``scale [H]``), quantized for the linear that reads it
   when ``recipe`` allows: BitNet's ``ffn_sub_norm`` before the down projection.
@@ -286,6 +318,10 @@ def swiglu_rms_norm_for(gate_up: jax.Array, scale: jax.Array, eps: float, recipe
   quantized on one device's whole rows, its backward and SwiGLU's run as one pass
   (``pallas_kernels.dispatch.swiglu_norm_grad``: ``d gate_up`` and ``d scale`` from the norm's
   output gradient, without writing the norm's input gradient ``[..., H]`` in between).
+
+  ``gate_up`` may be the gate_up linear's :class:`~jaxlowbit.operand.MeasuredOutput` (``[M, 2H]``): the one pass
+  then also measures ``d gate_up``'s amaxes for that linear's backward, which quantizes ``d gate_up`` without
+  reading it for them first (elsewhere :func:`measured_values` measures them in XLA).
 
   ``split``: how this device's hidden units are split (tensor parallelism, a row-parallel down
   projection: ``Split(cols=...)``; the norm's mean square spans the devices, so the two producers run
@@ -299,11 +335,13 @@ def swiglu_rms_norm_for(gate_up: jax.Array, scale: jax.Array, eps: float, recipe
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
   if how is None or split.cols:
-    h = swiglu(gate_up, activation, resolve(options).dispatch())
+    h = swiglu(measured_values(gate_up), activation, resolve(options).dispatch())
     return rms_norm_for(h, scale, eps, recipe, dtype, split, options=options)
+  gate_up, maxima = (gate_up.values, gate_up.maxima) if is_measured(gate_up) else (gate_up, None)
   scale = vary_over(scale, varying_axes(gate_up))
-  return _swiglu_rms_norm_quantized(gate_up.reshape(-1, gate_up.shape[-1]), scale, eps, how, jnp.dtype(dtype),
-                                    resolve(options).dispatch(split), activation)
+  return _swiglu_rms_norm_quantized(gate_up.reshape(-1, gate_up.shape[-1]), maxima, scale, eps, how,
+                                    jnp.dtype(dtype), resolve(options).dispatch(split), activation)
 
 
-__all__ = ["fused_quantization", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "swiglu_rms_norm_for"]
+__all__ = ["fused_quantization", "measured_values", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for",
+           "swiglu_rms_norm_for"]

@@ -198,7 +198,7 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   if bias is not None:
     bias = jnp.asarray(bias, call.dtype)
   if not callable(matmul):
-    matmul = recipe_matmul(matmul, getattr(module, "execution", None))
+    matmul = recipe_matmul(matmul, getattr(module, "execution", None), getattr(module, "measured", False))
   out = matmul(call, inputs if is_low_bit(inputs) else to_compute_dtype(inputs, call.dtype), kernel)
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
@@ -207,12 +207,20 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   return out
 
 
-def recipe_matmul(recipe: Recipe | None, options: ExecutionOptions | None = None) -> Matmul:
+def recipe_matmul(recipe: Recipe | None, options: ExecutionOptions | None = None, measured: bool = False) -> Matmul:
   """The Dense body's matmul for ``recipe``: the quantized dot of the stored kernel (None: DenseGeneral's dot),
-  its kernels run as ``options`` say."""
+  its kernels run as ``options`` say; ``measured``: :attr:`LowBitDense.measured`."""
   check_recipe(recipe, "dense_general")
 
   def matmul(call: DenseCall, inputs: jax.Array, kernel: jax.Array) -> jax.Array:
+    if measured:  # [M, N] values and the slot of their gradient's amaxes
+      if recipe is None or call.module.use_bias or len(call.features) != 1:
+        raise ValueError(f"{type(call.module).__name__}: a measured output needs a recipe, no bias and one features "
+                         f"dimension; got recipe {recipe!r}, use_bias={call.module.use_bias}, "
+                         f"features={call.features}")
+      x = call.flat_inputs(inputs)
+      x = x if is_low_bit(x) else x.reshape(-1, call.kn[0])
+      return quantized_matmul(x, kernel.reshape(-1, call.kn[1]), recipe, options=options, measured=True)
     if is_low_bit(inputs):  # [M, K] from a fused producer
       return call.unflat_outputs(quantized_matmul(inputs, kernel.reshape(-1, call.kn[1]), recipe, options=options))
     kernel = kernel if recipe is not None else jnp.asarray(kernel, call.dtype)  # low-bit: from the master weight
@@ -240,6 +248,10 @@ class LowBitDense(nn.DenseGeneral):
     recipe: any recipe (``jaxlowbit.recipes``), or None for high precision.
     execution: how its kernels run (:class:`jaxlowbit.ExecutionOptions`: the backend); None: the
       defaults, the backend from ``$JAXLOWBIT_BACKEND``.
+    measured: return a :class:`jaxlowbit.operand.MeasuredOutput` ``(values [M, N], maxima)`` (``M``: the
+      input's leading dims' product) for one consumer that measures the output gradient's amaxes for this
+      layer's backward (``jaxlowbit.fused.swiglu_rms_norm_for``; any other through
+      ``jaxlowbit.fused.measured_values``). Needs a recipe, no bias and one features dimension. Default False.
     recipe_types: class-level: the recipe classes a subclass accepts (empty: any).
 
   Example::
@@ -252,6 +264,7 @@ class LowBitDense(nn.DenseGeneral):
 
   recipe: Any = None
   execution: ExecutionOptions | None = None
+  measured: bool = False
   recipe_types: ClassVar[tuple[type, ...]] = ()
 
   def __post_init__(self):

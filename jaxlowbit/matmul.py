@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlowbit.execution import ExecutionOptions, resolve
-from jaxlowbit.operand import LowBitOperand, is_low_bit, vary_over, varying_axes
+from jaxlowbit.operand import LowBitOperand, MeasuredOutput, carrier_like, is_low_bit, vary_over, varying_axes
 from jaxlowbit.recipes import Recipe, check_recipe
 from jaxlowbit_numerics.stats import Split
 from pallas_kernels import policy
@@ -108,6 +108,7 @@ class _Operands:
   w_dtype: jnp.dtype  # dW comes back in the weight's dtype (a low-bit weight's: its carrier's)
   collective: Collective | None = None
   options: ExecutionOptions = ExecutionOptions()  # resolved: a concrete backend
+  measured: bool = False  # the output is a MeasuredOutput: its consumer measures g for the backward
 
   def dispatch(self, forward: bool):
     """The dispatch options of the forward's (or backward's) operands: the backend, and their split."""
@@ -130,14 +131,22 @@ def _linear(x, w, recipe: Recipe, operands: _Operands) -> jax.Array:
 def _linear_fwd(x, w, recipe, operands):
   y, residuals = recipe.forward(x, w, operands.dispatch(forward=True))
   collective = operands.collective
-  return (y if collective is None else collective.scatter(y)), residuals
+  y = y if collective is None else collective.scatter(y)
+  if operands.measured:
+    y = MeasuredOutput(y, carrier_like((sum(y.shape),), jnp.float32, y))
+  return y, residuals
 
 
 def _linear_bwd(recipe, operands, residuals, g):
   collective = operands.collective
+  g_maxima = None
+  if operands.measured:  # [row amaxes | column amaxes] of g, from the consumer's backward
+    g, maxima = g.values, g.maxima
+    g_maxima = (maxima[:g.shape[0]], maxima[g.shape[0]:])
   if collective is not None:
     g = collective.gather_gradient(g, recipe, operands.options)
-  return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype, operands.dispatch(forward=False)))
+  return operands.cotangents(*recipe.backward(residuals, g, operands.w_dtype, operands.dispatch(forward=False),
+                                              g_maxima))
 
 
 # optimize_remat: under jax.checkpoint the residuals are recomputed by running the forward rule
@@ -146,7 +155,7 @@ _linear.defvjp(_linear_fwd, _linear_bwd, optimize_remat=True)
 
 
 def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective | None = None, *,
-                     options: ExecutionOptions | None = None) -> jax.Array:
+                     options: ExecutionOptions | None = None, measured: bool = False) -> jax.Array | MeasuredOutput:
   """Linear ``x @ w`` whose forward and backward matmuls follow ``recipe``.
 
   Args:
@@ -160,6 +169,10 @@ def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective 
       (``jaxlowbit.parallel.tensor``); x must then be 2-D ``[M, K]``.
     options: how the kernels run (:class:`jaxlowbit.ExecutionOptions`; None: the defaults, the
       backend from ``$JAXLOWBIT_BACKEND``).
+    measured: return a :class:`~jaxlowbit.operand.MeasuredOutput` ``(values [M, N], maxima)`` whose one
+      consumer measures the output gradient's amaxes for this linear's backward
+      (``jaxlowbit.fused.swiglu_rms_norm_for``, or any consumer through
+      ``jaxlowbit.fused.measured_values``). Needs a recipe, no collective and a 2-D x (``[M, K]``).
 
   Returns:
     ``[..., N]`` in ``x``'s dtype (with a collective: what its ``scatter`` keeps, e.g. ``[M / n,
@@ -169,14 +182,18 @@ def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective 
 
   Raises:
     TypeError: non-floating x or w, or an unknown recipe.
-    ValueError: w not 2-D, the contraction sizes disagree, or a low-bit operand quantized
-      otherwise than the recipe reads it.
+    ValueError: w not 2-D, the contraction sizes disagree, a low-bit operand quantized
+      otherwise than the recipe reads it, or ``measured`` without a recipe, with a collective or a
+      non-2-D x.
   """
   check_recipe(recipe, "quantized_matmul")
   check_linear_operands(x, w, "quantized_matmul")
   options = resolve(options)
   if collective is not None and x.ndim != 2:
     raise ValueError(f"quantized_matmul: a tensor-parallel linear takes x as [M, K], got shape {x.shape}")
+  if measured and (recipe is None or collective is not None or x.ndim != 2 or 0 in x.shape or 0 in w.shape):
+    raise ValueError(f"quantized_matmul: a measured output needs a recipe, no collective and a non-empty 2-D x "
+                     f"[M, K]; got recipe {recipe!r}, collective {collective!r}, x {x.shape}, w {w.shape}")
   scatter = (lambda y: y) if collective is None else collective.scatter  # noqa: E731  (autodiff transposes it)
   if recipe is None:
     if is_low_bit(x) or is_low_bit(w):
@@ -189,8 +206,9 @@ def quantized_matmul(x, w, recipe: Recipe | None = None, collective: Collective 
   x, w = match_varying_axes(x, w)
   batch_shape, k = x.shape[:-1], x.shape[-1]
   x2 = x if is_low_bit(x) else x.reshape(math.prod(batch_shape), k)
-  y = _linear(x2, w, recipe, _Operands(is_low_bit(x), is_low_bit(w), jnp.dtype(w.dtype), collective, options))
-  return y if collective is not None else y.reshape(*batch_shape, w.shape[1])
+  y = _linear(x2, w, recipe, _Operands(is_low_bit(x), is_low_bit(w), jnp.dtype(w.dtype), collective, options,
+                                       measured))
+  return y if collective is not None or measured else y.reshape(*batch_shape, w.shape[1])
 
 
 def _dimension_numbers(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[tuple[int, ...], ...]:

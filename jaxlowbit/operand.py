@@ -119,6 +119,41 @@ class LowBitOperand:
     return self.carrier.ndim
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MeasuredOutput:
+  """A linear's output whose one consumer measures the output's gradient for the linear's backward.
+
+  The backward of a linear quantizes its output gradient ``g [M, N]`` per row and per column, which
+  needs ``g``'s row and column amaxes first: a pass over ``g`` of its own. A consumer that writes
+  ``g`` in its own backward can measure them on the way (BitNet's ``ffn_sub_norm``,
+  ``jaxlowbit.fused.swiglu_rms_norm_for``). JAX carries nothing backward but cotangents, so the
+  linear returns this pair and the consumer's backward returns the amaxes as ``maxima``'s cotangent.
+
+  Attributes:
+    values: the output ``[M, N]``.
+    maxima: float32 ``[M + N]`` zeros, never read (as a :class:`LowBitOperand`'s carrier). Its
+      cotangent is ``g``'s amaxes ``[row amaxes [M] | column amaxes [N]]`` (``|g|`` as float32 with
+      NaN as inf, of ``g`` as the consumer returns it): a consumer must return exactly these
+      (:func:`jaxlowbit.fused.measured_values` does it in XLA for any consumer).
+  """
+
+  values: jax.Array
+  maxima: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+
+def is_measured(a) -> bool:
+  return isinstance(a, MeasuredOutput)
+
+
 def varying_axes(a: jax.Array) -> frozenset:
   """Mesh axes ``a`` varies over inside ``shard_map`` (empty outside)."""
   aval = jax.typeof(a)
@@ -148,4 +183,5 @@ def is_low_bit(a) -> bool:
   return isinstance(a, LowBitOperand)
 
 
-__all__ = ["LowBitOperand", "QuantizedMatrix", "carrier_like", "is_low_bit", "vary_over", "varying_axes"]
+__all__ = ["LowBitOperand", "MeasuredOutput", "QuantizedMatrix", "carrier_like", "is_low_bit", "is_measured",
+           "vary_over", "varying_axes"]

@@ -106,6 +106,7 @@ def fused_quantize(
     cols_spec: QuantSpec | None = None,
     rows_t: bool = False,
     options: DispatchOptions | None = None,
+    maxima: tuple[jax.Array, jax.Array] | None = None,
 ):
   """``prologue(*inputs)`` quantized per row and/or per column (transposed), without writing it.
 
@@ -117,6 +118,9 @@ def fused_quantize(
     cols_spec: per-column quantization written transposed ``(q^T [C', R], scale [C', 1] or [1, 1])``.
     rows_t: the rows' int8 codes written transposed instead (``(q^T [C', R], scale [1, R])``).
     options: backend and operand split (:class:`DispatchOptions`).
+    maxima: the values' ``(row amaxes [R], column amaxes [C])`` as their producer measured them
+      (:func:`pallas_kernels.quantize.amaxes`): the kernel then skips its statistics pass where it has
+      one (:func:`pallas_kernels.quantize.fused_quantize_kernel`); XLA measures anyway.
 
   Returns:
     ``(rows or None, transposed or None, stat or None)`` (``stat``: the prologue's float32 row
@@ -145,7 +149,7 @@ def fused_quantize(
     transposing = cols_spec is not None or rows_t
     if quantize_kernels.supported(spec, r, c, transposed=transposing, prologue=prologue, split=split):
       rows, transposed, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=cols_spec,
-                                           rows_t=rows_t, split=split)
+                                           rows_t=rows_t, split=split, maxima=maxima)
     elif (transposing and rows_spec is not None and not rows_spec.per_tensor
           and quantize_kernels.supported(rows_spec, r, c, transposed=False, prologue=prologue, split=split)):
       _refuse_forced_fallback(cols_spec or rows_spec, r, c, True, prologue, options.backend)
@@ -154,7 +158,7 @@ def fused_quantize(
       # depend on whether its backward needs a transposed copy: training and an inference
       # conversion quantize alike), the transposed copy from XLA.
       rows, _, own_stat = _kernel(inputs, prologue=prologue, rows_spec=rows_spec, cols_spec=None, rows_t=False,
-                                  split=split)
+                                  split=split, maxima=None)
       if rows_t:
         transposed = quantize_kernels.transposed_rows(rows)
       else:
@@ -185,11 +189,12 @@ def _refuse_forced_fallback(spec: QuantSpec, r: int, c: int, transposed: bool, p
 
 
 @functools.partial(jax.jit, static_argnames=("prologue", "rows_spec", "cols_spec", "rows_t", "split"))
-def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+def _kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split, maxima):
   """:func:`pallas_kernels.quantize.fused_quantize_kernel` called through ``jax.jit``: as a bare
   ``pallas_call`` inside ``nn.scan``'s loop-invariant check (partial evaluation, jax 0.11) it makes
   flax raise "broadcasted variable has a data dependency on the scan body"."""
-  return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split=split)
+  return quantize_kernels.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, split=split,
+                                                maxima=maxima)
 
 
 def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue,
@@ -214,23 +219,27 @@ def _values(inputs, prologue):
 
 
 def swiglu_norm_grad(dy: jax.Array, h: jax.Array, gate_up: jax.Array, gamma: jax.Array, rstd: jax.Array,
-                     row_mean: jax.Array, activation: str = "silu",
-                     options: DispatchOptions | None = None) -> tuple[jax.Array, jax.Array]:
+                     row_mean: jax.Array, activation: str = "silu", options: DispatchOptions | None = None,
+                     maxima: bool = False):
   """The backward of ``RMSNorm(act(gate) * up)``: ``(d gate_up [R, 2H] in gate_up's dtype, d gamma [H] float32)``.
 
   ``dy [R, H]`` (the norm's output gradient), ``h [R, H]`` (the gated activation as the forward wrote it),
   ``gate_up [R, 2H]``, ``gamma [H]``, ``rstd [R]`` and ``row_mean [R]`` (float32; see
   :class:`pallas_kernels.quantize.SwiGLUNormGrad`). One values kernel on a GPU where it takes the shape (its
-  per-tile ``d gamma`` partial sums then added here), XLA elsewhere; equal up to float rounding.
+  per-tile partials then reduced here), XLA elsewhere; equal up to float rounding. With ``maxima``, a third
+  element: ``d gate_up``'s ``(row amaxes [R], column amaxes [2H])`` float32
+  (:func:`pallas_kernels.quantize.amaxes`), measured as it is written.
   """
-  prologue = quantize_kernels.SwiGLUNormGrad(activation)
+  prologue = quantize_kernels.SwiGLUNormGrad(activation, maxima)
   inputs = (dy, h, gate_up, gamma, rstd, row_mean)
   r, c = gate_up.shape
   if policy.quantize_on_kernel(_resolve(options).backend) and quantize_kernels.prologue_supported(r, c, prologue):
-    d_gate_up, dgamma = _values(inputs, prologue)
+    d_gate_up, dgamma, *partials = _values(inputs, prologue)
   else:
-    d_gate_up, dgamma = prologue.reference(inputs)
-  return d_gate_up, jnp.sum(dgamma, axis=0)
+    d_gate_up, dgamma, *partials = prologue.reference(inputs)
+  if not maxima:
+    return d_gate_up, jnp.sum(dgamma, axis=0)
+  return d_gate_up, jnp.sum(dgamma, axis=0), tuple(jnp.max(p, axis=0) for p in partials)
 
 
 def quantize_rows(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None) -> tuple[jax.Array, jax.Array]:
@@ -257,9 +266,11 @@ def quantize_ternary_weight(w: jax.Array, spec: QuantSpec, options: DispatchOpti
   return None, quantize_cols_t(w, spec, options)
 
 
-def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None):
-  """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can."""
-  rows, transposed, _ = fused_quantize((x,), Identity(), spec, spec, options=options)
+def quantize_rows_and_cols_t(x: jax.Array, spec: QuantSpec, options: DispatchOptions | None = None,
+                             maxima: tuple[jax.Array, jax.Array] | None = None):
+  """Both :func:`quantize_rows` and :func:`quantize_cols_t` of ``x``, sharing one read where a kernel can
+  (``maxima``: x's amaxes as its producer measured them, :func:`fused_quantize`)."""
+  rows, transposed, _ = fused_quantize((x,), Identity(), spec, spec, options=options, maxima=maxima)
   return rows, transposed
 
 

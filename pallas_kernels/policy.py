@@ -186,6 +186,14 @@ def fuse_prologue(prologue_name: str) -> bool:
 TERNARY_WEIGHTS_ON_KERNEL = True
 
 
+# The gate_up projection's output gradient quantized (per token and per feature, both int8 layouts from one tiled
+# pass) with the amaxes that BitNet's ffn_sub_norm backward measures as it writes it (its values kernel writes
+# per-tile maxima), instead of a statistics pass that reads the gradient again (512 MiB per layer of the 1B model,
+# 2.5 ms of the BitNet step on an H200: profile_step_1b_bitnet_h200_8966455.json). train.model asks for it
+# (ModelConfig.gate_up_measured); False keeps the statistics pass (an A/B variant of benchmarks/train_throughput.py).
+MEASURED_GRADIENTS = True
+
+
 def ternary_weights_on_kernel(backend: str) -> bool:
   """Whether BitNet's ternary weights are quantized by the tile kernel (where it takes the shape) under ``backend``:
   where the quantizers run on kernels at all (:func:`quantize_on_kernel`), under ``pallas`` or with

@@ -276,9 +276,9 @@ class SwiGLUGrad:
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     return round_to(jnp.concatenate(self.halves(dh.astype(jnp.float32), gate, up), axis=-1), gate_up.dtype)
 
-  def outputs(self, inputs, tile_rows: int) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
+  def outputs(self, inputs, tile: tuple[int, int]) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
     """(shape, dtype) of each array the values kernel writes: ``d gate_up [R, 2H]``."""
-    del tile_rows
+    del tile
     return (((inputs[1].shape[0], self.width(inputs)), inputs[1].dtype),)
 
 
@@ -304,9 +304,16 @@ class SwiGLUNormGrad:
   float32 (their sum over the first axis is ``d gamma``). XLA wrote the norm's ``dh`` in a separate pass
   with a column reduction for ``d gamma`` (~10 ms of the 1B BitNet step on an H100), which the SwiGLU
   backward then read again.
+
+  With ``maxima``, also the per-tile amaxes of ``d gate_up`` as written (``|v|`` float32, NaN as inf):
+  row partials ``[H / tile columns, R]`` and column partials ``[R / tile rows, 2H]`` (their max over the
+  first axis: the row amaxes ``[R]`` and column amaxes ``[2H]``), so that the gate_up linear's
+  backward quantizes ``d gate_up`` without reading it once more for them
+  (:class:`jaxlowbit.operand.MeasuredOutput`).
   """
 
   activation: str = "silu"
+  maxima: bool = False
 
   stats = False
 
@@ -327,7 +334,7 @@ class SwiGLUNormGrad:
 
   def write(self, refs, out_refs, rows, cols):
     dy_ref, h_ref, gate_up_ref, gamma_ref, rstd_ref, mean_ref = refs
-    out_ref, dgamma_ref = out_refs
+    out_ref, dgamma_ref = out_refs[:2]
     half = dy_ref.shape[1]
     dy, h = dy_ref[rows, cols].astype(jnp.float32), h_ref[rows, cols].astype(jnp.float32)
     rstd, row_mean = rstd_ref[rows][:, None], mean_ref[rows][:, None]
@@ -336,21 +343,38 @@ class SwiGLUNormGrad:
     gate = gate_up_ref[rows, cols].astype(jnp.float32)
     up = gate_up_ref[rows, pl.ds(cols.start + half, cols.size)].astype(jnp.float32)
     d_gate, d_up = SwiGLUGrad(self.activation).halves(dh, gate, up)
-    out_ref[rows, cols] = d_gate.astype(out_ref.dtype)
-    out_ref[rows, pl.ds(cols.start + half, cols.size)] = d_up.astype(out_ref.dtype)
-    dgamma_ref[pl.ds(pl.program_id(0), 1), cols] = jnp.sum(dy * (h * rstd), axis=0)[None, :]
+    d_gate, d_up = d_gate.astype(out_ref.dtype), d_up.astype(out_ref.dtype)
+    out_ref[rows, cols] = d_gate
+    out_ref[rows, pl.ds(cols.start + half, cols.size)] = d_up
+    i, j = pl.program_id(0), pl.program_id(1)
+    dgamma_ref[pl.ds(i, 1), cols] = jnp.sum(dy * (h * rstd), axis=0)[None, :]
+    if self.maxima:
+      rowmax_ref, colmax_ref = out_refs[2:]
+      gate_mags, up_mags = magnitude(d_gate.astype(jnp.float32)), magnitude(d_up.astype(jnp.float32))
+      rowmax_ref[pl.ds(j, 1), rows] = jnp.maximum(jnp.max(gate_mags, axis=1), jnp.max(up_mags, axis=1))[None, :]
+      colmax_ref[pl.ds(i, 1), cols] = jnp.max(gate_mags, axis=0)[None, :]
+      colmax_ref[pl.ds(i, 1), pl.ds(cols.start + half, cols.size)] = jnp.max(up_mags, axis=0)[None, :]
 
-  def reference(self, inputs) -> tuple[jax.Array, jax.Array]:
-    """``(d gate_up [R, 2H], d gamma [1, H])`` in XLA (d gamma as one partial sum)."""
+  def reference(self, inputs) -> tuple[jax.Array, ...]:
+    """``(d gate_up [R, 2H], d gamma [1, H])`` in XLA (d gamma as one partial sum), and with ``maxima`` the amaxes
+    ``[1, R]`` and ``[1, 2H]`` (one partial each)."""
     dy, h, gate_up, gamma, rstd, row_mean = inputs
     dy, h32 = dy.astype(jnp.float32), h.astype(jnp.float32)
     dh = self._dh(dy, h32, gamma.astype(jnp.float32), rstd[:, None], row_mean[:, None], h.dtype, round_to)
     dgamma = jnp.sum(dy * (h32 * rstd[:, None]), axis=0, keepdims=True)
-    return SwiGLUGrad(self.activation).reference((dh, gate_up)), dgamma
+    d_gate_up = SwiGLUGrad(self.activation).reference((dh, gate_up))
+    if not self.maxima:
+      return d_gate_up, dgamma
+    rowmax, colmax = amaxes(d_gate_up)
+    return d_gate_up, dgamma, rowmax[None, :], colmax[None, :]
 
-  def outputs(self, inputs, tile_rows: int) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
+  def outputs(self, inputs, tile: tuple[int, int]) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
     r, half = inputs[0].shape
-    return (((r, self.width(inputs)), inputs[2].dtype), ((r // tile_rows, half), jnp.dtype(jnp.float32)))
+    f32 = jnp.dtype(jnp.float32)
+    outs = (((r, self.width(inputs)), inputs[2].dtype), ((r // tile[0], half), f32))
+    if self.maxima:
+      outs += (((half // tile[1], r), f32), ((r // tile[0], self.width(inputs)), f32))
+    return outs
 
 
 Prologue = Identity | RmsNorm | RmsNormApply | SwiGLU
@@ -421,6 +445,13 @@ def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax
 def magnitude(x: jax.Array) -> jax.Array:
   """``|x|`` with NaN as inf, the element-wise part of ``stats.absmax`` (inside a kernel)."""
   return jnp.where(x != x, jnp.inf, jnp.abs(x))  # NaN counts as inf (stats.absmax)
+
+
+def amaxes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(row amaxes [R], column amaxes [C])`` of ``x [R, C]`` in XLA: :func:`magnitude` of ``x`` as float32, what a
+  quantizer's statistics pass measures."""
+  mags = magnitude(x.astype(jnp.float32))
+  return jnp.max(mags, axis=1), jnp.max(mags, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,6 +688,7 @@ def fused_quantize_kernel(
     rows_t: bool = False,
     interpret: bool = False,
     split: Split = NO_SPLIT,
+    maxima: tuple[jax.Array, jax.Array] | None = None,
 ):
   """``prologue(*inputs)`` quantized without writing it: ``(rows, transposed, stat)``.
 
@@ -674,6 +706,9 @@ def fused_quantize_kernel(
       and the writing pass. Columns split (``split.cols``, a prologue without a row statistic): per-row
       and per-tensor amaxes are reduced over them, so the rows are measured in one pass and written by
       the tiled pass (a row-parallel linear's input, a column-parallel linear's gradient).
+    maxima: the values' ``(row amaxes [R], column amaxes [C])`` (float32, :func:`amaxes`), measured by
+      their producer: both layouts of an :class:`Identity` prologue are then written by the tiled pass
+      alone (no statistics pass). Other requests ignore them (they measure as they write).
 
   Returns:
     ``(rows or None, transposed or None, stat or None)``: ``stat`` is the prologue's float32 row
@@ -712,13 +747,15 @@ def fused_quantize_kernel(
     rows = (outs[1], scale.reshape(1, 1)) if rows_spec is not None else None
     transposed = (outs[0], scale.reshape(1, 1)) if cols_spec is not None or rows_t else None
     return rows, transposed, stat
-  if cols_spec is not None and _stats_from_tiles(spec, prologue):
+  measured = maxima is not None and isinstance(prologue, Identity) and cols_spec is not None
+  if cols_spec is not None and (measured or _stats_from_tiles(spec, prologue)):
     # Two tiled reads: every tile's row and column maxima, then both layouts written from the same
-    # tiles (no [R / rows-per-program, C] partials to write and reduce, as the rows kernel has).
+    # tiles (no [R / rows-per-program, C] partials to write and reduce, as the rows kernel has);
+    # one where the producer measured the maxima.
     stat = None
     if prologue.stats:
       stat = _rows_call(inputs, prologue, spec, write=False, with_colmax=False, interpret=interpret)[-1]
-    rowmax, colmax = _tile_stats_call(inputs, prologue, stat, interpret)
+    rowmax, colmax = maxima if measured else _tile_stats_call(inputs, prologue, stat, interpret)
     param_t, scale_t = code_scales(_pmax(colmax, split.rows), spec)
     param_r, scale_r = code_scales(_pmax(rowmax, split.cols), spec) if rows_spec is not None else (None, None)
     outs = _tile_call(inputs, prologue, stat, param_t, spec, per_row=False, interpret=interpret, r_param=param_r)
@@ -770,7 +807,8 @@ def prologue_kernel(inputs: tuple[jax.Array, ...], prologue: SwiGLUGrad | SwiGLU
   tile_r, tile_c, warps = tuning.prologue_tile_config(prologue)
   outs = pl.pallas_call(
       functools.partial(_values_kernel, prologue=prologue, n_inputs=len(inputs), tile=(tile_r, tile_c)),
-      out_shape=tuple(out_struct(shape, dtype, *inputs) for shape, dtype in prologue.outputs(inputs, tile_r)),
+      out_shape=tuple(out_struct(shape, dtype, *inputs)
+                      for shape, dtype in prologue.outputs(inputs, (tile_r, tile_c))),
       grid=(r // tile_r, prologue.value_columns(inputs) // tile_c),
       compiler_params=plt.CompilerParams(num_warps=warps, num_stages=2),
       interpret=interpret,

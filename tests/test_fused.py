@@ -19,6 +19,7 @@ from flax import traverse_util
 import jaxlowbit
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, fused
 from jaxlowbit.recipes.base import quantize_operand
+from pallas_kernels import dispatch, policy, quantize
 from pallas_kernels.quantize import GATE_ACTIVATIONS
 from helpers import equations, fresh_key, rel_err
 from train.model import ModelConfig, Transformer
@@ -145,6 +146,96 @@ def test_sub_norm_backward_reads_its_bf16_residual():
   (h,) = barriers[0].outvars
   assert any(e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.float32
              for e in eqns if h in e.invars)
+
+
+@pytest.mark.parametrize("consumer", ["sub_norm", "measured_values"])
+def test_measured_gate_up_gets_its_gradients_amaxes_from_the_consumer(consumer, monkeypatch):
+  """A linear with a measured output (``quantized_matmul(..., measured=True)``) gets its output gradient's row and
+  column amaxes from the consumer's backward: BitNet's fused ffn_sub_norm (measured as its one pass writes
+  d gate_up) or any consumer through ``measured_values`` (measured in XLA). Its backward hands exactly those amaxes
+  to the quantizer of g, and the loss and every gradient equal the unmeasured linear's."""
+  kx, kg, ks, kd = jax.random.split(fresh_key(), 4)
+  x = jax.random.normal(kx, (64, 128)).astype(jnp.bfloat16)
+  w_gate_up = jax.random.normal(kg, (128, 2 * 96)) / 11
+  scale = 1 + 0.1 * jax.random.normal(ks, (96,))
+  w_down = jax.random.normal(kd, (96, 32)) / 10
+  recipe = BitNet.presets["bitnet"]
+  seen = []
+  plain_quantize = dispatch.quantize_rows_and_cols_t
+
+  def recording(g, spec, options=None, maxima=None):
+    if maxima is not None:
+      jax.debug.callback(lambda *a: seen.append(a), *maxima, *quantize.amaxes(g))
+    return plain_quantize(g, spec, options, maxima)
+
+  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", recording)
+
+  def loss(measured):
+    def f(x, w_gate_up, scale, w_down):
+      y = jaxlowbit.quantized_matmul(x, w_gate_up, recipe, measured=measured)
+      if consumer == "sub_norm":
+        h = fused.swiglu_rms_norm_for(y, scale, 1e-5, recipe, jnp.bfloat16)
+      else:
+        h = fused.rms_norm_for(fused.swiglu(fused.measured_values(y)), scale, 1e-5, recipe, jnp.bfloat16)
+      return jnp.sum(jaxlowbit.quantized_matmul(h, w_down, recipe).astype(jnp.float32) ** 2)
+    return f
+
+  args = (x, w_gate_up, scale, w_down)
+  got = jax.value_and_grad(loss(True), argnums=(0, 1, 2, 3))(*args)
+  assert len(seen) == 1, len(seen)  # the gate_up linear's g, with the consumer's amaxes
+  rowmax, colmax, want_rowmax, want_colmax = seen[0]
+  assert rowmax.shape == (64,) and colmax.shape == (2 * 96,)
+  np.testing.assert_array_equal(rowmax, want_rowmax)
+  np.testing.assert_array_equal(colmax, want_colmax)
+  want = jax.value_and_grad(loss(False), argnums=(0, 1, 2, 3))(*args)
+  assert len(seen) == 1  # the unmeasured linear measures g itself
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bitnet_model_measures_its_gate_up_gradient_in_the_sub_norm(monkeypatch):
+  """The published BitNet model's gate_up projection takes its gradient's amaxes from ffn_sub_norm's backward
+  (``ModelConfig.gate_up_measured``); with ``policy.MEASURED_GRADIENTS`` off it measures them itself. Loss and
+  gradients are the same, bit for bit."""
+  tokens = jax.random.randint(fresh_key(), (2, 33), 0, 384)
+  config = ModelConfig(recipe=BitNet.presets["bitnet"], bitnet_norm_placement="sub", d_model=128, d_ff=256)
+  params = Transformer(config).init(jax.random.key(0), tokens[:, :-1])
+  calls = []
+  plain_quantize = dispatch.quantize_rows_and_cols_t
+
+  def counting(g, spec, options=None, maxima=None):
+    calls.append(maxima is not None)
+    return plain_quantize(g, spec, options, maxima)
+
+  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", counting)
+
+  def run(measured):
+    monkeypatch.setattr(policy, "MEASURED_GRADIENTS", measured)
+    assert config.gate_up_measured(None) is measured
+    del calls[:]
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+        Transformer(config).apply(p, tokens[:, :-1]), tokens[:, 1:]).mean()
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, grads, sum(calls)
+
+  got, want = run(True), run(False)
+  assert got[2] >= 1 and want[2] == 0, (got[2], want[2])
+  for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_measured_output_refuses_what_it_cannot_serve():
+  x, w = jnp.ones((8, 32), jnp.bfloat16), jnp.ones((32, 16))
+  with pytest.raises(ValueError, match="measured output needs a recipe"):
+    jaxlowbit.quantized_matmul(x, w, None, measured=True)
+  with pytest.raises(ValueError, match="non-empty 2-D x"):
+    jaxlowbit.quantized_matmul(x.reshape(2, 4, 32), w, BitNet(), measured=True)
+  layer = jaxlowbit.BitNetDense(features=16, use_bias=True, measured=True)
+  with pytest.raises(ValueError, match="no bias"):
+    layer.init(jax.random.key(0), x)
+  out = jaxlowbit.BitNetDense(features=16, use_bias=False, measured=True).init_with_output(
+      jax.random.key(0), x.reshape(2, 4, 32))[0]
+  assert out.values.shape == (8, 16) and out.maxima.shape == (24,) and out.maxima.dtype == jnp.float32
 
 
 PLAIN_GATES = {"silu": jax.nn.silu, "relu2": lambda g: jnp.maximum(g, 0) ** 2}

@@ -323,6 +323,42 @@ def test_swiglu_norm_grad_interpret_matches_reference_and_autodiff(activation):
   assert rel_err(dgamma[0], exact_gamma) <= 2.0**-8
 
 
+@pytest.mark.timeout(300)
+def test_swiglu_norm_grad_maxima_are_the_written_gradients_amaxes():
+  """With ``maxima`` the values kernel also writes per-tile amaxes of d gate_up: reduced, they equal the amaxes of
+  the bf16 values it wrote (exactly: the same values), and quantizing those values with them gives the codes of the
+  quantizer's own statistics pass, bit for bit (both layouts)."""
+  inputs = _swiglu_norm_grad_inputs(64, 256, "silu")
+  d_gate_up, dgamma, rowmax, colmax = qk.prologue_kernel(inputs, qk.SwiGLUNormGrad("silu", maxima=True),
+                                                          interpret=True)
+  plain, plain_dgamma = qk.prologue_kernel(inputs, qk.SwiGLUNormGrad("silu"), interpret=True)
+  np.testing.assert_array_equal(d_gate_up, plain)
+  np.testing.assert_array_equal(dgamma, plain_dgamma)
+  tile_c = tuning.prologue_tile_config(qk.SwiGLUNormGrad())[1]
+  assert rowmax.shape == (256 // tile_c, 64) and colmax.shape[1] == 512
+  maxima = (rowmax.max(axis=0), colmax.max(axis=0))
+  for got, want in zip(maxima, qk.amaxes(d_gate_up)):
+    np.testing.assert_array_equal(got, want)
+  spec = QuantSpec("int8")
+  measured = qk.fused_quantize_kernel((d_gate_up,), qk.Identity(), spec, spec, interpret=True, maxima=maxima)
+  own = qk.fused_quantize_kernel((d_gate_up,), qk.Identity(), spec, spec, interpret=True)
+  for got, want in zip(jax.tree.leaves(measured), jax.tree.leaves(own)):
+    np.testing.assert_array_equal(got, want)
+  wrong = qk.fused_quantize_kernel((d_gate_up,), qk.Identity(), spec, spec, interpret=True,
+                                   maxima=(2 * maxima[0], 2 * maxima[1]))
+  assert not np.array_equal(wrong[0][0], own[0][0])  # the given maxima are what the codes are scaled by
+
+
+def test_swiglu_norm_grad_with_maxima_lowers_for_cuda():
+  """The values kernel with its maxima outputs lowers to one Triton call."""
+  shapes = [((2048, 1024), jnp.bfloat16), ((2048, 1024), jnp.bfloat16), ((2048, 2048), jnp.bfloat16),
+            ((1024,), jnp.float32), ((2048,), jnp.float32), ((2048,), jnp.float32)]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+  lowered = jax.jit(lambda *a: qk.prologue_kernel(a, qk.SwiGLUNormGrad(maxima=True))).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
+
+
 def test_prologue_kernel_rejects_what_it_cannot_tile():
   with pytest.raises(ValueError, match="must divide by the tile"):
     qk.prologue_kernel(_swiglu_grad_inputs(64, 192), qk.SwiGLUGrad(), interpret=True)  # a half of 192 columns

@@ -241,6 +241,52 @@ def test_swiglu_norm_grad_kernel_matches_reference_at_1b_shapes():
   bf16_values_close(got, want)
   atol = 1e-4 * float(jnp.max(jnp.abs(dgamma)))
   np.testing.assert_allclose(jnp.sum(partials, axis=0), dgamma[0], rtol=1e-4, atol=atol)
+  # With its maxima (the gate_up linear's measured gradient): the same d gate_up, whose amaxes they are exactly,
+  # and the int8 quantization of d gate_up with them is the statistics pass's, bit for bit.
+  measured, _, rowmax, colmax = jax.jit(lambda a: qk.prologue_kernel(a, qk.SwiGLUNormGrad(maxima=True)))(inputs)
+  np.testing.assert_array_equal(measured, got)
+  maxima = (jnp.max(rowmax, axis=0), jnp.max(colmax, axis=0))
+  for a, b in zip(maxima, jax.jit(qk.amaxes)(got)):
+    np.testing.assert_array_equal(a, b)
+  spec = QuantSpec("int8")
+  quantize = jax.jit(lambda g, m: qk.fused_quantize_kernel((g,), qk.Identity(), spec, spec, maxima=m))
+  own = jax.jit(lambda g: qk.fused_quantize_kernel((g,), qk.Identity(), spec, spec))(got)
+  for a, b in zip(jax.tree.leaves(quantize(got, maxima)), jax.tree.leaves(own)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_measured_gate_up_gradient_on_the_kernels_changes_nothing(monkeypatch):
+  """BitNet's gate_up linear with its output gradient's amaxes measured by the fused ffn_sub_norm backward (the
+  values kernel's maxima) against the statistics pass (policy off): loss and every gradient bit for bit, at a shape
+  every kernel takes."""
+  from jaxlowbit import fused
+  from pallas_kernels import dispatch
+
+  kx, kg, ks, kd = jax.random.split(fresh_key(), 4)
+  x = jax.random.normal(kx, (4096, 2048), jnp.bfloat16)
+  w_gate_up = jax.random.normal(kg, (2048, 2 * 2048)) / 45
+  scale = 1 + 0.1 * jax.random.normal(ks, (2048,))
+  w_down = jax.random.normal(kd, (2048, 2048)) / 45
+  recipe = BitNet.presets["bitnet"]
+  given = []
+  plain_quantize = dispatch.quantize_rows_and_cols_t
+  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t",
+                      lambda g, spec, options=None, maxima=None: given.append(maxima is not None)
+                      or plain_quantize(g, spec, options, maxima))
+
+  def loss(measured):
+    def f(x, w_gate_up, scale, w_down):
+      y = quantized_matmul(x, w_gate_up, recipe, measured=measured)
+      h = fused.swiglu_rms_norm_for(y, scale, 1e-5, recipe, jnp.bfloat16)
+      return jnp.sum(quantized_matmul(h, w_down, recipe).astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+  args = (x, w_gate_up, scale, w_down)
+  got = loss(True)(*args)
+  assert any(given)
+  want = loss(False)(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
 
 
 @needs_hopper

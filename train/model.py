@@ -77,6 +77,7 @@ from jaxlowbit.operand import is_low_bit
 from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, ColumnGroups, TensorParallel, TensorSplit
 from jaxlowbit_numerics.stats import Split
+from pallas_kernels import policy
 from pallas_kernels.quantize import GATE_ACTIVATIONS
 from train import kv_cache
 
@@ -238,6 +239,16 @@ class ModelConfig:
     ``paths`` have in common (8-bit where it arrives quantized for it), else None (``dtype``)."""
     recipes = {self.recipe_for(path) for path in paths}
     return recipes.pop() if len(recipes) == 1 else None
+
+  def gate_up_measured(self, execution: ExecutionOptions | None) -> bool:
+    """Whether the fused gate_up projection returns a :class:`jaxlowbit.operand.MeasuredOutput` to the down
+    projection's own norm (BitNet's ``ffn_sub_norm``), whose fused backward measures ``d gate_up``'s amaxes as it
+    writes it (``pallas_kernels.policy.MEASURED_GRADIENTS``; not under tensor parallelism, whose sub-norm runs
+    unfused)."""
+    down, gate_up = "layers.mlp.down", "layers.mlp.gate_up"
+    return (policy.MEASURED_GRADIENTS and self.fused_projections and self.norm_before(down)
+            and self.recipe_for(gate_up) is not None and _tensor_parallel(execution) is None
+            and jaxlowbit.fused.fused_quantization(self.own_norm_recipe(down), execution) is not None)
 
   def norm_before(self, path: str) -> bool:
     """Whether the projection at ``path`` gets its own RMSNorm ``<name>_norm`` (the BitNet norms).
@@ -498,8 +509,9 @@ def own_norm(config: ModelConfig, x, path: str, layout: ProjectionLayout, execut
 
 
 def dense(config: ModelConfig, path: str, features: int, std: float,
-          execution: ExecutionOptions | None = None) -> nn.Module:
-  """The jaxlowbit Dense of the projection at ``path`` (its recipe's, or high precision), named by its last part."""
+          execution: ExecutionOptions | None = None, measured: bool = False) -> nn.Module:
+  """The jaxlowbit Dense of the projection at ``path`` (its recipe's, or high precision), named by its last part
+  (``measured``: :attr:`jaxlowbit.LowBitDense.measured`)."""
   name = path.split(".")[-1]
   return jaxlowbit.dense_for(
       config.recipe_for(path),
@@ -510,18 +522,20 @@ def dense(config: ModelConfig, path: str, features: int, std: float,
       kernel_init=nn.initializers.normal(std),
       name=name,
       execution=execution,
+      **({"measured": True} if measured else {}),
   )
 
 
 def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False,
-               execution: ExecutionOptions | None = None, normed: bool = False) -> jax.Array:
+               execution: ExecutionOptions | None = None, normed: bool = False, measured: bool = False) -> jax.Array:
   """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``: its own norm (BitNet),
   the tensor-parallel gather, the Dense.
 
   ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (the output is then ``[M,
   features]``). ``normed``: the caller applied the projection's own norm already (the MLP's
-  ``down_norm`` with the gated activation). Must be called inside a compact method (the layers attach
-  to that module).
+  ``down_norm`` with the gated activation). ``measured``: return the Dense's
+  :class:`jaxlowbit.operand.MeasuredOutput` (:meth:`ModelConfig.gate_up_measured`). Must be called inside a
+  compact method (the layers attach to that module).
 
   Tensor parallelism: a column-parallel projection reads the whole sequence; unless the caller
   ``gathered`` x for its group, it gathers it here (after its own norm) and returns this device's
@@ -532,7 +546,7 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, gat
   if not normed:
     x = own_norm(config, x, path, layout, execution)
   x = layout.gather(x, config.recipe_for(path))
-  return dense(config, path, features, std, execution)(x)
+  return dense(config, path, features, std, execution, measured)(x)
 
 
 def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float,
@@ -601,7 +615,8 @@ class Mlp(nn.Module):
     tokens; tensor-parallel: this device's token rows, the hidden units split over the devices)."""
     c, e = self.config, self.execution
     if c.fused_projections:  # tensor-parallel: [gate_d | up_d], this device's hidden units
-      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e)
+      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e,
+                           measured=c.gate_up_measured(e))
     else:
       gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std, e)
       gate_up = jnp.concatenate([gate, up], axis=-1)

@@ -63,19 +63,22 @@ class OperandQuantization:
   transposed_from_rows: bool = False
 
 
-def quantize_operand(x: jax.Array, how: OperandQuantization,
-                     options: DispatchOptions | None = None) -> tuple[QuantizedMatrix | None, QuantizedMatrix | None]:
+def quantize_operand(x: jax.Array, how: OperandQuantization, options: DispatchOptions | None = None,
+                     maxima: tuple[jax.Array, jax.Array] | None = None
+                     ) -> tuple[QuantizedMatrix | None, QuantizedMatrix | None]:
   """``(rows, transposed)`` of a 2-D ``x`` as ``how`` says, from one fused pass where a kernel can.
 
   ``rows [R, C]`` has one scale per row (or one in all); ``transposed [C, R]`` one per column of x.
   ``options``: the backend and how x is split (``pallas_kernels.dispatch.DispatchOptions``; a recipe
-  passes its own, None is the environment's).
+  passes its own, None is the environment's). ``maxima``: x's ``(row amaxes [R], column amaxes [C])`` where
+  its producer measured them (:class:`~jaxlowbit.operand.MeasuredOutput`): a kernel writing both layouts
+  then skips its statistics pass.
   """
   if how.transposed_from_rows:
     q, s = dispatch.quantize_rows(x, how.rows, options)
     return QuantizedMatrix(q, s, how.rows), QuantizedMatrix(q.T, s.reshape(1, -1), how.rows)
   if how.rows is not None and how.rows == how.transposed:
-    (q, s), (qt, st) = dispatch.quantize_rows_and_cols_t(x, how.rows, options)
+    (q, s), (qt, st) = dispatch.quantize_rows_and_cols_t(x, how.rows, options, maxima)
     return QuantizedMatrix(q, s, how.rows), QuantizedMatrix(qt, st, how.rows)
   rows = QuantizedMatrix(*dispatch.quantize_rows(x, how.rows, options), how.rows) if how.rows else None
   transposed = (QuantizedMatrix(*dispatch.quantize_cols_t(x, how.transposed, options), how.transposed)
@@ -145,10 +148,12 @@ class Recipe:
     """
     raise NotImplementedError
 
-  def backward(self, residuals: Any, g: jax.Array | LowBitOperand, w_dtype,
-               options: DispatchOptions) -> tuple[jax.Array, jax.Array]:
+  def backward(self, residuals: Any, g: jax.Array | LowBitOperand, w_dtype, options: DispatchOptions,
+               g_maxima: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """``(dx [M, K] in g's dtype, dW [K, N] in w_dtype)`` from the forward's residuals and ``g [M, N]``
-    (``options`` as for :meth:`forward`, the backward's own: its operands may be split otherwise)."""
+    (``options`` as for :meth:`forward`, the backward's own: its operands may be split otherwise).
+    ``g_maxima``: g's ``(row amaxes [M], column amaxes [N])`` where its consumer measured them
+    (:class:`~jaxlowbit.operand.MeasuredOutput`), for :func:`quantize_operand`."""
     raise NotImplementedError
 
   def input_quantization(self) -> OperandQuantization | None:

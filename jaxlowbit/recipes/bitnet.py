@@ -99,11 +99,11 @@ class BitNet(Recipe):
     # an int8 grad_weight by x^T quantized per input feature.
     return y, (x_t if self.grad_weight else x_rows, w_kept)
 
-  def backward(self, residuals, g, w_dtype, options):
+  def backward(self, residuals, g, w_dtype, options, g_maxima=None):
     x_saved, w = residuals
     # g per token for grad_input, g^T per output feature for grad_weight: one pass where both are int8.
     g_rows, g_t = quantize_operand(g, OperandQuantization(GRADIENTS if self.grad_input else None,
-                                                          GRADIENTS if self.grad_weight else None), options)
+                                                          GRADIENTS if self.grad_weight else None), options, g_maxima)
     with jax.named_scope(GRAD_INPUT_SCOPE):
       if is_low_bit(w):
         w_rows = provided(w, "rows", TERNARY, self, "weight") if w.rows is not None else None

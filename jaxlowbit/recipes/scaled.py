@@ -102,7 +102,7 @@ class ScaledRecipe(Recipe):
         y = hp_dot(x, weight_values(w, x.dtype), out_dtype)
     return y, (x_saved, w)
 
-  def backward(self, residuals, g, w_dtype, options):
+  def backward(self, residuals, g, w_dtype, options, g_maxima=None):
     plan = self.plan
     x_saved, w = residuals
     if is_low_bit(g):
@@ -110,7 +110,7 @@ class ScaledRecipe(Recipe):
       g_cols = plan.grad_weight and provided(g, "transposed", plan.grad_weight[1], self, "gradient")
       g_dtype = g.dtype
     else:
-      g_rows, g_cols = quantize_operand(g, plan.g, options)
+      g_rows, g_cols = quantize_operand(g, plan.g, options, g_maxima)
       g_dtype = g.dtype
     with jax.named_scope(GRAD_INPUT_SCOPE):
       if plan.grad_input:
