@@ -207,22 +207,29 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   return out
 
 
+def flat_linear(call: DenseCall, inputs, w, recipe: Recipe | None, options: ExecutionOptions | None = None,
+                measured: bool = False):
+  """``quantized_matmul`` of the call's inputs flattened to ``[*free, K]`` (a low-bit input: ``[M, K]``) and a
+  weight ``w [K, N]`` (an array or a low-bit weight): ``[*free, *features]``; with ``measured``
+  (:attr:`LowBitDense.measured`) the :class:`~jaxlowbit.operand.MeasuredOutput` of ``[M, N]`` values."""
+  x = call.flat_inputs(inputs)
+  if not measured:
+    return call.unflat_outputs(quantized_matmul(x, w, recipe, options=options))
+  if recipe is None or call.module.use_bias or len(call.features) != 1:
+    raise ValueError(f"{type(call.module).__name__}: a measured output needs a recipe, no bias and one features "
+                     f"dimension; got recipe {recipe!r}, use_bias={call.module.use_bias}, features={call.features}")
+  x = x if is_low_bit(x) else x.reshape(-1, call.kn[0])
+  return quantized_matmul(x, w, recipe, options=options, measured=True)
+
+
 def recipe_matmul(recipe: Recipe | None, options: ExecutionOptions | None = None, measured: bool = False) -> Matmul:
   """The Dense body's matmul for ``recipe``: the quantized dot of the stored kernel (None: DenseGeneral's dot),
   its kernels run as ``options`` say; ``measured``: :attr:`LowBitDense.measured`."""
   check_recipe(recipe, "dense_general")
 
   def matmul(call: DenseCall, inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    if measured:  # [M, N] values and the slot of their gradient's amaxes
-      if recipe is None or call.module.use_bias or len(call.features) != 1:
-        raise ValueError(f"{type(call.module).__name__}: a measured output needs a recipe, no bias and one features "
-                         f"dimension; got recipe {recipe!r}, use_bias={call.module.use_bias}, "
-                         f"features={call.features}")
-      x = call.flat_inputs(inputs)
-      x = x if is_low_bit(x) else x.reshape(-1, call.kn[0])
-      return quantized_matmul(x, kernel.reshape(-1, call.kn[1]), recipe, options=options, measured=True)
-    if is_low_bit(inputs):  # [M, K] from a fused producer
-      return call.unflat_outputs(quantized_matmul(inputs, kernel.reshape(-1, call.kn[1]), recipe, options=options))
+    if is_low_bit(inputs) or measured:  # [M, K] from a fused producer; or [M, N] values and their maxima slot
+      return flat_linear(call, inputs, kernel.reshape(-1, call.kn[1]), recipe, options, measured)
     kernel = kernel if recipe is not None else jnp.asarray(kernel, call.dtype)  # low-bit: from the master weight
     return quantized_dot_general(inputs, kernel, call.dimension_numbers, precision=call.module.precision,
                                  recipe=recipe, options=options)
@@ -359,4 +366,5 @@ def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = Non
   return (named[0] if named else LowBitDense)(recipe=recipe, execution=execution, **kwargs)
 
 
-__all__ = ["BitNetDense", "DenseCall", "Fp8Dense", "Int8Dense", "LowBitDense", "dense_for", "dense_general", "resolve"]
+__all__ = ["BitNetDense", "DenseCall", "Fp8Dense", "Int8Dense", "LowBitDense", "dense_for", "dense_general",
+           "flat_linear", "resolve"]

@@ -29,6 +29,7 @@ from train.model import Transformer, projection_paths
 from train.optimizer import make_optimizer
 from train.runtime import Unsharded
 from train.spec import UNSHARDED, build
+from pallas_kernels import dispatch, policy
 
 corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -158,6 +159,39 @@ def test_step_weights_give_the_per_microbatch_numbers(scan_layers, dtype):
   for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(shared)):
     np.testing.assert_array_equal(a, b)
 
+
+@pytest.mark.parametrize("step_weights", [True, False])
+def test_the_step_measures_the_gate_up_gradient_in_the_sub_norm(step_weights, monkeypatch):
+  """The published BitNet model's gate_up projection takes its gradient's amaxes from ffn_sub_norm's backward
+  (``ModelConfig.gate_up_measured``), in the trainer's microbatch with the step's ternary weights and without
+  them; with ``policy.MEASURED_GRADIENTS`` off it measures them itself. Loss and gradients are the same, bit for
+  bit."""
+  config = micro_config("unused", recipe="bitnet", model__n_layers=2, model__bitnet_norm_placement="sub")
+  spec = build(config, UNSHARDED)
+  runtime = Unsharded(Transformer(spec.model))
+  params = jax.jit(steps.make_init(runtime, make_optimizer(spec), spec))().params
+  tokens = jax.random.randint(jax.random.key(1), (config.batch_size, config.seq_len + 1), 0, 256)
+  weights = jax.jit(runtime.step_weights)(params) if step_weights else None
+  given = []
+  plain_quantize = dispatch.quantize_rows_and_cols_t
+
+  def counting(g, spec, options=None, maxima=None):
+    given.append(maxima is not None)
+    return plain_quantize(g, spec, options, maxima)
+
+  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", counting)
+
+  def run(measured):
+    monkeypatch.setattr(policy, "MEASURED_GRADIENTS", measured)
+    assert spec.model.gate_up_measured(None) is measured
+    del given[:]
+    out = jax.jit(runtime.loss_and_grads)(params, None, tokens, jax.random.key(2), weights)
+    return out, sum(given)
+
+  (got, n_measured), (want, n_plain) = run(True), run(False)
+  assert n_measured >= 1 and n_plain == 0, (n_measured, n_plain)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ Numerics: parameters and optimizer state are float32 master copies; the model co
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -43,11 +42,11 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlowbit import BitNet, fsdp, optim, quantized_matmul
+from jaxlowbit import BitNet, fsdp, optim
 from jaxlowbit.execution import DEFAULT as DEFAULT_EXECUTION
 from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.interception import PASS, dense_interceptor
-from jaxlowbit.layers import dense_general
+from jaxlowbit.layers import dense_general, flat_linear
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
 from jaxlowbit.recipes import bitnet
 from pallas_kernels import dispatch
@@ -97,7 +96,7 @@ def _run_with_step_weights(module, inputs, path):
 
   def matmul(call, inputs, kernel):
     w = LowBitOperand(None, codes, kernel.reshape(-1, call.kn[1]))
-    return call.unflat_outputs(quantized_matmul(call.flat_inputs(inputs), w, module.recipe, options=module.execution))
+    return flat_linear(call, inputs, w, module.recipe, module.execution, getattr(module, "measured", False))
 
   return dense_general(module, inputs, matmul)
 
