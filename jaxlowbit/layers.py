@@ -207,19 +207,18 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
   return out
 
 
-def flat_linear(call: DenseCall, inputs, w, recipe: Recipe | None, options: ExecutionOptions | None = None,
-                measured: bool = False):
-  """``quantized_matmul`` of the call's inputs flattened to ``[*free, K]`` (a low-bit input: ``[M, K]``) and a
-  weight ``w [K, N]`` (an array or a low-bit weight): ``[*free, *features]``; with ``measured``
-  (:attr:`LowBitDense.measured`) the :class:`~jaxlowbit.operand.MeasuredOutput` of ``[M, N]`` values."""
+def flat_linear(call: DenseCall, inputs, linear: Callable[[Any, bool], Any], measured: bool = False):
+  """A Dense body's linear of the call's inputs: ``linear(x, measured)`` (``quantized_matmul`` or ``fsdp_linear`` of
+  the layer's weight) on x flattened to ``[*free, K]``, its output ``[*free, *features]``; with ``measured``
+  (:attr:`LowBitDense.measured`) on x ``[M, K]``, its :class:`~jaxlowbit.operand.MeasuredOutput` of ``[M, N]``
+  values as it is. A low-bit input is ``[M, K]`` already."""
   x = call.flat_inputs(inputs)
   if not measured:
-    return call.unflat_outputs(quantized_matmul(x, w, recipe, options=options))
-  if recipe is None or call.module.use_bias or len(call.features) != 1:
-    raise ValueError(f"{type(call.module).__name__}: a measured output needs a recipe, no bias and one features "
-                     f"dimension; got recipe {recipe!r}, use_bias={call.module.use_bias}, features={call.features}")
-  x = x if is_low_bit(x) else x.reshape(-1, call.kn[0])
-  return quantized_matmul(x, w, recipe, options=options, measured=True)
+    return call.unflat_outputs(linear(x, False))
+  if call.module.use_bias or len(call.features) != 1:
+    raise ValueError(f"{type(call.module).__name__}: a measured output needs no bias and one features dimension; "
+                     f"got use_bias={call.module.use_bias}, features={call.features}")
+  return linear(x if is_low_bit(x) else x.reshape(-1, call.kn[0]), True)
 
 
 def recipe_matmul(recipe: Recipe | None, options: ExecutionOptions | None = None, measured: bool = False) -> Matmul:
@@ -229,7 +228,9 @@ def recipe_matmul(recipe: Recipe | None, options: ExecutionOptions | None = None
 
   def matmul(call: DenseCall, inputs: jax.Array, kernel: jax.Array) -> jax.Array:
     if is_low_bit(inputs) or measured:  # [M, K] from a fused producer; or [M, N] values and their maxima slot
-      return flat_linear(call, inputs, kernel.reshape(-1, call.kn[1]), recipe, options, measured)
+      w = kernel.reshape(-1, call.kn[1])
+      return flat_linear(call, inputs, lambda x, m: quantized_matmul(x, w, recipe, options=options, measured=m),
+                         measured)
     kernel = kernel if recipe is not None else jnp.asarray(kernel, call.dtype)  # low-bit: from the master weight
     return quantized_dot_general(inputs, kernel, call.dimension_numbers, precision=call.module.precision,
                                  recipe=recipe, options=options)

@@ -484,6 +484,46 @@ def test_trainer_model_runs_under_fsdp(mesh):
   np.testing.assert_allclose(loss, plain, rtol=LOSS_RTOL)
 
 
+def test_bitnet_gate_up_gradient_is_measured_under_fsdp(mesh, monkeypatch):
+  """Under FSDP the published BitNet model's gate_up linear (a gathered ternary weight) also takes its gradient's
+  amaxes from ffn_sub_norm's backward (``ModelConfig.gate_up_measured``); with ``policy.MEASURED_GRADIENTS`` off it
+  measures them itself. The sharded loss and gradients are the same, bit for bit."""
+  from pallas_kernels import dispatch, policy
+  from train.model import ModelConfig, Transformer
+
+  config = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, dtype=jnp.float32,
+                       recipe=BitNet.presets["bitnet"], bitnet_norm_placement="sub")
+  model = Transformer(config)
+  tokens = jax.random.randint(fresh_key(), (16, 33), 0, config.vocab_size)
+  params = jax.jit(model.init)(jax.random.key(0), tokens[:, :-1])["params"]
+  given = []
+  plain_quantize = dispatch.quantize_rows_and_cols_t
+
+  def counting(g, spec, options=None, maxima=None):
+    given.append(maxima is not None)
+    return plain_quantize(g, spec, options, maxima)
+
+  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", counting)
+
+  def run(measured):
+    monkeypatch.setattr(policy, "MEASURED_GRADIENTS", measured)
+    del given[:]
+    plan = fsdp.plan_for_model(model, params, tokens[:, :-1], mesh=mesh)
+
+    def loss_fn(p, scales, batch):
+      logits = fsdp.apply(model, p, batch[:, :-1], plan=plan, scales=scales)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    sharded = fsdp.shard_params(params, plan)
+    out = jax.jit(fsdp.value_and_grad(loss_fn, plan))(sharded, None, fsdp.shard_batch(tokens, plan))
+    return jax.device_get(out), sum(given)
+
+  (got, n_measured), (want, n_plain) = run(True), run(False)
+  assert n_measured >= 1 and n_plain == 0, (n_measured, n_plain)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_dropout_draws_differ_per_device(mesh):
   class Net(nn.Module):
     @nn.compact

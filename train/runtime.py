@@ -42,7 +42,7 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlowbit import BitNet, fsdp, optim
+from jaxlowbit import BitNet, fsdp, optim, quantized_matmul
 from jaxlowbit.execution import DEFAULT as DEFAULT_EXECUTION
 from jaxlowbit.execution import ExecutionOptions
 from jaxlowbit.interception import PASS, dense_interceptor
@@ -96,7 +96,9 @@ def _run_with_step_weights(module, inputs, path):
 
   def matmul(call, inputs, kernel):
     w = LowBitOperand(None, codes, kernel.reshape(-1, call.kn[1]))
-    return flat_linear(call, inputs, w, module.recipe, module.execution, getattr(module, "measured", False))
+    return flat_linear(call, inputs,
+                       lambda x, m: quantized_matmul(x, w, module.recipe, options=module.execution, measured=m),
+                       getattr(module, "measured", False))
 
   return dense_general(module, inputs, matmul)
 

@@ -31,7 +31,7 @@ from jaxlowbit.parallel.fsdp.gather import gather_weight, weight_scaling
 from jaxlowbit.parallel.tensor import ColumnParallel, RowParallel
 from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.matmul import match_varying_axes, quantized_matmul
-from jaxlowbit.operand import is_low_bit
+from jaxlowbit.operand import MeasuredOutput, is_low_bit
 from jaxlowbit.recipes import Recipe, check_recipe
 
 
@@ -45,7 +45,8 @@ def fsdp_linear(
     config: FsdpConfig = FsdpConfig(),
     tensor: ColumnParallel | RowParallel | None = None,
     options: ExecutionOptions | None = None,
-) -> jax.Array:
+    measured: bool = False,
+) -> jax.Array | MeasuredOutput:
   """``x @ W`` for a weight ``W [K, N]`` sharded along K over the mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (with ``axis_name`` bound) or anywhere with
@@ -63,6 +64,8 @@ def fsdp_linear(
     config: ``int8_weight_scaling``, ``remat`` and ``grad_reduce_dtype`` are read from it.
     tensor: the linear's tensor-parallel collective (module docstring), or None.
     options: how the kernels run (:class:`jaxlowbit.ExecutionOptions`; None: the defaults).
+    measured: return the :class:`~jaxlowbit.operand.MeasuredOutput` of ``[M, N]`` values (``M``: x's leading dims'
+      product), as ``quantized_matmul(..., measured=True)``; not with ``tensor``.
 
   Returns:
     ``[..., N]`` in x's dtype (row-parallel: this device's ``[M/t, N]``); differentiable in x
@@ -103,12 +106,12 @@ def fsdp_linear(
   def linear(x, w, scale):
     gathered = gather_weight(w, scaling, x.dtype, scale=scale, axis_name=axis_name, tensor=tensor,
                              grad_reduce_dtype=config.grad_reduce_dtype)
-    return quantized_matmul(x, gathered, recipe, collective=tensor, options=options)
+    return quantized_matmul(x, gathered, recipe, collective=tensor, options=options, measured=measured)
 
   if config.remat == "regather":  # keep nothing of the linear but its inputs: the backward gathers again
     linear = jax.checkpoint(linear, policy=jax.checkpoint_policies.nothing_saveable)
   y = linear(x if is_low_bit(x) else x.reshape(math.prod(batch_shape), k), w, scale)
-  return y if isinstance(tensor, RowParallel) else y.reshape(*batch_shape, w.shape[1])
+  return y if isinstance(tensor, RowParallel) or measured else y.reshape(*batch_shape, w.shape[1])
 
 
 __all__ = ["fsdp_linear"]

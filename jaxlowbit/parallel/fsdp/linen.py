@@ -42,7 +42,7 @@ from jaxlowbit.parallel.fsdp.plan import FsdpPlan, LinearWeight, Path, TensorRul
 from jaxlowbit.parallel.fsdp.scales import Scales
 from jaxlowbit.parallel.tensor import ColumnParallel
 from jaxlowbit.interception import PASS, as_filter, dense_interceptor
-from jaxlowbit.layers import DenseCall, LowBitDense, dense_general, resolve
+from jaxlowbit.layers import DenseCall, LowBitDense, dense_general, flat_linear, resolve
 from jaxlowbit.recipes import Recipe, check_recipe
 
 # Name of the parameter that ``apply`` puts beside each kernel to hand its layer the
@@ -151,15 +151,21 @@ def plan_for_model(
   return make_plan(params, mesh, linears, config, tensor_parallel)
 
 
-def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig, tensor=None, options=None):
-  """The Dense body's matmul under FSDP: ``fsdp_linear`` on this device's kernel shard."""
+def _fsdp_matmul(linear: LinearWeight, scale, axis_name, config: FsdpConfig, tensor=None, options=None,
+                 measured: bool = False):
+  """The Dense body's matmul under FSDP: ``fsdp_linear`` on this device's kernel shard (``measured``: the layer's
+  :attr:`jaxlowbit.LowBitDense.measured`, outside tensor parallelism)."""
 
   def matmul(call: DenseCall, inputs, kernel):
-    x = call.flat_inputs(inputs)
     w = kernel.reshape(math.prod(kernel.shape[: len(call.axis)]), -1)  # [K/n, N] (N/t column-parallel)
-    y = fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config, tensor=tensor,
-                    options=options)
-    return y if tensor is not None else call.unflat_outputs(y)  # tensor-parallel: one output dim, its share
+
+    def run(x, m):
+      return fsdp_linear(x, w, linear.recipe, scale=scale, axis_name=axis_name, config=config, tensor=tensor,
+                         options=options, measured=m)
+
+    if tensor is not None:  # tensor-parallel: one output dim, its share
+      return run(call.flat_inputs(inputs), False)
+    return flat_linear(call, inputs, run, measured)
 
   return matmul
 
@@ -220,7 +226,8 @@ def apply(model: nn.Module, params: Mapping, *args, plan: FsdpPlan, scales: Scal
     axis_name = axis if sharded and plan.shard_dims[kernel_path] is not None else None
     scale = module.get_variable("params", SCALE_PARAM)  # None: the layer reduces its own
     matmul = _fsdp_matmul(linear, scale, axis_name, plan.config, plan.collective(kernel_path) if sharded else None,
-                          getattr(module, "execution", None))  # a jaxlowbit layer's own options
+                          getattr(module, "execution", None),  # a jaxlowbit layer's own options
+                          getattr(module, "measured", False))
     bias = module.get_variable("params", "bias") if module.use_bias else None  # tensor-parallel: its share
     collective = plan.collective(kernel_path) if sharded else None
     if bias is not None and isinstance(collective, ColumnParallel):
