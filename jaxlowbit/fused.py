@@ -268,7 +268,7 @@ _measured.defvjp(_measured_fwd, _measured_bwd)
 
 def measured_values(y: jax.Array | MeasuredOutput) -> jax.Array:
   """The values ``[M, N]`` of a linear's :class:`~jaxlowbit.operand.MeasuredOutput` for any consumer, whose backward
-  then measures the gradient's amaxes in XLA (one more pass over it; a producer that measures them as it writes
+  then measures the gradient's amaxes in XLA (one more pass over it; a consumer that measures them as it writes
   the gradient, :func:`swiglu_rms_norm_for`, saves that pass). An array comes back as it is."""
   return _measured(y.values, y.maxima) if is_measured(y) else y
 

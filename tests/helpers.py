@@ -131,3 +131,20 @@ def tie_free_activations(key: jax.Array, m: int, k: int, spec) -> jax.Array:
   quotient = x / scale
   ties = np.abs(quotient - np.floor(quotient) - 0.5) < TIE_MARGIN
   return jnp.asarray(np.where(ties, 0.0, x), jnp.bfloat16)
+
+
+def record_measured_quantizations(monkeypatch) -> list[bool]:
+  """Patch ``pallas_kernels.dispatch.quantize_rows_and_cols_t`` to record, per trace of a call, whether the caller gave
+  the operand's amaxes (``maxima``: a linear's measured output gradient, ``jaxlowbit.operand.MeasuredOutput``);
+  returns the list it appends to. Clear it between runs."""
+  from pallas_kernels import dispatch
+
+  calls = []
+  plain = dispatch.quantize_rows_and_cols_t
+
+  def recording(x, spec, options=None, maxima=None):
+    calls.append(maxima is not None)
+    return plain(x, spec, options, maxima)
+
+  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", recording)
+  return calls

@@ -34,7 +34,7 @@ from jaxlowbit.parallel.fsdp.plan import flatten
 from jaxlowbit.parallel import hlo
 from jaxlowbit.parallel.hlo import collectives
 from fsdp_common import TinyNet, data, sharded_and_unsharded, train
-from helpers import fresh_key, rel_err, run_distributed_workers, sqnr_db
+from helpers import fresh_key, record_measured_quantizations, rel_err, run_distributed_workers, sqnr_db
 
 FSDP, DATA = 4, 2
 TRAIN_STEPS = 5
@@ -488,7 +488,7 @@ def test_bitnet_gate_up_gradient_is_measured_under_fsdp(mesh, monkeypatch):
   """Under FSDP the published BitNet model's gate_up linear (a gathered ternary weight) also takes its gradient's
   amaxes from ffn_sub_norm's backward (``ModelConfig.gate_up_measured``); with ``policy.MEASURED_GRADIENTS`` off it
   measures them itself. The sharded loss and gradients are the same, bit for bit."""
-  from pallas_kernels import dispatch, policy
+  from pallas_kernels import policy
   from train.model import ModelConfig, Transformer
 
   config = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, dtype=jnp.float32,
@@ -496,14 +496,7 @@ def test_bitnet_gate_up_gradient_is_measured_under_fsdp(mesh, monkeypatch):
   model = Transformer(config)
   tokens = jax.random.randint(fresh_key(), (16, 33), 0, config.vocab_size)
   params = jax.jit(model.init)(jax.random.key(0), tokens[:, :-1])["params"]
-  given = []
-  plain_quantize = dispatch.quantize_rows_and_cols_t
-
-  def counting(g, spec, options=None, maxima=None):
-    given.append(maxima is not None)
-    return plain_quantize(g, spec, options, maxima)
-
-  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", counting)
+  given = record_measured_quantizations(monkeypatch)
 
   def run(measured):
     monkeypatch.setattr(policy, "MEASURED_GRADIENTS", measured)

@@ -9,7 +9,7 @@ from jaxlowbit import BitNet, Float8, Int8MixedPrecision, quantized_matmul
 from jaxlowbit_numerics.formats import QuantSpec
 from pallas_kernels import policy
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference, scaled_matmul_reference
-from helpers import bf16_values_close, fresh_key, rel_err, sqnr_db
+from helpers import bf16_values_close, fresh_key, record_measured_quantizations, rel_err, sqnr_db
 
 pytestmark = pytest.mark.gpu
 
@@ -260,7 +260,6 @@ def test_measured_gate_up_gradient_on_the_kernels_changes_nothing(monkeypatch):
   values kernel's maxima) against the statistics pass (policy off): loss and every gradient bit for bit, at a shape
   every kernel takes."""
   from jaxlowbit import fused
-  from pallas_kernels import dispatch
 
   kx, kg, ks, kd = jax.random.split(fresh_key(), 4)
   x = jax.random.normal(kx, (4096, 2048), jnp.bfloat16)
@@ -268,11 +267,7 @@ def test_measured_gate_up_gradient_on_the_kernels_changes_nothing(monkeypatch):
   scale = 1 + 0.1 * jax.random.normal(ks, (2048,))
   w_down = jax.random.normal(kd, (2048, 2048)) / 45
   recipe = BitNet.presets["bitnet"]
-  given = []
-  plain_quantize = dispatch.quantize_rows_and_cols_t
-  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t",
-                      lambda g, spec, options=None, maxima=None: given.append(maxima is not None)
-                      or plain_quantize(g, spec, options, maxima))
+  given = record_measured_quantizations(monkeypatch)
 
   def loss(measured):
     def f(x, w_gate_up, scale, w_down):

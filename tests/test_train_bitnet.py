@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import test_train_loop
-from helpers import equations
+from helpers import equations, record_measured_quantizations
 from test_train_config import _parse
 from test_train_loop import micro_config, train_losses
 from jaxlowbit import BitNet
@@ -29,7 +29,7 @@ from train.model import Transformer, projection_paths
 from train.optimizer import make_optimizer
 from train.runtime import Unsharded
 from train.spec import UNSHARDED, build
-from pallas_kernels import dispatch, policy
+from pallas_kernels import policy
 
 corpus = test_train_loop.corpus  # its module-scoped fixture (generated text), here for this module
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -172,14 +172,7 @@ def test_the_step_measures_the_gate_up_gradient_in_the_sub_norm(step_weights, mo
   params = jax.jit(steps.make_init(runtime, make_optimizer(spec), spec))().params
   tokens = jax.random.randint(jax.random.key(1), (config.batch_size, config.seq_len + 1), 0, 256)
   weights = jax.jit(runtime.step_weights)(params) if step_weights else None
-  given = []
-  plain_quantize = dispatch.quantize_rows_and_cols_t
-
-  def counting(g, spec, options=None, maxima=None):
-    given.append(maxima is not None)
-    return plain_quantize(g, spec, options, maxima)
-
-  monkeypatch.setattr(dispatch, "quantize_rows_and_cols_t", counting)
+  given = record_measured_quantizations(monkeypatch)
 
   def run(measured):
     monkeypatch.setattr(policy, "MEASURED_GRADIENTS", measured)
