@@ -135,9 +135,10 @@ def test_a_layers_rows_do_not_depend_on_the_transposed_request(m, rows_t, monkey
 
   calls = []
 
-  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):  # dispatch's call of the kernel
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split, maxima):  # dispatch's call of the kernel
     calls.append((rows_spec is not None, cols_spec is not None or rows_t))
-    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split,
+                                    maxima=maxima)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
   monkeypatch.setattr(policy, "QUANTIZE_KERNEL_MIN_ROWS", 0)  # these few rows on the kernel too
@@ -164,9 +165,10 @@ def test_few_rows_are_quantized_by_xla_under_auto(monkeypatch, backend):
 
   calls = []
 
-  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split, maxima):
     calls.append(inputs[0].shape[0])
-    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split,
+                                    maxima=maxima)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
   monkeypatch.setattr(dispatch, "_kernel", recording)
@@ -217,9 +219,10 @@ def test_ternary_weights_take_the_tile_kernel_where_the_policy_says(monkeypatch,
 
   calls = []
 
-  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split, maxima):
     calls.append(inputs[0].shape)
-    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split,
+                                    maxima=maxima)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
   monkeypatch.setattr(policy, "TERNARY_WEIGHTS_ON_KERNEL", on_kernel)
@@ -273,12 +276,13 @@ def test_bitnet_weight_from_one_kernel_pass_keeps_the_xla_paths_numbers(monkeypa
   want = jax.jit(lambda: run())()  # a new function object per trace: jit's cache must not hand back the first
   calls = []
 
-  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split):
+  def recording(inputs, prologue, rows_spec, cols_spec, rows_t, split, maxima):
     spec = rows_spec or cols_spec
     if not spec.ternary:
       return qk.fused_quantize_reference(inputs, prologue, rows_spec, cols_spec, rows_t, split)
     calls.append((rows_spec is not None, cols_spec is not None))
-    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split)
+    return qk.fused_quantize_kernel(inputs, prologue, rows_spec, cols_spec, rows_t, interpret=True, split=split,
+                                    maxima=maxima)
 
   monkeypatch.setattr(policy, "quantize_on_kernel", lambda backend: True)
   monkeypatch.setattr(policy, "TERNARY_WEIGHTS_ON_KERNEL", True)
