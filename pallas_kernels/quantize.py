@@ -61,7 +61,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics import fp8, int8, ternary
 from jaxlowbit_numerics.formats import QuantSpec
-from jaxlowbit_numerics.stats import NO_SPLIT, Split
+from jaxlowbit_numerics.stats import NO_SPLIT, Split, absmax
 from pallas_kernels import tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from pallas_kernels.vma import out_struct
@@ -448,10 +448,9 @@ def magnitude(x: jax.Array) -> jax.Array:
 
 
 def amaxes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(row amaxes [R], column amaxes [C])`` of ``x [R, C]`` in XLA: :func:`magnitude` of ``x`` as float32, what a
-  quantizer's statistics pass measures."""
-  mags = magnitude(x.astype(jnp.float32))
-  return jnp.max(mags, axis=1), jnp.max(mags, axis=0)
+  """``(row amaxes [R], column amaxes [C])`` of ``x [R, C]`` in XLA (``stats.absmax``), what a quantizer's
+  statistics pass measures."""
+  return absmax(x, 1)[:, 0], absmax(x, 0)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,7 +746,7 @@ def fused_quantize_kernel(
     rows = (outs[1], scale.reshape(1, 1)) if rows_spec is not None else None
     transposed = (outs[0], scale.reshape(1, 1)) if cols_spec is not None or rows_t else None
     return rows, transposed, stat
-  measured = maxima is not None and isinstance(prologue, Identity) and cols_spec is not None
+  measured = maxima is not None and isinstance(prologue, Identity)
   if cols_spec is not None and (measured or _stats_from_tiles(spec, prologue)):
     # Two tiled reads: every tile's row and column maxima, then both layouts written from the same
     # tiles (no [R / rows-per-program, C] partials to write and reduce, as the rows kernel has);
