@@ -327,13 +327,15 @@ def test_swiglu_norm_grad_interpret_matches_reference_and_autodiff(activation):
 def test_swiglu_norm_grad_maxima_are_the_written_gradients_amaxes():
   """With ``maxima`` the values kernel also writes per-tile amaxes of d gate_up: reduced, they equal the amaxes of
   the bf16 values it wrote (exactly: the same values), and quantizing those values with them gives the codes of the
-  quantizer's own statistics pass, bit for bit (both layouts)."""
+  quantizer's own statistics pass, bit for bit (both layouts). Its values are the plain kernel's up to a moved
+  rounding: the two programs compile apart (XLA:CPU here), and about one run in five a float32 ulp of dh lands on
+  a bf16 rounding boundary in one and not the other (seen: 2 of 32768 values, one bf16 step)."""
   inputs = _swiglu_norm_grad_inputs(64, 256, "silu")
   d_gate_up, dgamma, rowmax, colmax = qk.prologue_kernel(inputs, qk.SwiGLUNormGrad("silu", maxima=True),
                                                           interpret=True)
   plain, plain_dgamma = qk.prologue_kernel(inputs, qk.SwiGLUNormGrad("silu"), interpret=True)
-  np.testing.assert_array_equal(d_gate_up, plain)
-  np.testing.assert_array_equal(dgamma, plain_dgamma)
+  bf16_values_close(d_gate_up, plain, steps=2)  # dh rounded to bf16, then d gate_up: a moved first rounding carries
+  np.testing.assert_allclose(dgamma, plain_dgamma, rtol=1e-6, atol=1e-6 * np.abs(plain_dgamma).max())
   tile_c = tuning.prologue_tile_config(qk.SwiGLUNormGrad())[1]
   assert rowmax.shape == (256 // tile_c, 64) and colmax.shape[1] == 512
   maxima = (rowmax.max(axis=0), colmax.max(axis=0))
