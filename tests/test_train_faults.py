@@ -583,3 +583,20 @@ def test_manifests_of_earlier_versions_still_verify(stopped_run, tmp_path):
   assert checkpoint.verify(step_dir) is None
   flip_bit(step_dir / "_CHECKPOINT_METADATA")
   assert checkpoint.verify(step_dir).startswith("corrupt: 1 file(s) changed")
+
+
+def test_failed_reads_collected_after_the_error_line_print_nothing():
+  """The race behind the test above, made certain: a gathered orbax read that failed and is collected after the
+  error line (asyncio logs "exception was never retrieved") and one never started ("never awaited") print nothing."""
+  script = ("import asyncio, gc\n"
+            "from train import main\n"
+            "async def read():\n  pass\n"
+            "loop = asyncio.new_event_loop()\n"
+            "failed = loop.create_future()\n"
+            "failed.set_exception(ValueError('Requested shape: (1, 48) is not compatible with the stored shape'))\n"
+            "unstarted = read()\n"
+            "try:\n  main.fail('checkpoint does not restore', 2, with_traceback=False)\n"
+            "finally:\n  del failed, unstarted\n  gc.collect()\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "PYTHONPATH": str(REPO)})
+  assert proc.returncode == 2 and proc.stderr.splitlines() == ["error: checkpoint does not restore"], proc.stderr

@@ -34,6 +34,7 @@ Errors print one line, ``error: <what and what to do>``. Exit codes:
 
 from __future__ import annotations
 
+import logging as std_logging
 import signal
 import sys
 import traceback
@@ -77,11 +78,13 @@ def fail(message: str, code: int, with_traceback: bool) -> None:
   """Print ``error: message`` (the traceback first, under --verbosity) and exit with ``code``.
 
   Nothing follows the line: a restore that failed leaves orbax reads it never started, which Python reports as
-  "coroutine ... was never awaited" when it collects them at exit; the process is ending, so they are ignored."""
+  "coroutine ... was never awaited", and gathered reads that failed, which asyncio logs as "exception was never
+  retrieved", when it collects them at exit; the process is ending on the error they caused, so both are ignored."""
   if with_traceback:
     traceback.print_exc()
   print(f"error: {message}", file=sys.stderr, flush=True)
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+  std_logging.getLogger("asyncio").disabled = True
   sys.exit(code)
 
 
