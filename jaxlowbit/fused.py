@@ -43,6 +43,7 @@ from jaxlowbit.operand import (LowBitOperand, MeasuredOutput, QuantizedMatrix, c
 from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
+from pallas_kernels.decode import Add
 from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.quantize import (Identity, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, amaxes,
                                      check_gate_activation, rms_norm_input_grad, round_to)
@@ -83,14 +84,50 @@ def _rms_norm_split(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Sp
   return round_to(x32 * (rstd * scale.astype(jnp.float32)), dtype), rstd
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split = NO_SPLIT) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split = NO_SPLIT,
+             options: DispatchOptions | None = None) -> jax.Array:
   """``flax.linen.RMSNorm``'s output: ``x * (rsqrt(mean(x^2) + eps) * scale)`` in float32, cast to ``dtype``.
 
   ``split.cols``: x holds this device's features ``[..., C / n]`` (``scale`` too); the mean runs over all C.
+  A decode step's few rows run as one kernel on a GPU (:func:`pallas_kernels.dispatch.norm_rows`; ``options``: its
+  backend), equal up to the order of the mean square's sum.
   """
   if split.cols:
     return _rms_norm_split(x, scale, eps, dtype, split)[0]
-  return RmsNorm(eps, jnp.dtype(dtype)).reference((x, scale))
+  return _norm_rows((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), options)
+
+
+def _norm_rows(inputs: tuple[jax.Array, ...], scale: jax.Array, source, norm: RmsNorm,
+               options: DispatchOptions | None, write_source: bool = False):
+  """:func:`pallas_kernels.dispatch.norm_rows` of inputs ``[..., C_i]``, its outputs shaped ``[..., C]``."""
+  lead = inputs[0].shape[:-1]
+  flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
+  out = dispatch.norm_rows(flat, scale, source, norm, write_source, options)
+  return jax.tree.map(lambda a: a.reshape(*lead, a.shape[-1]), out)
+
+
+def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Recipe | None = None,
+                     split: Split | None = None) -> bool:
+  """Whether a norm of ``x [..., C]`` runs as the one-launch decode kernel: nothing quantized or split, few rows."""
+  split = split or NO_SPLIT
+  rows = x.size // x.shape[-1]
+  return (fused_quantization(recipe, options, split) is None and not split.cols
+          and dispatch.norm_rows_on_kernel(rows, resolve(options).dispatch()))
+
+
+def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
+                     split: Split | None = None, *, options: ExecutionOptions | None = None):
+  """``(rms_norm_for(x + delta, ...), x + delta)``: a pre-norm and the residual sum it reads.
+
+  ``x``, ``delta [..., C]``: the residual stream and what a sublayer adds to it. Where the norm runs as the decode
+  kernel (:func:`decode_norm_runs`) and both have one dtype, the sum is formed and normalized in the same launch
+  (the sum in float32, rounded once to x's dtype, as XLA adds); else ``x + delta`` then :func:`rms_norm_for`.
+  """
+  if x.dtype == delta.dtype and decode_norm_runs(x, options, recipe, split):
+    return _norm_rows((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
+                      write_source=True)
+  total = x + delta
+  return rms_norm_for(total, scale, eps, recipe, dtype, split, options=options), total
 
 
 def _norm_row_mean(dy, x, scale, rstd, split: Split = NO_SPLIT) -> jax.Array:
@@ -162,7 +199,7 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
   if how is None:
-    return rms_norm(x, scale, eps, dtype, split)
+    return rms_norm(x, scale, eps, dtype, split, resolve(options).dispatch())
   # Inside shard_map the scale's gradient varies with the tokens: autodiff of this cast sums it.
   scale = vary_over(scale, varying_axes(x))
   return _rms_norm_quantized(x.reshape(-1, x.shape[-1]), scale, eps, how, jnp.dtype(dtype),
@@ -334,6 +371,9 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
   check_gate_activation(activation)
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
+  if how is None and not split.cols and not is_measured(gate_up) and decode_norm_runs(gate_up, options):
+    return _norm_rows((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)),
+                      resolve(options).dispatch())
   if how is None or split.cols:
     h = swiglu(measured_values(gate_up), activation, resolve(options).dispatch())
     return rms_norm_for(h, scale, eps, recipe, dtype, split, options=options)
@@ -343,5 +383,6 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
                                     jnp.dtype(dtype), resolve(options).dispatch(split), activation)
 
 
-__all__ = ["fused_quantization", "measured_values", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for",
+__all__ = ["add_rms_norm_for", "decode_norm_runs", "fused_quantization", "measured_values", "rms_norm", "rms_norm_for",
+           "swiglu", "swiglu_for",
            "swiglu_rms_norm_for"]

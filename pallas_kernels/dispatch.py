@@ -9,6 +9,8 @@ implementation runs is decided here and nowhere else:
 - :func:`fused_quantize`  both, of the output of an RMSNorm or SwiGLU that is never written
 - :func:`swiglu_norm_grad` the backward of an RMSNorm of SwiGLU's output (BitNet's ffn_sub_norm) in one pass
 - :func:`scaled_matmul`   ``[M, K] x [N, K]`` -> ``[M, N]`` with the scales applied
+- :func:`norm_rows`       a decode-sized RMSNorm (of a residual sum or a gated activation) in one launch
+- :func:`decode_attention` a decode step's RoPE, KV cache write and attention in one launch
 
 and ``jaxlowbit.optim`` sends the Adam step of every block-wise quantized tensor through
 
@@ -48,6 +50,7 @@ from jaxlowbit_numerics.adam import AdamCoefficients
 from jaxlowbit_numerics.blockwise import BlockFormat, BlockQuantized
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import adam as adam_kernels
+from pallas_kernels import decode as decode_kernels
 from pallas_kernels import policy
 from pallas_kernels import quantize as quantize_kernels
 from pallas_kernels import tuning
@@ -55,7 +58,9 @@ from pallas_kernels.policy import select_backend
 from pallas_kernels.quantize import Identity, Prologue
 from pallas_kernels.reference import check_operands, scaled_matmul_reference
 
-__all__ = ["DispatchOptions", "adam_step", "adam_update", "fused_quantize", "prologue_values", "quantize_cols_t",
+__all__ = ["DispatchOptions", "adam_step", "adam_update", "decode_attention", "decode_attention_on_kernel",
+           "fused_quantize", "norm_rows", "norm_rows_on_kernel",
+           "prologue_values", "quantize_cols_t",
            "quantize_rows", "quantize_rows_and_cols_t", "scaled_matmul", "select_backend", "swiglu_norm_grad"]
 
 
@@ -216,6 +221,62 @@ def prologue_values(inputs: tuple[jax.Array, ...], prologue: Prologue,
 def _values(inputs, prologue):
   """:func:`pallas_kernels.quantize.prologue_kernel` through ``jax.jit`` (as :func:`_kernel`)."""
   return quantize_kernels.prologue_kernel(inputs, prologue)
+
+
+def norm_rows_on_kernel(rows: int, options: DispatchOptions | None = None) -> bool:
+  """Whether :func:`norm_rows` runs its one-launch kernel for ``rows`` rows (a decode step's batch on a GPU)."""
+  return (policy.DECODE_NORM_KERNEL and rows <= decode_kernels.NORM_ROWS_MAX
+          and policy.quantize_on_kernel(_resolve(options).backend))
+
+
+def norm_rows(inputs: tuple[jax.Array, ...], gamma: jax.Array, source: Prologue, norm: quantize_kernels.RmsNorm,
+              write_source: bool = False, options: DispatchOptions | None = None):
+  """RMSNorm ``norm`` of ``source``'s values (``pallas_kernels.decode.norm_rows_kernel``'s arguments): ``y [R, C]``,
+  and the values ``[R, C]`` with ``write_source``.
+
+  One kernel where :func:`norm_rows_on_kernel` says so, XLA elsewhere; equal up to the order of the mean square's
+  sum. Differentiable: the backward is the XLA path's (decode never takes it; a training forward has more rows).
+  """
+  if norm_rows_on_kernel(inputs[0].shape[0], options):
+    return _norm_rows(inputs, gamma, source, norm, write_source)
+  return decode_kernels.norm_rows_reference(inputs, gamma, source, norm, write_source)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _norm_rows(inputs, gamma, source, norm, write_source):
+  return _norm_rows_kernel(inputs, gamma, source, norm, write_source)
+
+
+# Through jax.jit, as :func:`_kernel` (a bare pallas_call inside nn.scan's loop-invariant check).
+_norm_rows_kernel = jax.jit(decode_kernels.norm_rows_kernel, static_argnames=("source", "norm", "write_source"))
+
+
+def _norm_rows_fwd(inputs, gamma, source, norm, write_source):
+  return _norm_rows(inputs, gamma, source, norm, write_source), (inputs, gamma)
+
+
+def _norm_rows_bwd(source, norm, write_source, residuals, ct):
+  _, pullback = jax.vjp(lambda *a: decode_kernels.norm_rows_reference(a[:-1], a[-1], source, norm, write_source),
+                        *residuals[0], residuals[1])
+  grads = pullback(ct)
+  return tuple(grads[:-1]), grads[-1]
+
+
+_norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
+
+
+def decode_attention_on_kernel(n_heads: int, n_kv_heads: int, head_dim: int,
+                               options: DispatchOptions | None = None) -> bool:
+  """Whether :func:`decode_attention` may run for these heads (a GPU from sm80; head_dim / 2 a power of two >=
+  16). The caller checks the rest: one new token, a compute-dtype cache, the fused qkv projection."""
+  return (policy.DECODE_ATTENTION_KERNEL and decode_kernels.decode_attention_supported(n_heads, n_kv_heads, head_dim)
+          and policy.quantize_on_kernel(_resolve(options).backend))
+
+
+# Through jax.jit, as :func:`_kernel`; the caches are donated by the decode loop, which aliases them through.
+decode_attention = jax.jit(decode_kernels.decode_attention_kernel, static_argnames=("n_heads", "interpret"))
+decode_attention.__doc__ = ("A decode step's attention in one launch: "
+                            ":func:`pallas_kernels.decode.decode_attention_kernel` (its arguments and results).")
 
 
 def swiglu_norm_grad(dy: jax.Array, h: jax.Array, gate_up: jax.Array, gamma: jax.Array, rstd: jax.Array,

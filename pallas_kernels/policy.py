@@ -283,3 +283,15 @@ def use_inference_kernel(who: str, wanted: bool, fits: bool, backend: str) -> bo
                        f"use auto (unset {BACKEND_ENV}) to let the XLA path take it")
     return False
   return requested == "pallas" or wanted
+
+# Decode-sized RMSNorms (at most pallas_kernels.decode.NORM_ROWS_MAX rows) as one Pallas kernel on a GPU instead of
+# XLA's reduce and elementwise pass (with the gated activation before BitNet's ffn_sub_norm, or the residual add
+# before a pre-norm, folded in): decode runs ~19 kernels per layer and each costs about 1 us of launch gap besides
+# its time (benchmarks/results/decode_kernels_on_h200_bddc8c0.json). False keeps XLA's (an A/B variant of
+# benchmarks/inference.py).
+DECODE_NORM_KERNEL = True
+
+# A decode step's attention (RoPE of the new query and key, the KV cache write, attention over the cache) as one
+# Pallas kernel on a GPU (pallas_kernels.decode.decode_attention_kernel) instead of XLA's six kernels per layer.
+# False keeps XLA's (an A/B variant of benchmarks/inference.py).
+DECODE_ATTENTION_KERNEL = True

@@ -112,6 +112,12 @@ class Identity:
     return inputs[0]
 
 
+def normed(x: jax.Array, rstd: jax.Array, gamma: jax.Array, dtype) -> jax.Array:
+  """An RMSNorm's output block ``x * (rstd * gamma)`` in float32 (``x [rows, cols]`` float32, ``rstd [rows]``,
+  ``gamma [cols]``), rounded to ``dtype`` and read back as float32: the one formula of every norm kernel."""
+  return (x * (rstd[:, None] * gamma.astype(jnp.float32)[None, :])).astype(dtype).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class RmsNorm:
   """``x [R, C]``, ``gamma [C]`` -> ``x * (rsqrt(mean(x^2) + eps) * gamma)`` rounded to ``dtype``.
@@ -135,9 +141,7 @@ class RmsNorm:
     return lax.rsqrt(total / width + self.eps)
 
   def values(self, refs, rows, cols, rstd):
-    x = refs[0][rows, cols].astype(jnp.float32)
-    gamma = refs[1][cols].astype(jnp.float32)
-    return (x * (rstd[:, None] * gamma[None, :])).astype(self.dtype).astype(jnp.float32)
+    return normed(refs[0][rows, cols].astype(jnp.float32), rstd, refs[1][cols], self.dtype)
 
   def reference(self, inputs) -> jax.Array:
     x, gamma = inputs
@@ -166,10 +170,8 @@ class RmsNormApply:
 
   def values(self, refs, rows, cols, stat):
     del stat
-    x = refs[0][rows, cols].astype(jnp.float32)
-    gamma = refs[1][cols].astype(jnp.float32)
-    rstd = refs[2][rows].astype(jnp.float32)
-    return (x * (rstd[:, None] * gamma[None, :])).astype(self.dtype).astype(jnp.float32)
+    return normed(refs[0][rows, cols].astype(jnp.float32), refs[2][rows].astype(jnp.float32), refs[1][cols],
+                  self.dtype)
 
   def reference(self, inputs) -> jax.Array:
     x, gamma, rstd = inputs

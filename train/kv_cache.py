@@ -114,6 +114,34 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array, 
                   mask)
 
 
+def fused_step_runs(module: nn.Module, tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                    kv_cache_dtype: str, options=None) -> bool:
+  """Whether a decode step runs as :func:`attend_step` (one kernel): one new token per sequence, a compute-dtype
+  cache that exists already, and ``pallas_kernels.dispatch.decode_attention_on_kernel``."""
+  from pallas_kernels import dispatch
+
+  return (tokens == 1 and kv_cache_dtype == "auto" and not module.is_initializing()
+          and dispatch.decode_attention_on_kernel(n_heads, n_kv_heads, head_dim, options))
+
+
+def attend_step(module: nn.Module, qkv: jax.Array, positions: jax.Array, n_heads: int,
+                frequencies: jax.Array) -> jax.Array:
+  """One decode step's RoPE, cache write and attention in one kernel (``pallas_kernels.decode``).
+
+  ``qkv [B, N + 2 H, D]``: the fused projection's output for the new token (before RoPE), ``positions [1]``, and
+  ``frequencies [D / 2]`` RoPE's. Writes the rotated key and the value into ``module``'s cache at the position, in
+  place; returns the attention ``[B, 1, N, D]`` over the cache (what :func:`update` then :func:`attend` give, up to
+  the order of float32 sums).
+  """
+  from pallas_kernels import dispatch
+
+  cached_k = module.variable(COLLECTION, "key", jnp.zeros, (), qkv.dtype)  # exists: the shape is not read
+  cached_v = module.variable(COLLECTION, "value", jnp.zeros, (), qkv.dtype)
+  out, cached_k.value, cached_v.value = dispatch.decode_attention(
+      qkv, cached_k.value, cached_v.value, positions[:1].astype(jnp.int32), frequencies, n_heads=n_heads)
+  return out[:, None]
+
+
 def attend(q: jax.Array, cached: CachedKV) -> jax.Array:
   """Attention of ``q [B, T, N, D]`` (N query heads, a multiple of H) over the cache -> ``[B, T, N, D]`` in q's dtype.
 

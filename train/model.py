@@ -74,7 +74,7 @@ import jaxlowbit
 import jaxlowbit.fused
 from jaxlowbit.interception import LayerFilter
 from jaxlowbit.operand import is_low_bit
-from jaxlowbit.execution import ExecutionOptions
+from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.parallel.tensor import COLUMN, FEATURES, ROW, ColumnGroups, TensorParallel, TensorSplit
 from jaxlowbit_numerics.stats import Split
 from pallas_kernels import policy
@@ -420,7 +420,8 @@ class RMSNorm(nn.Module):
   execution: ExecutionOptions | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, quantize_for=None, split=None, gated: str | None = None):
+  def __call__(self, x: jax.Array, quantize_for=None, split=None, gated: str | None = None,
+               residual: jax.Array | None = None):
     """``x [..., C]`` -> ``[..., C]`` of ``dtype``, or a ``[M, C]`` low-bit operand for ``quantize_for``.
 
     ``split``: how this device's x is split under tensor parallelism (``jaxlowbit.fused``); with
@@ -428,6 +429,8 @@ class RMSNorm(nn.Module):
     ``gated``: x is a gated MLP's ``gate_up [..., 2C]`` and the norm reads ``act(gate) * up`` with
     this activation (``jaxlowbit.fused.swiglu_rms_norm_for``: BitNet's ``ffn_sub_norm``, whose backward
     then runs as one pass with the activation's).
+    ``residual``: a pre-norm of the residual sum ``x + residual``; returns ``(normed, x + residual)``
+    (``jaxlowbit.fused.add_rms_norm_for``: one launch at decode).
     """
     width = x.shape[-1] // 2 if gated else x.shape[-1]
     if split is not None and split.cols:  # the stored scale is this device's share: no init shape to check
@@ -437,6 +440,9 @@ class RMSNorm(nn.Module):
     if gated:
       return jaxlowbit.fused.swiglu_rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split, gated,
                                                  options=self.execution)
+    if residual is not None:
+      return jaxlowbit.fused.add_rms_norm_for(x, residual, scale, self.epsilon, quantize_for, self.dtype, split,
+                                              options=self.execution)
     return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split,
                                         options=self.execution)
 
@@ -587,6 +593,13 @@ class Attention(nn.Module):
     else:
       q, k, v = group_projections(c, x, {"layers.attn.q": q_dim, "layers.attn.k": kv_dim, "layers.attn.v": kv_dim},
                                   c.init_std, e)
+    if self.decode and c.fused_projections and kv_cache.fused_step_runs(
+        self, t, c.n_heads, c.n_kv_heads, hd, self.kv_cache_dtype, resolve(e).dispatch()):
+      frequencies = rope_frequencies(hd, c.rope_theta, tuple(c.rope_scaling))
+      out = kv_cache.attend_step(self, qkv.reshape(-1, c.n_heads + 2 * c.n_kv_heads, hd), positions, c.n_heads,
+                                 frequencies)
+      return projection(c, out.reshape(-1, c.n_heads * hd), "layers.attn.out", c.d_model, _residual_std(c),
+                        execution=e)
     # [B, T, heads, head_dim]; under tensor parallelism this device's heads (of the whole sequence)
     q = rope(q.reshape(-1, t, q.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
     k = rope(k.reshape(-1, t, k.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
@@ -637,29 +650,42 @@ def _residual_std(config: ModelConfig) -> float:
 
 
 class Block(nn.Module):
-  """Pre-norm decoder block; ``(x, positions) -> (x, None)`` so it can be scanned."""
+  """Pre-norm decoder block; ``(x, positions) -> (x, None)`` so it can be scanned.
+
+  ``defer_residual`` (decode with unrolled layers): the block returns ``((x, mlp_out), None)`` without the last
+  residual add, and takes such a pair as its ``x``; the next pre-norm adds it as it normalizes (one launch at decode:
+  ``jaxlowbit.fused.add_rms_norm_for``). The same numbers either way.
+  """
 
   config: ModelConfig
   decode: bool = False
   execution: ExecutionOptions | None = None
   kv_cache_dtype: str = "auto"
+  defer_residual: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-    """``x [B, T, d_model]`` (tensor-parallel: this device's ``[B T / n, d_model]`` token rows), ``positions [T]``."""
+  def __call__(self, x, positions: jax.Array) -> tuple[Any, None]:
+    """``x [B, T, d_model]`` (tensor-parallel: this device's ``[B T / n, d_model]`` token rows; or a deferred
+    ``(x, delta)`` pair), ``positions [T]``."""
     c = self.config
     dropout = nn.Dropout(c.dropout_rate, deterministic=c.dropout_rate == 0 or not self.has_rng("dropout"))
     attn_paths = ("layers.attn.qkv",) if c.fused_projections else ("layers.attn.q", "layers.attn.k", "layers.attn.v")
     mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
     e = self.execution
     # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
-    h = rms_norm(c, "attn_norm", e)(x, quantize_for=c.fused_input_recipe(*attn_paths),
-                                    split=ProjectionLayout.of(attn_paths[0], e).input_split)
-    x = x + dropout(Attention(c, self.decode, e, self.kv_cache_dtype, name="attn")(h, positions).reshape(x.shape))
-    h = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
-                                   split=ProjectionLayout.of(mlp_paths[0], e).input_split)
-    x = x + dropout(Mlp(c, e, name="mlp")(h).reshape(x.shape))
-    return x, None
+    x, delta = x if isinstance(x, tuple) else (x, None)
+    attn_norm = rms_norm(c, "attn_norm", e)
+    attn_input = dict(quantize_for=c.fused_input_recipe(*attn_paths),
+                      split=ProjectionLayout.of(attn_paths[0], e).input_split)
+    if delta is None:
+      h = attn_norm(x, **attn_input)
+    else:
+      h, x = attn_norm(x, residual=delta, **attn_input)
+    attn = dropout(Attention(c, self.decode, e, self.kv_cache_dtype, name="attn")(h, positions).reshape(x.shape))
+    h, x = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
+                                      split=ProjectionLayout.of(mlp_paths[0], e).input_split, residual=attn)
+    mlp = dropout(Mlp(c, e, name="mlp")(h).reshape(x.shape))
+    return ((x, mlp) if self.defer_residual else x + mlp), None
 
 
 class Transformer(nn.Module):
@@ -721,14 +747,18 @@ class Transformer(nn.Module):
       )
       x, _ = stack(c, self.decode, e, self.kv_cache_dtype, name="layers")(x, positions)
     else:
-      for i in range(c.n_layers):
-        x, _ = block(c, self.decode, e, self.kv_cache_dtype, name=f"layers_{i}")(x, positions)
+      for i in range(c.n_layers):  # decode: each block's last residual add is done by the next norm
+        x, _ = block(c, self.decode, e, self.kv_cache_dtype, self.decode, name=f"layers_{i}")(x, positions)
 
+    x, delta = x if isinstance(x, tuple) else (x, None)
     lead = x.shape[:-1]
+    final_norm = rms_norm(c, "final_norm", e)
     if c.tie_embeddings:
-      logits = embed.attend(rms_norm(c, "final_norm", e)(x))
+      logits = embed.attend(final_norm(x) if delta is None else final_norm(x, residual=delta)[0])
     else:
-      x = rms_norm(c, "final_norm", e)(x, quantize_for=c.fused_input_recipe("lm_head"))
+      quantize_for = c.fused_input_recipe("lm_head")
+      x = (final_norm(x, quantize_for=quantize_for) if delta is None
+           else final_norm(x, quantize_for=quantize_for, residual=delta)[0])
       logits = projection(c, x, "lm_head", c.vocab_size, c.init_std, execution=e).reshape(*lead, c.vocab_size)
     return logits.astype(jnp.float32)
 

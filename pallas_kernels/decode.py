@@ -1,0 +1,274 @@
+"""Decode-sized kernels (Pallas, Triton backend) that fold a chain of small XLA kernels into one launch.
+
+At decode the activations are a few rows (``M = batch``) and every op of a layer is a kernel of its own. On an
+H200 a ternary 1B decode token ran 311 kernels (19 per layer), each taking about 1 us plus about 1 us of launch gap
+inside the CUDA graph (benchmarks/results/decode_kernels_on_h200_bddc8c0.json): the kernels' count, not the bytes they
+move, set the token's time. An RMSNorm was two of them (XLA's reduce for the statistic, then an elementwise pass),
+three with the gated activation before it (BitNet's ``ffn_sub_norm``).
+
+:func:`norm_rows_kernel`: an RMSNorm of a few rows in one launch, one program per row: a sweep over the row for its
+mean square, a sweep writing ``x * (rstd * gamma)`` rounded to the output dtype. What it normalizes is a
+:mod:`pallas_kernels.quantize` prologue's values (the input itself, ``act(gate) * up``, or a residual sum ``x +
+delta`` that it also writes), so the numbers are those prologues' and :class:`~pallas_kernels.quantize.RmsNorm`'s,
+equal to the XLA path's up to the order of the mean square's sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.quantize import RmsNorm, _col_chunk, normed
+from pallas_kernels.vma import out_struct
+
+# Rows a norm kernel takes (decode: the batch); more rows are the training forward's, where XLA's two passes
+# stream well and its statistic feeds the backward.
+NORM_ROWS_MAX = 16
+# Columns per load of a row: a row up to this width stays in registers between the two sweeps.
+NORM_CHUNK = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+  """``x [R, C]``, ``delta [R, C]`` -> the residual sum ``x + delta`` in x's dtype (float32 sum, rounded once)."""
+
+  stats = False
+
+  def width(self, inputs) -> int:
+    return inputs[0].shape[1]
+
+  def values(self, refs, rows, cols, stat):
+    del stat
+    x = refs[0][rows, cols].astype(jnp.float32)
+    delta = refs[1][rows, cols].astype(jnp.float32)
+    return (x + delta).astype(refs[0].dtype).astype(jnp.float32)
+
+  def reference(self, inputs) -> jax.Array:
+    x, delta = inputs
+    return (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+
+
+def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool):
+  """Inputs (the source prologue's), gamma; outputs: the normed row, and the source's values with
+  ``write_source``."""
+  inputs, gamma_ref = refs[:n_inputs], refs[n_inputs]
+  y_ref = refs[n_inputs + 1]
+  source_ref = refs[n_inputs + 2] if write_source else None
+  rows = pl.ds(pl.program_id(0), 1)
+  n_chunks = width // chunk
+  resident = source.values(inputs, rows, pl.ds(0, chunk), None) if n_chunks == 1 else None
+
+  def values(j):
+    return resident if resident is not None else source.values(inputs, rows, pl.ds(j * chunk, chunk), None)
+
+  def square_sum(j, acc):
+    v = values(j)
+    return acc + jnp.sum(v * v, axis=1)
+
+  total = lax.fori_loop(0, n_chunks, square_sum, jnp.zeros((1,), jnp.float32))
+  rstd = norm.finish_stat(total, width)
+
+  def write(j, _):
+    cols = pl.ds(j * chunk, chunk)
+    v = values(j)
+    y_ref[rows, cols] = normed(v, rstd, gamma_ref[cols], norm.dtype).astype(y_ref.dtype)
+    if source_ref is not None:
+      source_ref[rows, cols] = v.astype(source_ref.dtype)
+    return 0
+
+  lax.fori_loop(0, n_chunks, write, 0)
+
+
+def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
+                     write_source: bool = False, interpret: bool = False):
+  """RMSNorm of ``source``'s values in one launch: ``y [R, C]`` in ``norm.dtype`` (and the values ``[R, C]`` in
+  the first input's dtype with ``write_source``).
+
+  Args:
+    inputs: the source prologue's inputs, 2-D with R rows: ``x [R, C]`` (:class:`~pallas_kernels.quantize.Identity`),
+      ``gate_up [R, 2C]`` (:class:`~pallas_kernels.quantize.SwiGLU`) or ``x, delta [R, C]`` (:class:`Add`).
+    gamma: the norm's scale ``[C]``.
+    source: the prologue whose values are normalized.
+    norm: the norm (its eps and output dtype).
+    write_source: also write the source's values (the residual sum of :class:`Add`).
+    interpret: Pallas interpret mode (CPU tests).
+  """
+  r, c = inputs[0].shape[0], source.width(inputs)
+  if gamma.shape != (c,):
+    raise ValueError(f"norm_rows_kernel: gamma {gamma.shape} does not match the normed width {c}")
+  chunk = _col_chunk(c, NORM_CHUNK)
+  outs = [out_struct((r, c), norm.dtype, *inputs)]
+  if write_source:
+    outs.append(out_struct((r, c), inputs[0].dtype, *inputs))
+  kernel = functools.partial(_norm_rows_kernel, source=source, n_inputs=len(inputs), norm=norm, width=c, chunk=chunk,
+                             write_source=write_source)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=tuple(outs),
+      grid=(r,),
+      compiler_params=plt.CompilerParams(num_warps=4 if chunk <= 2048 else 8, num_stages=1),
+      interpret=interpret,
+      name="jaxlowbit_norm_rows",
+  )(*inputs, gamma)
+  return out if write_source else out[0]
+
+
+def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
+                        write_source: bool = False):
+  """What :func:`norm_rows_kernel` computes, by XLA (the model's unfused path)."""
+  values = source.reference(inputs)
+  y = norm.reference((values, gamma))
+  return (y, values) if write_source else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention of one new token over the KV cache, with its RoPE and its cache write
+
+
+# Cache positions per step of the attention loop.
+ATTENTION_BLOCK = 64
+# tl.dot's smallest operand side: the query rows of a KV head (its group) are padded to it, and the RoPE halves
+# (head_dim / 2), which the products read separately, must reach it.
+DOT_MIN = 16
+
+
+def decode_attention_supported(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+  """Whether :func:`decode_attention_kernel` takes these heads (Triton: power-of-two blocks of >= 16)."""
+  half = head_dim // 2
+  return (head_dim % 2 == 0 and half >= DOT_MIN and half & (half - 1) == 0 and n_heads % n_kv_heads == 0)
+
+
+def _rotate(x1, x2, cos, sin, dtype):
+  """RoPE's rotate-half of the halves ``x1, x2`` (float32) -> the rotated halves rounded to ``dtype``, in float32:
+  ``train.model.rope``'s ``[x1 cos - x2 sin, x2 cos + x1 sin]``."""
+  return ((x1 * cos - x2 * sin).astype(dtype).astype(jnp.float32),
+          (x2 * cos + x1 * sin).astype(dtype).astype(jnp.float32))
+
+
+def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_out, v_out, *, n_heads: int,
+                             n_kv_heads: int, head_dim: int, rows: int):
+  """One program per (sequence b, KV head h): RoPE of its query group and key, the key and value written at
+  ``pos``, then attention over positions ``0..pos`` (the new one from registers, the rest from the cache) with
+  an online softmax."""
+  b, h = pl.program_id(0), pl.program_id(1)
+  group, half = n_heads // n_kv_heads, head_dim // 2
+  dtype = qkv_ref.dtype
+  pos = pos_ref[0]
+  angles = pos.astype(jnp.float32) * freq_ref[...]  # [half]
+  cos, sin = jnp.cos(angles)[None, :], jnp.sin(angles)[None, :]
+  first, second = pl.ds(0, half), pl.ds(half, half)
+  valid = (jnp.arange(rows) < group)[:, None]
+  q_rows = pl.ds(h * group, rows)
+
+  def load_q(cols):
+    return plt.load(qkv_ref.at[b, q_rows, cols], mask=valid, other=0).astype(jnp.float32)
+
+  q1, q2 = _rotate(load_q(first), load_q(second), cos, sin, dtype)  # [rows, half]
+  k_row, v_row = pl.ds(n_heads + h, 1), pl.ds(n_heads + n_kv_heads + h, 1)
+  k1, k2 = _rotate(qkv_ref[b, k_row, first].astype(jnp.float32), qkv_ref[b, k_row, second].astype(jnp.float32),
+                   cos, sin, dtype)  # [1, half]
+  v_new = qkv_ref[b, v_row, :]  # [1, head_dim]
+  # k_out, v_out are k_in, v_in's buffers (aliased); this program reads only the positions before pos.
+  k_out[b, h, pl.ds(pos, 1), first] = k1.astype(k_out.dtype)
+  k_out[b, h, pl.ds(pos, 1), second] = k2.astype(k_out.dtype)
+  v_out[b, h, pl.ds(pos, 1), :] = v_new
+
+  scale = 1.0 / float(head_dim) ** 0.5
+  q1d, q2d = q1.astype(dtype), q2.astype(dtype)
+  # The new token's score from registers: the products of the rounded q and k, summed in float32.
+  m = jnp.sum(q1 * k1 + q2 * k2, axis=1) * scale  # [rows]
+  l = jnp.ones((rows,), jnp.float32)
+  acc = jnp.broadcast_to(v_new.astype(jnp.float32), (rows, head_dim))
+  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+  def step(j, carry):
+    m, l, acc = carry
+    positions = j * ATTENTION_BLOCK + jnp.arange(ATTENTION_BLOCK)
+    seen = positions < pos
+    block = pl.ds(j * ATTENTION_BLOCK, ATTENTION_BLOCK)
+    keys1 = plt.load(k_in.at[b, h, block, first], mask=seen[:, None], other=0)
+    keys2 = plt.load(k_in.at[b, h, block, second], mask=seen[:, None], other=0)
+    values = plt.load(v_in.at[b, h, block, :], mask=seen[:, None], other=0)
+    s = (pl.dot(q1d, keys1, trans_b=True, precision=precision)
+         + pl.dot(q2d, keys2, trans_b=True, precision=precision)) * scale  # [rows, block]
+    s = jnp.where(seen[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + pl.dot(p.astype(dtype), values, precision=precision)
+    return m_new, l, acc
+
+  n_blocks = (pos + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK
+  m, l, acc = lax.fori_loop(0, n_blocks, step, (m, l, acc))
+  plt.store(out_ref.at[b, q_rows, :], (acc / l[:, None]).astype(out_ref.dtype), mask=valid)
+
+
+def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, position: jax.Array,
+                            frequencies: jax.Array, n_heads: int, interpret: bool = False):
+  """One decode step of grouped-query attention in one launch: RoPE, the KV cache write, and attention.
+
+  Args:
+    qkv: ``[B, N + 2 H, D]`` the fused projection's output for one token per sequence (N query heads, then H key
+      and H value heads, as ``train.model.Attention`` splits it), before RoPE; the compute dtype.
+    key, value: the cache ``[B, H, S, D]`` in qkv's dtype; updated in place (aliased to the outputs).
+    position: int32 ``[1]``: the token's position, the cache row it is written to (< S).
+    frequencies: float32 ``[D / 2]`` RoPE's angular frequencies (``train.model.rope_frequencies``).
+    n_heads: N.
+    interpret: Pallas interpret mode (CPU tests).
+
+  Returns:
+    ``(out [B, N, D], key, value)``: attention of each query head over positions ``0..position`` (softmax in
+    float32; its weights rounded to qkv's dtype for the product with the values, as ``jax.nn.dot_product_attention``
+    rounds its probabilities), and the caches with the rotated key and the value at ``position``.
+  """
+  b, width, d = qkv.shape
+  _, n_kv_heads, s, _ = key.shape
+  if width != n_heads + 2 * n_kv_heads or key.shape != (b, n_kv_heads, s, d) or value.shape != key.shape:
+    raise ValueError(f"decode_attention_kernel: qkv {qkv.shape} with {n_heads} query heads does not match the "
+                     f"cache {key.shape} / {value.shape}")
+  if key.dtype != qkv.dtype or value.dtype != qkv.dtype:
+    raise ValueError(f"decode_attention_kernel: cache {key.dtype}/{value.dtype} must be qkv's dtype {qkv.dtype}")
+  if not decode_attention_supported(n_heads, n_kv_heads, d):
+    raise ValueError(f"decode_attention_kernel: {n_heads}/{n_kv_heads} heads of {d}: head_dim / 2 must be a power "
+                     f"of two >= {DOT_MIN}")
+  group = n_heads // n_kv_heads
+  rows = max(DOT_MIN, 1 << (group - 1).bit_length())
+  if interpret:  # the interpreter clamps a block that runs past its array (dynamic_slice) where the GPU masks it
+    return _interpreted_attention(qkv, key, value, position, frequencies, n_heads, rows)
+  return _attention_call(qkv, key, value, position, frequencies, n_heads, rows, False)
+
+
+def _attention_call(qkv, key, value, position, frequencies, n_heads: int, rows: int, interpret: bool,
+                    out_heads: int | None = None):
+  b, _, d = qkv.shape
+  n_kv_heads = key.shape[1]
+  kernel = functools.partial(_decode_attention_kernel, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d, rows=rows)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(out_struct((b, out_heads or n_heads, d), qkv.dtype, qkv), out_struct(key.shape, key.dtype, key),
+                 out_struct(value.shape, value.dtype, value)),
+      grid=(b, n_kv_heads),
+      input_output_aliases={3: 1, 4: 2},
+      compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="jaxlowbit_decode_attention",
+  )(position, frequencies, qkv, key, value)
+
+
+def _interpreted_attention(qkv, key, value, position, frequencies, n_heads: int, rows: int):
+  """:func:`decode_attention_kernel` in interpret mode on arrays padded so that no block runs past them."""
+  n_kv_heads, s = key.shape[1], key.shape[2]
+  extra = max(0, (n_kv_heads - 1) * (n_heads // n_kv_heads) + rows - qkv.shape[1])
+  padded_s = -(-s // ATTENTION_BLOCK) * ATTENTION_BLOCK
+  grow = ((0, 0), (0, 0), (0, padded_s - s), (0, 0))
+  out, key, value = _attention_call(jnp.pad(qkv, ((0, 0), (0, extra), (0, 0))), jnp.pad(key, grow),
+                                    jnp.pad(value, grow), position, frequencies, n_heads, rows, True,
+                                    out_heads=n_heads + extra + rows)
+  return out[:, :n_heads], key[:, :, :s], value[:, :, :s]

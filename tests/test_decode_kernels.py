@@ -1,0 +1,282 @@
+"""Decode's one-launch kernels (pallas_kernels/decode.py): the RMSNorm of a few rows and the attention step.
+
+On CPU they run in Pallas interpret mode against the XLA path they replace (train.model's norms, RoPE, cache write
+and ``jax.nn.dot_product_attention``) and against float32/float64 references, on fresh random inputs:
+- norm: the residual sum it writes equals XLA's ``x + delta`` exactly; the normed rows equal XLA's but where the
+  mean square's summation order moves a bf16 rounding (each such value one bf16 step away), and sit within a bf16
+  rounding plus one float32 ulp of rstd of the float64 norm;
+- attention: the cache rows it writes equal the XLA path's (values exactly, rotated keys up to one rounding of the
+  float32 trigonometry), no other row changes, and its output is at least as close to float32 attention as the
+  XLA path's, less 2 dB;
+- a tiny model decoding through both kernels (the dispatch pointed at the interpreter) gives the logits of the
+  XLA decode within float32 sums' rounding (float32 model) and within the bf16 model's own rounding (bf16).
+The ``gpu`` tests run the compiled kernels on the 1B model's shapes and a decode with them against one without.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import bf16_values_close, fresh_key, rel_err, sqnr_db
+from pallas_kernels import decode, dispatch, policy
+from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU
+from train import generate, kv_cache
+from train.model import ModelConfig, Transformer, rope, rope_frequencies
+
+SOURCES = {"plain": (Identity(), 1, False), "residual": (decode.Add(), 2, True), "silu": (SwiGLU("silu"), 1, False),
+           "relu2": (SwiGLU("relu2"), 1, False)}
+# (rows, normed width): one resident chunk; several chunks of 512 (1536 = 3 x 512); two chunks of 4096.
+NORM_SHAPES = [(1, 256), (3, 1536), (2, 8192)]
+
+
+def _norm_inputs(key, name: str, rows: int, width: int, dtype):
+  source, n_inputs, _ = SOURCES[name]
+  k = jax.random.split(key, 3)
+  in_width = 2 * width if isinstance(source, SwiGLU) else width
+  inputs = tuple(jax.random.normal(k[i], (rows, in_width), jnp.float32).astype(dtype) for i in range(n_inputs))
+  gamma = (1.0 + 0.2 * jax.random.normal(k[2], (width,), jnp.float32)).astype(dtype)
+  return inputs, gamma
+
+
+def _float64_norm(values, gamma, eps):
+  v = np.asarray(values, np.float64)
+  return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * np.asarray(gamma, np.float64)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("rows,width", NORM_SHAPES)
+def test_norm_rows_kernel_equals_the_xla_norm(name, rows, width):
+  source, _, write_source = SOURCES[name]
+  inputs, gamma = _norm_inputs(fresh_key(), name, rows, width, jnp.bfloat16)
+  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
+  got = decode.norm_rows_kernel(inputs, gamma, source, norm, write_source, interpret=True)
+  want = decode.norm_rows_reference(inputs, gamma, source, norm, write_source)
+  if write_source:
+    np.testing.assert_array_equal(got[1], want[1])  # the residual sum, as XLA adds
+    np.testing.assert_array_equal(want[1], inputs[0] + inputs[1])
+    got, want = got[0], want[0]
+  assert got.shape == (rows, width) and got.dtype == jnp.bfloat16
+  bf16_values_close(got, want, max_fraction=0.05, steps=1)
+  exact = _float64_norm(source.reference(inputs), gamma, 1e-5)
+  # One bf16 rounding (half a step, 2^-8 relative) plus the float32 mean square's error (a sum of up to 8192
+  # squares: ~1e-5 relative, bounded by 1e-4); a gated source's own rounding of act(gate) * up may land on the
+  # other neighbour of XLA's (float32 products in another order): one step more.
+  bound = 2.0**-8 * (3 if isinstance(source, SwiGLU) else 1) + 1e-4
+  np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - exact), bound * np.abs(exact) + 1e-30)
+
+
+def test_norm_rows_kernel_refuses_a_scale_of_another_width():
+  inputs, _ = _norm_inputs(fresh_key(), "plain", 2, 256, jnp.bfloat16)
+  with pytest.raises(ValueError, match="gamma"):
+    decode.norm_rows_kernel(inputs, jnp.ones((128,), jnp.bfloat16), Identity(), RmsNorm(1e-5, jnp.bfloat16),
+                            interpret=True)
+
+
+def _xla_attention_step(qkv, key, value, pos, n_heads, theta):
+  """train.model's decode step on the XLA path: RoPE, kv_cache.update's write, kv_cache.attend."""
+  h = key.shape[1]
+  q, k, v = qkv[:, :n_heads], qkv[:, n_heads : n_heads + h], qkv[:, n_heads + h :]
+  positions = jnp.array([pos], jnp.int32)
+  q, k = rope(q[:, None], positions, theta), rope(k[:, None], positions, theta)  # [B, 1, heads, D]
+  key = jax.lax.dynamic_update_slice(key, jnp.swapaxes(k, 1, 2), (0, 0, pos, 0))
+  value = jax.lax.dynamic_update_slice(value, jnp.swapaxes(v[:, None], 1, 2), (0, 0, pos, 0))
+  mask = (jnp.arange(key.shape[2])[None, :] <= positions[:, None])[None, None]
+  out = kv_cache.attend(q, kv_cache.CachedKV(key, value, None, None, mask))[:, 0]
+  exact = kv_cache.attend_reference(q, key, value, mask)[:, 0]
+  return out, exact, key, value
+
+
+# (batch, query heads, kv heads, head_dim, cache length, position): the 1B model's heads; positions 0 and S - 1;
+# a cache length that is no multiple of the 64-position block; one query head per kv head.
+ATTENTION_CASES = [(1, 32, 8, 64, 81, 70), (2, 4, 2, 32, 37, 0), (2, 4, 2, 32, 37, 36), (1, 8, 8, 64, 200, 130)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,n,h,d,s,pos", ATTENTION_CASES)
+def test_decode_attention_kernel_equals_the_xla_step(b, n, h, d, s, pos, dtype):
+  k = jax.random.split(fresh_key(), 3)
+  qkv = jax.random.normal(k[0], (b, n + 2 * h, d), jnp.float32).astype(dtype)
+  key, value = (jax.random.normal(k[i], (b, h, s, d), jnp.float32).astype(dtype) for i in (1, 2))
+  theta = 10_000.0
+  out, new_key, new_value = decode.decode_attention_kernel(qkv, key, value, jnp.array([pos], jnp.int32),
+                                                           rope_frequencies(d, theta), n, interpret=True)
+  want, exact, want_key, want_value = _xla_attention_step(qkv, key, value, pos, n, theta)
+  assert out.shape == (b, n, d) and out.dtype == dtype
+  np.testing.assert_array_equal(new_value, want_value)
+  others = np.arange(s) != pos
+  np.testing.assert_array_equal(np.asarray(new_key)[:, :, others], np.asarray(key)[:, :, others])
+  if dtype == jnp.bfloat16:  # the rotated key: float32 cos/sin may round one value to the other bf16 neighbour
+    bf16_values_close(new_key[:, :, pos], want_key[:, :, pos], max_fraction=0.05, steps=1)
+  else:
+    np.testing.assert_allclose(new_key[:, :, pos], want_key[:, :, pos], rtol=1e-6, atol=1e-6)
+  if pos == 0:  # one position: the output is the value itself
+    np.testing.assert_array_equal(out, jnp.repeat(qkv[:, n + h :], n // h, axis=1))
+    return
+  if dtype == jnp.float32:  # float32 sums in another order: ~1e-6 relative
+    assert sqnr_db(out, exact) >= 100.0, sqnr_db(out, exact)
+  else:
+    assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
+
+
+def test_decode_attention_kernel_names_a_cache_that_does_not_match():
+  qkv = jnp.zeros((1, 8, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="does not match the cache"):
+    decode.decode_attention_kernel(qkv, jnp.zeros((1, 3, 16, 32), jnp.bfloat16), jnp.zeros((1, 3, 16, 32), jnp.bfloat16),
+                                   jnp.array([0], jnp.int32), rope_frequencies(32, 1e4), 4, interpret=True)
+  with pytest.raises(ValueError, match="dtype"):
+    decode.decode_attention_kernel(qkv, jnp.zeros((1, 2, 16, 32), jnp.float32), jnp.zeros((1, 2, 16, 32), jnp.float32),
+                                   jnp.array([0], jnp.int32), rope_frequencies(32, 1e4), 4, interpret=True)
+
+
+# A tiny model whose attention and norms matter to its logits (init_std 0.3); head_dim 32, the smallest the
+# attention kernel takes.
+TINY = dict(vocab_size=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, init_std=0.3)
+
+
+def count_kernel_calls(monkeypatch, norm_kernel, attention_kernel) -> dict[str, int]:
+  """Route the dispatch's decode kernels through these functions, counting the calls (each trace calls once)."""
+  calls = {"norm": 0, "attention": 0}
+
+  def counted(name, fn):
+    def run(*args, **kwargs):
+      calls[name] += 1
+      return fn(*args, **kwargs)
+    return run
+
+  monkeypatch.setattr(dispatch, "_norm_rows_kernel", counted("norm", norm_kernel))
+  monkeypatch.setattr(dispatch, "decode_attention", counted("attention", attention_kernel))
+  return calls
+
+
+@pytest.fixture
+def interpreted_kernels(monkeypatch):
+  """The dispatch sends decode's norms and attention to the kernels in interpret mode; counts their calls."""
+  monkeypatch.setattr(dispatch, "norm_rows_on_kernel", lambda rows, options=None: rows <= decode.NORM_ROWS_MAX)
+  monkeypatch.setattr(dispatch, "decode_attention_on_kernel",
+                      lambda n, h, d, options=None: decode.decode_attention_supported(n, h, d))
+  return count_kernel_calls(monkeypatch, functools.partial(decode.norm_rows_kernel, interpret=True),
+                            functools.partial(decode.decode_attention_kernel, interpret=True))
+
+
+def _decode_logits(config, params, tokens, prefill: int, scheme: str = "bf16"):
+  """Teacher-forced logits of the decode-mode model: a prefill of ``prefill`` tokens, then one token per step."""
+  model, inference_params = generate.prepare(config, params, scheme)
+  step = jax.jit(lambda c, t: model.apply({"params": inference_params, "cache": c}, t, mutable=["cache"]))
+  logits, state = step(generate.init_cache(model, tokens.shape[0], tokens.shape[1]), tokens[:, :prefill])
+  out = []
+  for t in range(prefill, tokens.shape[1]):
+    logits, state = step(state["cache"], tokens[:, t : t + 1])
+    out.append(logits)
+  return jnp.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_model_decodes_through_the_kernels_as_through_xla(dtype, interpreted_kernels, monkeypatch):
+  config = ModelConfig(**TINY, dtype=dtype)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (2, 12), 0, TINY["vocab_size"])
+  interpreted_kernels.update(norm=0, attention=0)  # the init's 8 rows took the norm kernel too
+  got = _decode_logits(config, params, tokens, prefill=5)
+  # Each trace (the prefill's 10 rows, then a step's 2) runs 2 layers x 2 pre-norms + the final norm on the kernel;
+  # attention runs on it in the steps' traces (one new token), once per layer.
+  steps = interpreted_kernels["attention"] // 2
+  assert steps >= 1 and interpreted_kernels == {"norm": 5 * (1 + steps), "attention": 2 * steps}
+  monkeypatch.setattr(policy, "DECODE_NORM_KERNEL", False)
+  monkeypatch.setattr(dispatch, "norm_rows_on_kernel", lambda rows, options=None: False)
+  monkeypatch.setattr(dispatch, "decode_attention_on_kernel", lambda *a, **k: False)
+  want = _decode_logits(config, params, tokens, prefill=5)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  else:  # a moved bf16 rounding in a norm or the attention carries through the layers
+    assert rel_err(got, want) <= 3e-2, rel_err(got, want)
+
+
+def test_the_deferred_residual_is_the_same_model(interpreted_kernels):
+  """Decode adds each block's MLP output in the next norm; the params and the cache are those of the model."""
+  config = ModelConfig(**TINY)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  model, inference_params = generate.prepare(config, params, "bf16")
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32)))
+  assert jax.tree.structure(shapes["params"]) == jax.tree.structure(inference_params)
+  assert shapes["cache"]["layers_0"]["attn"]["key"].shape == (1, TINY["n_kv_heads"], 16, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("rows,width", [(1, 2048), (8, 2048), (1, 8192), (4, 14336)])
+def test_norm_rows_kernel_on_gpu(name, rows, width):
+  source, _, write_source = SOURCES[name]
+  inputs, gamma = _norm_inputs(fresh_key(), name, rows, width, jnp.bfloat16)
+  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
+  got = jax.jit(decode.norm_rows_kernel, static_argnums=(2, 3, 4))(inputs, gamma, source, norm, write_source)
+  want = jax.jit(decode.norm_rows_reference, static_argnums=(2, 3, 4))(inputs, gamma, source, norm, write_source)
+  if write_source:
+    np.testing.assert_array_equal(got[1], want[1])
+    got, want = got[0], want[0]
+  bf16_values_close(got, want, max_fraction=0.05, steps=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,pos", [(1, 81, 70), (8, 81, 80), (1, 2048, 2047), (2, 1000, 513), (1, 64, 0)])
+def test_decode_attention_kernel_on_gpu(b, s, pos):
+  n, h, d = 32, 8, 64  # the 1B model's heads
+  k = jax.random.split(fresh_key(), 3)
+  qkv = jax.random.normal(k[0], (b, n + 2 * h, d), jnp.float32).astype(jnp.bfloat16)
+  key, value = (jax.random.normal(k[i], (b, h, s, d), jnp.float32).astype(jnp.bfloat16) for i in (1, 2))
+  step = jax.jit(decode.decode_attention_kernel, static_argnames=("n_heads",))
+  out, new_key, new_value = step(qkv, key, value, jnp.array([pos], jnp.int32), rope_frequencies(d, 5e5), n_heads=n)
+  want, exact, want_key, want_value = jax.jit(_xla_attention_step, static_argnums=(3, 4, 5))(
+      qkv, key, value, pos, n, 5e5)
+  np.testing.assert_array_equal(new_value, want_value)
+  bf16_values_close(new_key, want_key, max_fraction=0.05, steps=1)
+  if pos:
+    assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "ternary"])
+def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, monkeypatch):
+  from jaxlowbit import BitNet
+
+  config = ModelConfig(vocab_size=384, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=1024, init_std=0.1,
+                       recipe=BitNet() if scheme == "ternary" else None, bitnet_norm_placement="sub")
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (2, 16), 0, config.vocab_size)
+  calls = count_kernel_calls(monkeypatch, dispatch._norm_rows_kernel, dispatch.decode_attention)
+  got = _decode_logits(config, params, tokens, 6, scheme)
+  # each of the two traces: 4 layers x 2 pre-norms + the final norm (+ 4 sub-norms for ternary); attention in one
+  norms, steps = 9 + (8 if scheme == "ternary" else 0), calls["attention"] // 4
+  assert steps >= 1 and calls == {"norm": norms * (1 + steps), "attention": 4 * steps}, calls
+  monkeypatch.setattr(policy, "DECODE_NORM_KERNEL", False)
+  monkeypatch.setattr(policy, "DECODE_ATTENTION_KERNEL", False)
+  want = _decode_logits(config, params, tokens, 6, scheme)
+  assert calls == {"norm": norms * (1 + steps), "attention": 4 * steps}, calls  # none ran
+  assert rel_err(got, want) <= 3e-2, rel_err(got, want)
+
+
+def test_the_kernels_lower_for_cuda():
+  """Triton-backend lowering (Pallas -> Triton IR) of both kernels for an H100 on the 1B model's shapes, on CPU."""
+  from test_inference import H100
+
+  f = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  norm = RmsNorm(1e-5, jnp.dtype(bf16))
+  cases = {
+      "norm": (functools.partial(decode.norm_rows_kernel, source=decode.Add(), norm=norm, write_source=True),
+               (f((8, 2048), bf16), f((8, 2048), bf16)), f((2048,), bf16)),
+      "gated norm": (functools.partial(decode.norm_rows_kernel, source=SwiGLU("silu"), norm=norm),
+                     (f((1, 16384), bf16),), f((8192,), bf16)),
+      "attention": (functools.partial(decode.decode_attention_kernel, n_heads=32), f((8, 48, 64), bf16),
+                    f((8, 8, 2048, 64), bf16), f((8, 8, 2048, 64), bf16), f((1,), jnp.int32), f((32,), jnp.float32)),
+  }
+  with jax.sharding.use_abstract_mesh(H100):
+    for name, (fn, *shapes) in cases.items():
+      text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+      assert "__gpu$xla.gpu.triton" in text, name
