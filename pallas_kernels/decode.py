@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.quantize import RmsNorm, _col_chunk, normed
+from pallas_kernels.quantize import RmsNorm, _col_chunk, normed, round_to
 from pallas_kernels.vma import out_struct
 
 # Rows a norm kernel takes (decode: the batch); more rows are the training forward's, where XLA's two passes
@@ -36,7 +36,8 @@ NORM_CHUNK = 4096
 
 @dataclasses.dataclass(frozen=True)
 class Add:
-  """``x [R, C]``, ``delta [R, C]`` -> the residual sum ``x + delta`` in x's dtype (float32 sum, rounded once)."""
+  """``x [R, C]``, ``delta [R, C]`` -> the residual sum ``x + delta`` in x's dtype (float32 sum, rounded once; the
+  reference rounds explicitly: XLA on a GPU would keep the float32 sum inside a fusion that normalizes it)."""
 
   stats = False
 
@@ -51,7 +52,7 @@ class Add:
 
   def reference(self, inputs) -> jax.Array:
     x, delta = inputs
-    return (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+    return round_to(x.astype(jnp.float32) + delta.astype(jnp.float32), x.dtype)
 
 
 def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool):
@@ -151,6 +152,12 @@ def _rotate(x1, x2, cos, sin, dtype):
           (x2 * cos + x1 * sin).astype(dtype).astype(jnp.float32))
 
 
+def _dot(a, b, b_contracting: int, precision):
+  """``a [m, k]`` times ``b`` (``[n, k]`` with ``b_contracting`` 1, ``[k, n]`` with 0) -> ``[m, n]`` float32."""
+  return lax.dot_general(a, b, (((1,), (b_contracting,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
 def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_out, v_out, *, n_heads: int,
                              n_kv_heads: int, head_dim: int, rows: int):
   """One program per (sequence b, KV head h): RoPE of its query group and key, the key and value written at
@@ -195,14 +202,13 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_
     keys1 = plt.load(k_in.at[b, h, block, first], mask=seen[:, None], other=0)
     keys2 = plt.load(k_in.at[b, h, block, second], mask=seen[:, None], other=0)
     values = plt.load(v_in.at[b, h, block, :], mask=seen[:, None], other=0)
-    s = (pl.dot(q1d, keys1, trans_b=True, precision=precision)
-         + pl.dot(q2d, keys2, trans_b=True, precision=precision)) * scale  # [rows, block]
+    s = (_dot(q1d, keys1, 1, precision) + _dot(q2d, keys2, 1, precision)) * scale  # [rows, block]
     s = jnp.where(seen[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + pl.dot(p.astype(dtype), values, precision=precision)
+    acc = acc * alpha[:, None] + _dot(p.astype(dtype), values, 0, precision)
     return m_new, l, acc
 
   n_blocks = (pos + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK
