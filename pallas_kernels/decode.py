@@ -159,7 +159,7 @@ def _dot(a, b, b_contracting: int, precision):
 
 
 def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_out, v_out, *, n_heads: int,
-                             n_kv_heads: int, head_dim: int, rows: int):
+                             n_kv_heads: int, head_dim: int, rows: int, block: int):
   """One program per (sequence b, KV head h): RoPE of its query group and key, the key and value written at
   ``pos``, then attention over positions ``0..pos`` (the new one from registers, the rest from the cache) with
   an online softmax."""
@@ -196,12 +196,12 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_
 
   def step(j, carry):
     m, l, acc = carry
-    positions = j * ATTENTION_BLOCK + jnp.arange(ATTENTION_BLOCK)
+    positions = j * block + jnp.arange(block)
     seen = positions < pos
-    block = pl.ds(j * ATTENTION_BLOCK, ATTENTION_BLOCK)
-    keys1 = plt.load(k_in.at[b, h, block, first], mask=seen[:, None], other=0)
-    keys2 = plt.load(k_in.at[b, h, block, second], mask=seen[:, None], other=0)
-    values = plt.load(v_in.at[b, h, block, :], mask=seen[:, None], other=0)
+    cached = pl.ds(j * block, block)
+    keys1 = plt.load(k_in.at[b, h, cached, first], mask=seen[:, None], other=0)
+    keys2 = plt.load(k_in.at[b, h, cached, second], mask=seen[:, None], other=0)
+    values = plt.load(v_in.at[b, h, cached, :], mask=seen[:, None], other=0)
     s = (_dot(q1d, keys1, 1, precision) + _dot(q2d, keys2, 1, precision)) * scale  # [rows, block]
     s = jnp.where(seen[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -211,13 +211,14 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_
     acc = acc * alpha[:, None] + _dot(p.astype(dtype), values, 0, precision)
     return m_new, l, acc
 
-  n_blocks = (pos + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK
+  n_blocks = (pos + block - 1) // block
   m, l, acc = lax.fori_loop(0, n_blocks, step, (m, l, acc))
   plt.store(out_ref.at[b, q_rows, :], (acc / l[:, None]).astype(out_ref.dtype), mask=valid)
 
 
 def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, position: jax.Array,
-                            frequencies: jax.Array, n_heads: int, interpret: bool = False):
+                            frequencies: jax.Array, n_heads: int, block: int = ATTENTION_BLOCK,
+                            interpret: bool = False):
   """One decode step of grouped-query attention in one launch: RoPE, the KV cache write, and attention.
 
   Args:
@@ -227,6 +228,7 @@ def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, po
     position: int32 ``[1]``: the token's position, the cache row it is written to (< S).
     frequencies: float32 ``[D / 2]`` RoPE's angular frequencies (``train.model.rope_frequencies``).
     n_heads: N.
+    block: cache positions per step of the attention loop (a power of two >= 16).
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
@@ -247,15 +249,16 @@ def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, po
   group = n_heads // n_kv_heads
   rows = max(DOT_MIN, 1 << (group - 1).bit_length())
   if interpret:  # the interpreter clamps a block that runs past its array (dynamic_slice) where the GPU masks it
-    return _interpreted_attention(qkv, key, value, position, frequencies, n_heads, rows)
-  return _attention_call(qkv, key, value, position, frequencies, n_heads, rows, False)
+    return _interpreted_attention(qkv, key, value, position, frequencies, n_heads, rows, block)
+  return _attention_call(qkv, key, value, position, frequencies, n_heads, rows, block, False)
 
 
-def _attention_call(qkv, key, value, position, frequencies, n_heads: int, rows: int, interpret: bool,
+def _attention_call(qkv, key, value, position, frequencies, n_heads: int, rows: int, block: int, interpret: bool,
                     out_heads: int | None = None):
   b, _, d = qkv.shape
   n_kv_heads = key.shape[1]
-  kernel = functools.partial(_decode_attention_kernel, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d, rows=rows)
+  kernel = functools.partial(_decode_attention_kernel, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d, rows=rows,
+                             block=block)
   return pl.pallas_call(
       kernel,
       out_shape=(out_struct((b, out_heads or n_heads, d), qkv.dtype, qkv), out_struct(key.shape, key.dtype, key),
@@ -268,13 +271,13 @@ def _attention_call(qkv, key, value, position, frequencies, n_heads: int, rows: 
   )(position, frequencies, qkv, key, value)
 
 
-def _interpreted_attention(qkv, key, value, position, frequencies, n_heads: int, rows: int):
+def _interpreted_attention(qkv, key, value, position, frequencies, n_heads: int, rows: int, block: int):
   """:func:`decode_attention_kernel` in interpret mode on arrays padded so that no block runs past them."""
   n_kv_heads, s = key.shape[1], key.shape[2]
   extra = max(0, (n_kv_heads - 1) * (n_heads // n_kv_heads) + rows - qkv.shape[1])
-  padded_s = -(-s // ATTENTION_BLOCK) * ATTENTION_BLOCK
+  padded_s = -(-s // block) * block
   grow = ((0, 0), (0, 0), (0, padded_s - s), (0, 0))
   out, key, value = _attention_call(jnp.pad(qkv, ((0, 0), (0, extra), (0, 0))), jnp.pad(key, grow),
-                                    jnp.pad(value, grow), position, frequencies, n_heads, rows, True,
+                                    jnp.pad(value, grow), position, frequencies, n_heads, rows, block, True,
                                     out_heads=n_heads + extra + rows)
   return out[:, :n_heads], key[:, :, :s], value[:, :, :s]

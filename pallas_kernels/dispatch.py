@@ -274,7 +274,7 @@ def decode_attention_on_kernel(n_heads: int, n_kv_heads: int, head_dim: int,
 
 
 # Through jax.jit, as :func:`_kernel`; the caches are donated by the decode loop, which aliases them through.
-decode_attention = jax.jit(decode_kernels.decode_attention_kernel, static_argnames=("n_heads", "interpret"))
+decode_attention = jax.jit(decode_kernels.decode_attention_kernel, static_argnames=("n_heads", "block", "interpret"))
 decode_attention.__doc__ = ("A decode step's attention in one launch: "
                             ":func:`pallas_kernels.decode.decode_attention_kernel` (its arguments and results).")
 

@@ -13,6 +13,7 @@ and ``jax.nn.dot_product_attention``) and against float32/float64 references, on
 The ``gpu`` tests run the compiled kernels on the 1B model's shapes and a decode with them against one without.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -258,7 +259,10 @@ def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, monkeypatc
   monkeypatch.setattr(policy, "DECODE_ATTENTION_KERNEL", False)
   want = _decode_logits(config, params, tokens, 6, scheme)
   assert calls == {"norm": norms * (1 + steps), "attention": 4 * steps}, calls  # none ran
-  assert rel_err(got, want) <= 3e-2, rel_err(got, want)
+  # Against the float32 model's decode: a moved bf16 rounding can flip an int8 activation code (ternary), so the
+  # two bf16 decodes differ by about their own error; the kernels' error is that of XLA's.
+  exact = _decode_logits(dataclasses.replace(config, dtype=jnp.float32), params, tokens, 6, scheme)
+  assert rel_err(got, exact) <= 1.5 * rel_err(want, exact) + 2e-3, (rel_err(got, exact), rel_err(want, exact))
 
 
 def test_the_kernels_lower_for_cuda():
