@@ -132,8 +132,9 @@ def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source,
 # Attention of one new token over the KV cache, with its RoPE and its cache write
 
 
-# Cache positions per step of the attention loop.
-ATTENTION_BLOCK = 64
+# Cache positions per step of the attention loop: 128 was the fastest of 64, 128 and 256 over 128-2048 positions
+# (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json; 64 took up to 1.6x longer from 1024 positions).
+ATTENTION_BLOCK = 128
 # tl.dot's smallest operand side: the query rows of a KV head (its group) are padded to it, and the RoPE halves
 # (head_dim / 2), which the products read separately, must reach it.
 DOT_MIN = 16

@@ -265,11 +265,13 @@ def _norm_rows_bwd(source, norm, write_source, residuals, ct):
 _norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
 
 
-def decode_attention_on_kernel(n_heads: int, n_kv_heads: int, head_dim: int,
+def decode_attention_on_kernel(n_heads: int, n_kv_heads: int, head_dim: int, cache_len: int,
                                options: DispatchOptions | None = None) -> bool:
-  """Whether :func:`decode_attention` may run for these heads (a GPU from sm80; head_dim / 2 a power of two >=
-  16). The caller checks the rest: one new token, a compute-dtype cache, the fused qkv projection."""
-  return (policy.DECODE_ATTENTION_KERNEL and decode_kernels.decode_attention_supported(n_heads, n_kv_heads, head_dim)
+  """Whether :func:`decode_attention` runs for these heads and a cache of ``cache_len`` positions (a GPU from sm80;
+  head_dim / 2 a power of two >= 16; ``policy.DECODE_ATTENTION_MAX_LEN``). The caller checks the rest: one new
+  token, a compute-dtype cache, the fused qkv projection."""
+  return (policy.DECODE_ATTENTION_KERNEL and cache_len <= policy.DECODE_ATTENTION_MAX_LEN
+          and decode_kernels.decode_attention_supported(n_heads, n_kv_heads, head_dim)
           and policy.quantize_on_kernel(_resolve(options).backend))
 
 

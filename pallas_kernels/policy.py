@@ -292,6 +292,11 @@ def use_inference_kernel(who: str, wanted: bool, fits: bool, backend: str) -> bo
 DECODE_NORM_KERNEL = True
 
 # A decode step's attention (RoPE of the new query and key, the KV cache write, attention over the cache) as one
-# Pallas kernel on a GPU (pallas_kernels.decode.decode_attention_kernel) instead of XLA's six kernels per layer.
-# False keeps XLA's (an A/B variant of benchmarks/inference.py).
+# Pallas kernel on a GPU (pallas_kernels.decode.decode_attention_kernel) instead of XLA's six kernels per layer, for
+# caches of up to DECODE_ATTENTION_MAX_LEN positions. Its one program per sequence and KV head walks the cache in
+# steps of 128 positions: the 1B model's heads on an H200 (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json,
+# 16 layers chained, medians of 5, one run) took 25-33 us per layer against XLA's 38-51 at 128-512 positions and
+# batch 1 (28-31 against 27-46 at batch 8), but 42-45 against 33-43 at 1024-2048 (batch 1), where XLA's products
+# spread over more SMs. False keeps XLA's (an A/B variant of benchmarks/inference.py).
 DECODE_ATTENTION_KERNEL = True
+DECODE_ATTENTION_MAX_LEN = 512

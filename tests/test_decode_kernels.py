@@ -157,7 +157,7 @@ def interpreted_kernels(monkeypatch):
   """The dispatch sends decode's norms and attention to the kernels in interpret mode; counts their calls."""
   monkeypatch.setattr(dispatch, "norm_rows_on_kernel", lambda rows, options=None: rows <= decode.NORM_ROWS_MAX)
   monkeypatch.setattr(dispatch, "decode_attention_on_kernel",
-                      lambda n, h, d, options=None: decode.decode_attention_supported(n, h, d))
+                      lambda n, h, d, s, options=None: decode.decode_attention_supported(n, h, d))
   return count_kernel_calls(monkeypatch, functools.partial(decode.norm_rows_kernel, interpret=True),
                             functools.partial(decode.decode_attention_kernel, interpret=True))
 
@@ -284,3 +284,16 @@ def test_the_kernels_lower_for_cuda():
     for name, (fn, *shapes) in cases.items():
       text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
       assert "__gpu$xla.gpu.triton" in text, name
+
+
+def test_the_attention_kernel_takes_short_caches_only(monkeypatch):
+  """On a (faked) sm90 GPU the dispatch sends caches up to policy.DECODE_ATTENTION_MAX_LEN positions to the kernel,
+  longer ones and heads it does not take to XLA."""
+  monkeypatch.delenv("JAXLOWBIT_BACKEND", raising=False)
+  monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
+  longest = policy.DECODE_ATTENTION_MAX_LEN
+  assert dispatch.decode_attention_on_kernel(32, 8, 64, longest)
+  assert not dispatch.decode_attention_on_kernel(32, 8, 64, longest + 1)
+  assert not dispatch.decode_attention_on_kernel(4, 2, 16, 64)  # head_dim / 2 = 8: under tl.dot's 16
+  monkeypatch.setattr(policy, "DECODE_ATTENTION_KERNEL", False)
+  assert not dispatch.decode_attention_on_kernel(32, 8, 64, 64)

@@ -117,11 +117,13 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array, 
 def fused_step_runs(module: nn.Module, tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     kv_cache_dtype: str, options=None) -> bool:
   """Whether a decode step runs as :func:`attend_step` (one kernel): one new token per sequence, a compute-dtype
-  cache that exists already, and ``pallas_kernels.dispatch.decode_attention_on_kernel``."""
+  cache that exists already, and ``pallas_kernels.dispatch.decode_attention_on_kernel`` (heads, cache length)."""
   from pallas_kernels import dispatch
 
-  return (tokens == 1 and kv_cache_dtype == "auto" and not module.is_initializing()
-          and dispatch.decode_attention_on_kernel(n_heads, n_kv_heads, head_dim, options))
+  if tokens != 1 or kv_cache_dtype != "auto" or module.is_initializing() or not module.has_variable(COLLECTION, "key"):
+    return False
+  cache_len = module.get_variable(COLLECTION, "key").shape[2]
+  return dispatch.decode_attention_on_kernel(n_heads, n_kv_heads, head_dim, cache_len, options)
 
 
 def attend_step(module: nn.Module, qkv: jax.Array, positions: jax.Array, n_heads: int,
