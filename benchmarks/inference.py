@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import table, time_samples, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
-from pallas_kernels import ternary_gemv  # noqa: E402
+from pallas_kernels import policy, ternary_gemv  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
 # (K, N): Llama-3-8B's MLP up/gate and down, its fused q/k/v (4096 + 2 x 1024 outputs) and attention output.
@@ -476,6 +476,8 @@ def main(argv=None):
   parser.add_argument("--decode-scan", action="store_true", help="decode with nn.scan over layers (default: unrolled)")
   parser.add_argument("--profile-decode", action="store_true",
                       help="each decode row's kernel time per token by category (CUDA graphs off in this run)")
+  parser.add_argument("--xla-decode-ops", action="store_true",
+                      help="decode's norms and attention step by XLA, not pallas_kernels.decode (for A/B runs)")
   parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS))
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
   parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
@@ -490,6 +492,8 @@ def main(argv=None):
   if args.smoke:
     for name, value in SMOKE.items():
       setattr(args, name, value)
+  if args.xla_decode_ops:
+    policy.DECODE_NORM_KERNEL = policy.DECODE_ATTENTION_KERNEL = False
   if args.runs < MIN_RUNS:
     parser.error(f"--runs {args.runs}: every figure is the median of at least {MIN_RUNS} runs")
   if "bf16" not in args.variants:

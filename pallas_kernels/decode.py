@@ -11,6 +11,13 @@ mean square, a sweep writing ``x * (rstd * gamma)`` rounded to the output dtype.
 :mod:`pallas_kernels.quantize` prologue's values (the input itself, ``act(gate) * up``, or a residual sum ``x +
 delta`` that it also writes), so the numbers are those prologues' and :class:`~pallas_kernels.quantize.RmsNorm`'s,
 equal to the XLA path's up to the order of the mean square's sum.
+
+:func:`decode_attention_kernel`: one decode step of grouped-query attention, six XLA kernels in one launch. Each
+program takes one sequence and KV head: RoPE of its query group and of the new key, the key and value written into
+the cache at the token's position (the cache buffers aliased in and out: in place), then attention over the
+positions before it (read from the cache in blocks, an online softmax in float32) and the new one (from registers).
+One program per KV head walks the whole cache, so long caches leave SMs idle: ``pallas_kernels.policy`` sends caches
+up to ``DECODE_ATTENTION_MAX_LEN`` positions here (docs/inference.md, "Decode's kernel count").
 """
 
 from __future__ import annotations

@@ -286,9 +286,9 @@ def use_inference_kernel(who: str, wanted: bool, fits: bool, backend: str) -> bo
 
 # Decode-sized RMSNorms (at most pallas_kernels.decode.NORM_ROWS_MAX rows) as one Pallas kernel on a GPU instead of
 # XLA's reduce and elementwise pass (with the gated activation before BitNet's ffn_sub_norm, or the residual add
-# before a pre-norm, folded in): decode runs ~19 kernels per layer and each costs about 1 us of launch gap besides
-# its time (benchmarks/results/decode_kernels_on_h200_bddc8c0.json). False keeps XLA's (an A/B variant of
-# benchmarks/inference.py).
+# before a pre-norm, folded in): decode ran ~19 kernels per layer, each a launch of its own
+# (benchmarks/results/decode_kernels_on_h200_bddc8c0.json). False keeps XLA's (for A/B runs:
+# benchmarks/inference.py --xla-decode-ops).
 DECODE_NORM_KERNEL = True
 
 # A decode step's attention (RoPE of the new query and key, the KV cache write, attention over the cache) as one
@@ -297,6 +297,6 @@ DECODE_NORM_KERNEL = True
 # steps of 128 positions: the 1B model's heads on an H200 (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json,
 # 16 layers chained, medians of 5, one run) took 25-33 us per layer against XLA's 38-51 at 128-512 positions and
 # batch 1 (28-31 against 27-46 at batch 8), but 42-45 against 33-43 at 1024-2048 (batch 1), where XLA's products
-# spread over more SMs. False keeps XLA's (an A/B variant of benchmarks/inference.py).
+# spread over more SMs. False keeps XLA's (benchmarks/inference.py --xla-decode-ops).
 DECODE_ATTENTION_KERNEL = True
 DECODE_ATTENTION_MAX_LEN = 512
