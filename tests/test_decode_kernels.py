@@ -9,7 +9,8 @@ and ``jax.nn.dot_product_attention``) and against float32/float64 references, on
   float32 trigonometry), no other row changes, and its output is at least as close to float32 attention as the
   XLA path's, less 2 dB;
 - a tiny model decoding through both kernels (the dispatch pointed at the interpreter) gives the logits of the
-  XLA decode within float32 sums' rounding (float32 model) and within the bf16 model's own rounding (bf16).
+  XLA decode within float32 sums' rounding (float32 model), and (bf16) logits as close to the float32 model's
+  decode as the XLA decode's.
 The ``gpu`` tests run the compiled kernels on the 1B model's shapes and a decode with them against one without.
 """
 
@@ -189,10 +190,12 @@ def test_a_model_decodes_through_the_kernels_as_through_xla(dtype, interpreted_k
   monkeypatch.setattr(dispatch, "norm_rows_on_kernel", lambda rows, options=None: False)
   monkeypatch.setattr(dispatch, "decode_attention_on_kernel", lambda *a, **k: False)
   want = _decode_logits(config, params, tokens, prefill=5)
-  if dtype == jnp.float32:
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-  else:  # a moved bf16 rounding in a norm or the attention carries through the layers
-    assert rel_err(got, want) <= 3e-2, rel_err(got, want)
+  if dtype == jnp.float32:  # float32 sums in other orders: ~1e-6 of the logits' scale (relative L2 ~3e-6)
+    assert rel_err(got, want) <= 2e-5, rel_err(got, want)
+  else:  # a moved bf16 rounding in a norm or the attention carries through the layers (1-2e-2 apart): against the
+    # float32 model's decode both are as far (16 seeds: the kernels' error 0.93-1.08x XLA's)
+    exact = _decode_logits(dataclasses.replace(config, dtype=jnp.float32), params, tokens, prefill=5)
+    assert rel_err(got, exact) <= 1.5 * rel_err(want, exact) + 2e-3, (rel_err(got, exact), rel_err(want, exact))
 
 
 def test_the_deferred_residual_is_the_same_model(interpreted_kernels):
