@@ -371,7 +371,7 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
   check_gate_activation(activation)
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
-  if how is None and not split.cols and not is_measured(gate_up) and decode_norm_runs(gate_up, options):
+  if not is_measured(gate_up) and decode_norm_runs(gate_up, options, recipe, split):
     return _norm_rows((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)),
                       resolve(options).dispatch())
   if how is None or split.cols:

@@ -1,9 +1,9 @@
 """Decode-sized kernels (Pallas, Triton backend) that fold a chain of small XLA kernels into one launch.
 
 At decode the activations are a few rows (``M = batch``) and every op of a layer is a kernel of its own. On an
-H200 a ternary 1B decode token ran 311 kernels (19 per layer), each taking about 1 us plus about 1 us of launch gap
-inside the CUDA graph (benchmarks/results/decode_kernels_on_h200_bddc8c0.json): the kernels' count, not the bytes they
-move, set the token's time. An RMSNorm was two of them (XLA's reduce for the statistic, then an elementwise pass),
+H200 a ternary 1B decode token ran 311 kernels (19 per layer, most of them 1-2 us;
+benchmarks/results/decode_kernels_on_h200_bddc8c0.json). Folding 10 of each layer's 19 into the two kernels here
+saved about 0.26 us per kernel removed (docs/inference.md, "Decode's kernel count"). An RMSNorm was two of them (XLA's reduce for the statistic, then an elementwise pass),
 three with the gated activation before it (BitNet's ``ffn_sub_norm``).
 
 :func:`norm_rows_kernel`: an RMSNorm of a few rows in one launch, one program per row: a sweep over the row for its

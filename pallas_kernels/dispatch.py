@@ -242,13 +242,13 @@ def norm_rows(inputs: tuple[jax.Array, ...], gamma: jax.Array, source: Prologue,
   return decode_kernels.norm_rows_reference(inputs, gamma, source, norm, write_source)
 
 
+# Through jax.jit, as :func:`_kernel` (a bare pallas_call inside nn.scan's loop-invariant check).
+_norm_rows_kernel = jax.jit(decode_kernels.norm_rows_kernel, static_argnames=("source", "norm", "write_source"))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _norm_rows(inputs, gamma, source, norm, write_source):
   return _norm_rows_kernel(inputs, gamma, source, norm, write_source)
-
-
-# Through jax.jit, as :func:`_kernel` (a bare pallas_call inside nn.scan's loop-invariant check).
-_norm_rows_kernel = jax.jit(decode_kernels.norm_rows_kernel, static_argnames=("source", "norm", "write_source"))
 
 
 def _norm_rows_fwd(inputs, gamma, source, norm, write_source):

@@ -586,20 +586,22 @@ class Attention(nn.Module):
     d_model]`` token rows; attention runs over the whole sequences with this device's heads."""
     c, e = self.config, self.execution
     t, hd, q_dim, kv_dim = positions.shape[0], c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+
+    def output(out):  # [B, T, heads, head_dim] -> the output projection
+      return projection(c, out.reshape(-1, out.shape[2] * hd), "layers.attn.out", c.d_model, _residual_std(c),
+                        execution=e)
+
     if c.fused_projections:
       qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std, execution=e)
+      if self.decode and kv_cache.fused_step_runs(self, t, c.n_heads, c.n_kv_heads, hd, self.kv_cache_dtype,
+                                                  resolve(e).dispatch()):  # RoPE, cache write, attention: one kernel
+        return output(kv_cache.attend_step(self, qkv.reshape(-1, c.n_heads + 2 * c.n_kv_heads, hd), positions,
+                                           c.n_heads, rope_frequencies(hd, c.rope_theta, tuple(c.rope_scaling))))
       n = 1 if _tensor_parallel(e) is None else _tensor_parallel(e).size  # tensor-parallel: [q_d | k_d | v_d]
       q, k, v = jnp.split(qkv, [q_dim // n, (q_dim + kv_dim) // n], axis=-1)
     else:
       q, k, v = group_projections(c, x, {"layers.attn.q": q_dim, "layers.attn.k": kv_dim, "layers.attn.v": kv_dim},
                                   c.init_std, e)
-    if self.decode and c.fused_projections and kv_cache.fused_step_runs(
-        self, t, c.n_heads, c.n_kv_heads, hd, self.kv_cache_dtype, resolve(e).dispatch()):
-      frequencies = rope_frequencies(hd, c.rope_theta, tuple(c.rope_scaling))
-      out = kv_cache.attend_step(self, qkv.reshape(-1, c.n_heads + 2 * c.n_kv_heads, hd), positions, c.n_heads,
-                                 frequencies)
-      return projection(c, out.reshape(-1, c.n_heads * hd), "layers.attn.out", c.d_model, _residual_std(c),
-                        execution=e)
     # [B, T, heads, head_dim]; under tensor parallelism this device's heads (of the whole sequence)
     q = rope(q.reshape(-1, t, q.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
     k = rope(k.reshape(-1, t, k.shape[-1] // hd, hd), positions, c.rope_theta, c.rope_scaling)
@@ -611,8 +613,7 @@ class Attention(nn.Module):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
       else:
         out = kv_cache.attend(q, cached)
-    return projection(c, out.reshape(-1, out.shape[2] * hd), "layers.attn.out", c.d_model, _residual_std(c),
-                      execution=e)
+    return output(out)
 
 
 class Mlp(nn.Module):
@@ -649,6 +650,14 @@ def _residual_std(config: ModelConfig) -> float:
   return config.init_std / math.sqrt(2 * config.n_layers)
 
 
+def pre_norm(norm: RMSNorm, x, **kwargs) -> tuple[Any, jax.Array]:
+  """``(norm(residual stream), residual stream)`` of ``x``: the stream ``[..., C]``, or a deferred ``(x, delta)``
+  pair (:class:`Block`'s ``defer_residual``) whose sum the norm forms as it normalizes."""
+  if isinstance(x, tuple):
+    return norm(x[0], residual=x[1], **kwargs)
+  return norm(x, **kwargs), x
+
+
 class Block(nn.Module):
   """Pre-norm decoder block; ``(x, positions) -> (x, None)`` so it can be scanned.
 
@@ -673,14 +682,8 @@ class Block(nn.Module):
     mlp_paths = ("layers.mlp.gate_up",) if c.fused_projections else ("layers.mlp.gate", "layers.mlp.up")
     e = self.execution
     # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
-    x, delta = x if isinstance(x, tuple) else (x, None)
-    attn_norm = rms_norm(c, "attn_norm", e)
-    attn_input = dict(quantize_for=c.fused_input_recipe(*attn_paths),
-                      split=ProjectionLayout.of(attn_paths[0], e).input_split)
-    if delta is None:
-      h = attn_norm(x, **attn_input)
-    else:
-      h, x = attn_norm(x, residual=delta, **attn_input)
+    h, x = pre_norm(rms_norm(c, "attn_norm", e), x, quantize_for=c.fused_input_recipe(*attn_paths),
+                    split=ProjectionLayout.of(attn_paths[0], e).input_split)
     attn = dropout(Attention(c, self.decode, e, self.kv_cache_dtype, name="attn")(h, positions).reshape(x.shape))
     h, x = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
                                       split=ProjectionLayout.of(mlp_paths[0], e).input_split, residual=attn)
@@ -750,16 +753,13 @@ class Transformer(nn.Module):
       for i in range(c.n_layers):  # decode: each block's last residual add is done by the next norm
         x, _ = block(c, self.decode, e, self.kv_cache_dtype, self.decode, name=f"layers_{i}")(x, positions)
 
-    x, delta = x if isinstance(x, tuple) else (x, None)
-    lead = x.shape[:-1]
-    final_norm = rms_norm(c, "final_norm", e)
+    quantize_for = None if c.tie_embeddings else c.fused_input_recipe("lm_head")
+    h, x = pre_norm(rms_norm(c, "final_norm", e), x, quantize_for=quantize_for)
     if c.tie_embeddings:
-      logits = embed.attend(final_norm(x) if delta is None else final_norm(x, residual=delta)[0])
+      logits = embed.attend(h)
     else:
-      quantize_for = c.fused_input_recipe("lm_head")
-      x = (final_norm(x, quantize_for=quantize_for) if delta is None
-           else final_norm(x, quantize_for=quantize_for, residual=delta)[0])
-      logits = projection(c, x, "lm_head", c.vocab_size, c.init_std, execution=e).reshape(*lead, c.vocab_size)
+      logits = projection(c, h, "lm_head", c.vocab_size, c.init_std, execution=e).reshape(*x.shape[:-1],
+                                                                                           c.vocab_size)
     return logits.astype(jnp.float32)
 
 
