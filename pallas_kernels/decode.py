@@ -37,8 +37,14 @@ from pallas_kernels.vma import out_struct
 # Rows a norm kernel takes (decode: the batch); more rows are the training forward's, where XLA's two passes
 # stream well and its statistic feeds the backward.
 NORM_ROWS_MAX = 16
-# Columns per load of a row: a row up to this width stays in registers between the two sweeps.
-NORM_CHUNK = 4096
+# Columns per load of a row: a row up to this width stays in registers between the two sweeps, read once. A wider
+# row is read in chunks twice, and each chunk is a dependent round trip to memory: the 1B model's ffn_sub_norm
+# (8192 columns, from a 16384-wide gate_up) took 6.2 us per layer as two chunks of 4096, a sixth of a ternary layer
+# (H200, benchmarks/results/decode_trace_h200_e9d7263.json).
+NORM_CHUNK = 8192
+# Warps of a norm program by its chunk: about 16 float32 values of a row per thread.
+NORM_WARPS = ((2048, 4), (4096, 8))
+NORM_WARPS_MAX = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,11 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   lax.fori_loop(0, n_chunks, write, 0)
 
 
+def norm_warps(chunk: int) -> int:
+  """Triton warps of a norm program that loads ``chunk`` columns at a time."""
+  return next((warps for widest, warps in NORM_WARPS if chunk <= widest), NORM_WARPS_MAX)
+
+
 def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
                      write_source: bool = False, interpret: bool = False):
   """RMSNorm of ``source``'s values in one launch: ``y [R, C]`` in ``norm.dtype`` (and the values ``[R, C]`` in
@@ -120,7 +131,7 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
       kernel,
       out_shape=tuple(outs),
       grid=(r,),
-      compiler_params=plt.CompilerParams(num_warps=4 if chunk <= 2048 else 8, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=norm_warps(chunk), num_stages=1),
       interpret=interpret,
       name="jaxlowbit_norm_rows",
   )(*inputs, gamma)
