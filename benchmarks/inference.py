@@ -11,7 +11,9 @@ spread ``(max - min) / median`` exceeds 15% is marked ``unstable`` (issue 28: a 
    M = 1, 4, 16 tokens: ``bf16`` (XLA, bf16 weights) against the converted schemes run through
    ``jaxlowbit.inference.quantized_linear`` (what a converted model runs, activation quantization
    included) on the default dispatch. ``--variants`` adds ``*_xla`` (the reference path) and
-   ``w8a16_kernel`` (the Triton kernel forced). Each row: microseconds, the bandwidth reached
+   ``w8a16_kernel`` (the Triton kernel forced). Each row: microseconds on the device (a traced chain of
+   ``--layers`` distinct weights: what the linear costs inside decode's CUDA graph; ``launched_us``: the
+   same chain timed from the host, which dispatch bounds for small weights), the bandwidth reached
    (``(weight bytes + activation bytes in and out) / time``, GB/s) and that bandwidth as a % of the
    bf16 row's; every row is first checked against the XLA path of its scheme.
 2. Weight bytes of each linear per scheme.
@@ -109,13 +111,41 @@ def time_runs(fn, *args, iters: int, runs: int, warmup: int = 2, per_call: int =
   pace = min(time_samples(fn, *args, iters=iters, reps=2, warmup=warmup))
   iters = max(iters, math.ceil(min_run_s / max(pace, 1e-9)))
   timed = time_samples(fn, *args, iters=iters, reps=runs, warmup=0)
-  samples = [s * 1e6 / per_call for s in timed]
+  return {**sample_stats([s * 1e6 / per_call for s in timed]), "iters": iters}
+
+
+def sample_stats(samples: list[float]) -> dict:
+  """``us`` (the median), ``us_min``, ``us_max``, ``runs``, ``samples_us``, ``spread`` and ``unstable``."""
   median = float(np.median(samples))
-  stats = {"us": median, "us_min": min(samples), "us_max": max(samples), "runs": runs, "iters": iters,
-           "samples_us": samples}
+  stats = {"us": median, "us_min": min(samples), "us_max": max(samples), "runs": len(samples), "samples_us": samples}
   stats["spread"] = (stats["us_max"] - stats["us_min"]) / median
   stats["unstable"] = stats["spread"] > UNSTABLE_SPREAD
   return stats
+
+
+def gpu_times(fn, *args, calls: int, per_call: int = 1) -> dict:
+  """The device's time per call of ``fn(*args)`` (divided by ``per_call``), as :func:`sample_stats` of ``calls``
+  calls traced by ``jax.profiler``: each call's span from its first kernel's start to its last kernel's end.
+
+  This is what a linear costs where decode runs it: inside a CUDA graph (XLA's command buffer of the decode loop),
+  whose kernels follow each other with no host work between them. Timed from the host, back-to-back calls of a few
+  small kernels wait on the host's dispatch instead: on an H200 a chain of 16 ternary 4096 x 4096 linears spent
+  4.7 us per linear on the GPU and took 17.9 us per linear from the host
+  (benchmarks/results/decode_trace_h200_e9d7263.json). ``fn`` should have run once (compiled, warm).
+  """
+  from benchmarks import profile_step
+
+  def run():
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+
+  kernels = sorted(profile_step.traced_kernels(run), key=lambda kernel: kernel[1])
+  if not kernels or len(kernels) % calls:
+    raise RuntimeError(f"gpu_times: {len(kernels)} traced kernels do not split into {calls} equal calls")
+  n = len(kernels) // calls
+  spans = [(max(start + duration for _, start, duration, _ in group) - group[0][1]) / 1e3 / per_call
+           for group in (kernels[i * n:(i + 1) * n] for i in range(calls))]
+  return {**sample_stats(spans), "kernels_per_call": n}
 
 
 def rel_err(a, b) -> float:
@@ -153,9 +183,16 @@ def chain(fn):
   return jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
 
 
+def launched(stats: dict) -> dict:
+  """:func:`time_runs`'s figures under ``launched_*`` names (host-timed, beside the device's)."""
+  return {"launched_us": stats["us"], "launched_us_min": stats["us_min"], "launched_us_max": stats["us_max"],
+          "launched_spread": stats["spread"], "iters": stats["iters"]}
+
+
 def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> list[dict]:
-  """Per (K, N), M and variant: microseconds per linear (median, min, max of ``runs``), each run ``iters`` calls
-  of a chain of ``layers`` distinct weights; the bandwidth reached and its share of the bf16 row's."""
+  """Per (K, N), M and variant: microseconds per linear on the device (:func:`gpu_times`: median, min, max of
+  ``runs`` traced calls of a chain of ``layers`` distinct weights); the bandwidth reached and its share of the
+  bf16 row's. ``launched_us`` (min, max): the same calls timed from the host, ``iters`` back to back a run."""
   rows = []
   for k, n in shapes:
     kw, kx = jax.random.split(jax.random.key(k * 31 + n))
@@ -191,7 +228,8 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
                 xla_out[scheme] = jax.jit(fn)(xs[0], ws[0])
             row["rel_err_vs_xla"] = rel_err(out, xla_out[scheme])
             row["ok"] = row["rel_err_vs_xla"] <= CHECK_REL_ERR[scheme]
-          row.update(time_runs(compiled, xs, ws, iters=iters, runs=runs, per_call=layers))
+          row.update(launched(time_runs(compiled, xs, ws, iters=iters, runs=runs, per_call=layers)))
+          row.update(gpu_times(compiled, xs, ws, calls=runs, per_call=layers))
           us = row["us"]
           moved = mem[scheme or "bf16"] + ACTIVATION_BYTES * m * (k + n)
           row["gbps"] = moved / (us * 1e-6) / 1e9
@@ -279,7 +317,8 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
             args, nbytes = (xq, wp if packed else wq), n * k_bytes
           row["split_k"] = config.split_k
           compiled = fn.lower(*args).compile()
-          row.update(time_runs(compiled, *args, iters=iters, runs=runs, per_call=layers))
+          row.update(launched(time_runs(compiled, *args, iters=iters, runs=runs, per_call=layers)))
+          row.update(gpu_times(compiled, *args, calls=runs, per_call=layers))
           row["weight_gbps"] = nbytes / (row["us"] * 1e-6) / 1e9
         except Exception as e:
           row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -530,9 +569,10 @@ def main(argv=None):
   if sweep_rows:
     print("\nkernel tilings:")
     print(table(sweep_rows, ["k", "n", "m", "kernel", "block_n", "block_k", "split_k", "us", "weight_gbps", "error"]))
-  print(f"\nper linear (median of {args.runs} runs, min, max; GB/s = (weight + activation bytes) / time):")
+  print(f"\nper linear on the device (median of {args.runs} traced calls, min, max; GB/s = (weight + activation bytes)"
+        " / time; launched_us: timed from the host):")
   print(table(linear_rows, ["k", "n", "m", "variant", "us", "us_min", "us_max", "gbps", "pct_of_bf16_gbps", "speedup",
-                            "unstable", "error"]))
+                            "launched_us", "unstable", "error"]))
   if decode_rows:
     print("\ndecode (random weights; speedup against bf16 weights and cache at the same batch and context):")
     print(table(decode_rows, ["scheme", "kv_cache", "batch", "context", "params_gib", "cache_mib", "ms_per_token",

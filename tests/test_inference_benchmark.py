@@ -57,3 +57,22 @@ def test_decode_rows_reach_the_caller_as_each_is_measured():
                                 on_row=lambda so_far: seen.append([r["scheme"] for r in so_far]))
   assert seen == [["bf16"], ["bf16", "ternary"]]
   assert [r["scheme"] for r in rows] == ["bf16", "ternary"] and all("error" not in r for r in rows)
+
+
+def test_device_time_splits_a_trace_into_its_calls():
+  """Per-linear times are the device's (benchmarks.inference.gpu_times: one traced span per call, as decode's CUDA
+  graph pays them): as many spans as calls, each call the same kernels, a positive median between its min and max,
+  divided by the linears a call runs."""
+  import jax
+  import jax.numpy as jnp
+
+  xs = [jnp.ones((2, 64)) * (i + 1) for i in range(3)]
+  ws = [jnp.eye(64) for _ in range(3)]
+  chained = benchmark.chain(lambda x, w: jnp.tanh(x @ w)).lower(xs, ws).compile()
+  jax.block_until_ready(chained(xs, ws))
+  whole = benchmark.gpu_times(chained, xs, ws, calls=4)
+  per_linear = benchmark.gpu_times(chained, xs, ws, calls=4, per_call=3)
+  for stats in (whole, per_linear):
+    assert stats["runs"] == len(stats["samples_us"]) == 4 and stats["kernels_per_call"] >= 1
+    assert 0 < stats["us_min"] <= stats["us"] <= stats["us_max"]
+  assert per_linear["kernels_per_call"] == whole["kernels_per_call"]
