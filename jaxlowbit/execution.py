@@ -13,6 +13,9 @@ field                  what reads it
                        linear reading it (off in a model converted for inference)
 ``tensor_parallel``    the model (``train/model.py``): this device's tokens, the gathers before
                        column-parallel groups; ``jaxlowbit.parallel.apply`` sets it
+``decode_inputs``      ``jaxlowbit.fused``: a decode step's norm hands a converted linear whose
+                       recipe quantizes its input this way the codes instead of its output;
+                       ``jaxlowbit.inference.convert_for_inference`` sets it (ternary)
 =====================  ========================================================================
 
 Who passes it: ``quantized_matmul(..., options=)``, the Dense layers' ``execution`` field
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import policy
 from pallas_kernels.dispatch import DispatchOptions
@@ -48,6 +52,8 @@ class ExecutionOptions:
     fused_quantizers: producers (``jaxlowbit.fused``) may hand a linear its input quantized.
     tensor_parallel: the :class:`jaxlowbit.parallel.TensorParallel` a model runs over inside
       ``shard_map`` (set by ``jaxlowbit.parallel.apply``), or None.
+    decode_inputs: the per-row int8 ``QuantSpec`` in which a model's converted linears take their input from a
+      decode step's norm (``jaxlowbit.fused.decode_quantization``), or None (they take it in high precision).
 
   Example::
 
@@ -58,12 +64,15 @@ class ExecutionOptions:
   backend: str | None = None
   fused_quantizers: bool = True
   tensor_parallel: Any = None
+  decode_inputs: QuantSpec | None = None
 
   def __post_init__(self):
     if self.backend is not None:
       policy.check_backend(self.backend)
     if not isinstance(self.fused_quantizers, bool):
       raise TypeError(f"ExecutionOptions.fused_quantizers must be a bool, got {self.fused_quantizers!r}")
+    if self.decode_inputs is not None and not isinstance(self.decode_inputs, QuantSpec):
+      raise TypeError(f"ExecutionOptions.decode_inputs must be a QuantSpec or None, got {self.decode_inputs!r}")
 
   def resolved(self) -> ExecutionOptions:
     """These options with the backend filled in from the environment where it is None."""

@@ -41,9 +41,10 @@ from jaxlowbit.execution import ExecutionOptions, resolve
 from jaxlowbit.operand import (LowBitOperand, MeasuredOutput, QuantizedMatrix, carrier_like, is_measured, vary_over,
                                varying_axes)
 from jaxlowbit.recipes import OperandQuantization, Recipe
+from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
-from pallas_kernels.decode import Add
+from pallas_kernels.decode import NORM_ROWS_MAX, Add
 from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.quantize import (Identity, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, amaxes,
                                      check_gate_activation, rms_norm_input_grad, round_to)
@@ -110,9 +111,41 @@ def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Rec
                      split: Split | None = None) -> bool:
   """Whether a norm of ``x [..., C]`` runs as the one-launch decode kernel: nothing quantized or split, few rows."""
   split = split or NO_SPLIT
-  rows = x.size // x.shape[-1]
   return (fused_quantization(recipe, options, split) is None and not split.cols
-          and dispatch.norm_rows_on_kernel(rows, resolve(options).dispatch()))
+          and dispatch.norm_rows_on_kernel(_rows(x), resolve(options).dispatch()))
+
+
+def decode_quantization(x: jax.Array, recipe: Recipe | None, options: ExecutionOptions | None,
+                        split: Split | None = None) -> QuantSpec | None:
+  """The per-row spec in which a decode step's norm of ``x [..., C]`` hands the linear reading it its input, or None
+  (the norm writes its output and the linear quantizes it).
+
+  A model converted for inference says how its converted linears take a quantized input
+  (``ExecutionOptions.decode_inputs``: ternary's per-token int8); the norm quantizes for a linear whose ``recipe``
+  quantizes its input rows that way (BitNet's), on a decode step's few rows, unsplit. The codes are those the
+  linear's own quantizer makes of the norm's output, so only the launch that made them moves: the norm's kernel
+  writes them (one more sweep over a row it holds) and the GEMV reads int8 codes instead of quantizing bf16 rows.
+  """
+  spec = resolve(options).decode_inputs
+  how = None if recipe is None else recipe.input_quantization()
+  if spec is None or how is None or how.rows != spec or (split or NO_SPLIT).cols:
+    return None
+  return spec if fused_quantization(recipe, options, split) is None and _rows(x) <= NORM_ROWS_MAX else None
+
+
+def _rows(x: jax.Array) -> int:
+  return x.size // x.shape[-1]
+
+
+def _norm_operand(inputs: tuple[jax.Array, ...], scale: jax.Array, source, norm: RmsNorm, spec: QuantSpec,
+                  options: ExecutionOptions | None, write_source: bool = False):
+  """A decode norm's output as the :class:`LowBitOperand` ``[M, C]`` of its per-row codes (``spec``), and the
+  source's values shaped like the first input with ``write_source`` (:func:`pallas_kernels.dispatch.norm_rows`)."""
+  flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
+  out = dispatch.norm_rows(flat, scale, source, norm, write_source, resolve(options).dispatch(), quantize=spec)
+  (codes, code_scale), values = out if write_source else (out, None)
+  operand = LowBitOperand(QuantizedMatrix(codes, code_scale, spec), None, carrier_like(codes.shape, norm.dtype))
+  return (operand, values.reshape(inputs[0].shape)) if write_source else operand
 
 
 def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
@@ -123,6 +156,8 @@ def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
   kernel (:func:`decode_norm_runs`) and both have one dtype, the sum is formed and normalized in the same launch
   (the sum in float32, rounded once to x's dtype, as XLA adds); else ``x + delta`` then :func:`rms_norm_for`.
   """
+  if x.dtype == delta.dtype and (spec := decode_quantization(x, recipe, options, split)) is not None:
+    return _norm_operand((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), spec, options, write_source=True)
   if x.dtype == delta.dtype and decode_norm_runs(x, options, recipe, split):
     return _norm_rows((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
                       write_source=True)
@@ -197,6 +232,8 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
+  if (spec := decode_quantization(x, recipe, options, split)) is not None:
+    return _norm_operand((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), spec, options)
   how = fused_quantization(recipe, options, split)
   if how is None:
     return rms_norm(x, scale, eps, dtype, split, resolve(options).dispatch())
@@ -371,6 +408,8 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
   check_gate_activation(activation)
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
+  if not is_measured(gate_up) and (spec := decode_quantization(gate_up, recipe, options, split)) is not None:
+    return _norm_operand((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)), spec, options)
   if not is_measured(gate_up) and decode_norm_runs(gate_up, options, recipe, split):
     return _norm_rows((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)),
                       resolve(options).dispatch())
@@ -383,6 +422,5 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
                                     jnp.dtype(dtype), resolve(options).dispatch(split), activation)
 
 
-__all__ = ["add_rms_norm_for", "decode_norm_runs", "fused_quantization", "measured_values", "rms_norm", "rms_norm_for",
-           "swiglu", "swiglu_for",
-           "swiglu_rms_norm_for"]
+__all__ = ["add_rms_norm_for", "decode_norm_runs", "decode_quantization", "fused_quantization", "measured_values",
+           "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "swiglu_rms_norm_for"]

@@ -3,14 +3,18 @@
 At decode the activations are a few rows (``M = batch``) and every op of a layer is a kernel of its own. On an
 H200 a ternary 1B decode token ran 311 kernels (19 per layer, most of them 1-2 us;
 benchmarks/results/decode_kernels_on_h200_bddc8c0.json). Folding 10 of each layer's 19 into the two kernels here
-saved about 0.26 us per kernel removed (docs/inference.md, "Decode's kernel count"). An RMSNorm was two of them (XLA's reduce for the statistic, then an elementwise pass),
-three with the gated activation before it (BitNet's ``ffn_sub_norm``).
+saved about 0.26 us per kernel removed (docs/inference.md, "Decode's kernel count"). An RMSNorm was two of them
+(XLA's reduce for the statistic, then an elementwise pass), three with the gated activation before it (BitNet's
+``ffn_sub_norm``).
 
 :func:`norm_rows_kernel`: an RMSNorm of a few rows in one launch, one program per row: a sweep over the row for its
 mean square, a sweep writing ``x * (rstd * gamma)`` rounded to the output dtype. What it normalizes is a
 :mod:`pallas_kernels.quantize` prologue's values (the input itself, ``act(gate) * up``, or a residual sum ``x +
 delta`` that it also writes), so the numbers are those prologues' and :class:`~pallas_kernels.quantize.RmsNorm`'s,
-equal to the XLA path's up to the order of the mean square's sum.
+equal to the XLA path's up to the order of the mean square's sum. For a ternary linear it writes the row's int8 codes
+and scale instead (a sweep for the amax between the two): the GEMV then reads codes and skips its own quantizer,
+which every one of its programs ran over the whole row (H200: 17.7 -> 11.7 us for a 1B layer's four GEMVs,
+benchmarks/results/linears_ab3_h200_b195ebc.json).
 
 :func:`decode_attention_kernel`: one decode step of grouped-query attention, six XLA kernels in one launch. Each
 program takes one sequence and KV head: RoPE of its query group and of the new key, the key and value written into
@@ -31,7 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.quantize import RmsNorm, _col_chunk, normed, round_to
+from jaxlowbit_numerics.formats import QuantSpec
+from pallas_kernels.quantize import RmsNorm, _col_chunk, code_scales, encode, magnitude, normed, round_to
+from pallas_kernels.reference import quantize_rows_reference
 from pallas_kernels.vma import out_struct
 
 # Rows a norm kernel takes (decode: the batch); more rows are the training forward's, where XLA's two passes
@@ -69,12 +75,15 @@ class Add:
     return round_to(x.astype(jnp.float32) + delta.astype(jnp.float32), x.dtype)
 
 
-def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool):
-  """Inputs (the source prologue's), gamma; outputs: the normed row, and the source's values with
-  ``write_source``."""
+def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool,
+                      quantize: QuantSpec | None, native: bool):
+  """Inputs (the source prologue's), gamma; outputs: the normed row (``quantize``: its codes and their scale), and
+  the source's values with ``write_source``."""
   inputs, gamma_ref = refs[:n_inputs], refs[n_inputs]
-  y_ref = refs[n_inputs + 1]
-  source_ref = refs[n_inputs + 2] if write_source else None
+  outs = list(refs[n_inputs + 1:])
+  y_ref = outs.pop(0)
+  scale_ref = outs.pop(0) if quantize is not None else None
+  source_ref = outs.pop(0) if write_source else None
   rows = pl.ds(pl.program_id(0), 1)
   n_chunks = width // chunk
   resident = source.values(inputs, rows, pl.ds(0, chunk), None) if n_chunks == 1 else None
@@ -89,12 +98,20 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   total = lax.fori_loop(0, n_chunks, square_sum, jnp.zeros((1,), jnp.float32))
   rstd = norm.finish_stat(total, width)
 
+  def y(j):  # the normed chunk, rounded to the norm's dtype, as float32
+    return normed(values(j), rstd, gamma_ref[pl.ds(j * chunk, chunk)], norm.dtype)
+
+  if quantize is not None:  # the row's amax over the rounded outputs, then the codes the linear's quantizer makes
+    amax = lax.fori_loop(0, n_chunks, lambda j, a: jnp.maximum(a, jnp.max(magnitude(y(j)))), jnp.float32(0))
+    param, scale = code_scales(amax, quantize)
+    scale_ref[rows, :] = jnp.full((1, 1), scale, jnp.float32)
+
   def write(j, _):
     cols = pl.ds(j * chunk, chunk)
-    v = values(j)
-    y_ref[rows, cols] = normed(v, rstd, gamma_ref[cols], norm.dtype).astype(y_ref.dtype)
+    out = y(j) if quantize is None else encode(y(j), param, quantize, native)
+    y_ref[rows, cols] = out.astype(y_ref.dtype)
     if source_ref is not None:
-      source_ref[rows, cols] = v.astype(source_ref.dtype)
+      source_ref[rows, cols] = values(j).astype(source_ref.dtype)
     return 0
 
   lax.fori_loop(0, n_chunks, write, 0)
@@ -106,9 +123,14 @@ def norm_warps(chunk: int) -> int:
 
 
 def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
-                     write_source: bool = False, interpret: bool = False):
+                     write_source: bool = False, quantize: QuantSpec | None = None, interpret: bool = False):
   """RMSNorm of ``source``'s values in one launch: ``y [R, C]`` in ``norm.dtype`` (and the values ``[R, C]`` in
   the first input's dtype with ``write_source``).
+
+  With ``quantize`` (a per-row int8 spec: the input quantization of the linear reading y), ``y`` is handed over
+  quantized instead: ``(codes [R, C] int8, scale [R, 1] float32)``, the codes of y rounded to ``norm.dtype`` as
+  ``pallas_kernels.reference.quantize_rows_reference`` makes them from that y (``quantize.encode``; one more sweep
+  over the row for its amax), so a decode linear skips its own quantizer.
 
   Args:
     inputs: the source prologue's inputs, 2-D with R rows: ``x [R, C]`` (:class:`~pallas_kernels.quantize.Identity`),
@@ -117,17 +139,25 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
     source: the prologue whose values are normalized.
     norm: the norm (its eps and output dtype).
     write_source: also write the source's values (the residual sum of :class:`Add`).
+    quantize: hand y over as its per-row codes of this spec (int8, one scale per row).
     interpret: Pallas interpret mode (CPU tests).
+
+  Returns:
+    ``y``, or ``(codes, scale)`` with ``quantize``; then the values with ``write_source``.
   """
   r, c = inputs[0].shape[0], source.width(inputs)
   if gamma.shape != (c,):
     raise ValueError(f"norm_rows_kernel: gamma {gamma.shape} does not match the normed width {c}")
+  check_row_quantization(quantize, "norm_rows_kernel")
   chunk = _col_chunk(c, NORM_CHUNK)
-  outs = [out_struct((r, c), norm.dtype, *inputs)]
+  if quantize is None:
+    outs = [out_struct((r, c), norm.dtype, *inputs)]
+  else:
+    outs = [out_struct((r, c), quantize.jnp_dtype, *inputs), out_struct((r, 1), jnp.float32, *inputs)]
   if write_source:
     outs.append(out_struct((r, c), inputs[0].dtype, *inputs))
   kernel = functools.partial(_norm_rows_kernel, source=source, n_inputs=len(inputs), norm=norm, width=c, chunk=chunk,
-                             write_source=write_source)
+                             write_source=write_source, quantize=quantize, native=not interpret)
   out = pl.pallas_call(
       kernel,
       out_shape=tuple(outs),
@@ -136,14 +166,25 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
       interpret=interpret,
       name="jaxlowbit_norm_rows",
   )(*inputs, gamma)
-  return out if write_source else out[0]
+  y = out[0] if quantize is None else tuple(out[:2])
+  return (y, out[-1]) if write_source else y
+
+
+def check_row_quantization(quantize: QuantSpec | None, who: str) -> None:
+  """ValueError unless ``quantize`` is None or a per-row int8 spec (what a decode norm hands a linear)."""
+  if quantize is not None and (not quantize.is_int8 or quantize.per_tensor or quantize.ternary):
+    raise ValueError(f"{who}: quantize must be a per-row int8 QuantSpec, got {quantize}")
 
 
 def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
-                        write_source: bool = False):
-  """What :func:`norm_rows_kernel` computes, by XLA (the model's unfused path)."""
+                        write_source: bool = False, quantize: QuantSpec | None = None):
+  """What :func:`norm_rows_kernel` computes, by XLA (the model's unfused path: the norm, then the linear's
+  quantizer)."""
+  check_row_quantization(quantize, "norm_rows_reference")
   values = source.reference(inputs)
   y = norm.reference((values, gamma))
+  if quantize is not None:
+    y = quantize_rows_reference(y, quantize)
   return (y, values) if write_source else y
 
 

@@ -71,6 +71,30 @@ def test_norm_rows_kernel_equals_the_xla_norm(name, rows, width):
   np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - exact), bound * np.abs(exact) + 1e-30)
 
 
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("rows,width", NORM_SHAPES[:3])
+def test_norm_rows_kernel_hands_over_the_codes_the_linear_would_make(name, rows, width):
+  """With ``quantize`` the norm writes its output's per-row int8 codes and scales instead of the output: exactly
+  what the linear's quantizer (``quantize_rows_reference``, BitNet's eps) makes of the norm's own bf16 output."""
+  from jaxlowbit.inference.weights import BITNET_TOKENS
+  from pallas_kernels.reference import quantize_rows_reference
+
+  source, _, write_source = SOURCES[name]
+  inputs, gamma = _norm_inputs(fresh_key(), name, rows, width, jnp.bfloat16)
+  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
+  y = decode.norm_rows_kernel(inputs, gamma, source, norm, write_source, interpret=True)
+  got = decode.norm_rows_kernel(inputs, gamma, source, norm, write_source, BITNET_TOKENS, interpret=True)
+  if write_source:
+    np.testing.assert_array_equal(got[1], y[1])
+    got, y = got[0], y[0]
+  codes, scale = got
+  want_codes, want_scale = quantize_rows_reference(y, BITNET_TOKENS)
+  assert codes.dtype == jnp.int8 and codes.shape == (rows, width) and scale.shape == (rows, 1)
+  np.testing.assert_array_equal(codes, want_codes)
+  np.testing.assert_array_equal(scale, want_scale)
+  assert np.all(np.max(np.abs(np.asarray(codes, np.int32)), axis=1) == 127)  # each row's amax maps to 127
+
+
 def test_norm_rows_kernel_refuses_a_scale_of_another_width():
   inputs, _ = _norm_inputs(fresh_key(), "plain", 2, 256, jnp.bfloat16)
   with pytest.raises(ValueError, match="gamma"):
@@ -164,9 +188,9 @@ def interpreted_kernels(monkeypatch):
                             functools.partial(decode.decode_attention_kernel, interpret=True))
 
 
-def _decode_logits(config, params, tokens, prefill: int, scheme: str = "bf16"):
+def _decode_logits(config, params, tokens, prefill: int, scheme: str = "bf16", **prepare_kwargs):
   """Teacher-forced logits of the decode-mode model: a prefill of ``prefill`` tokens, then one token per step."""
-  model, inference_params = generate.prepare(config, params, scheme)
+  model, inference_params = generate.prepare(config, params, scheme, **prepare_kwargs)
   step = jax.jit(lambda c, t: model.apply({"params": inference_params, "cache": c}, t, mutable=["cache"]))
   logits, state = step(generate.init_cache(model, tokens.shape[0], tokens.shape[1]), tokens[:, :prefill])
   out = []
@@ -197,6 +221,55 @@ def test_a_model_decodes_through_the_kernels_as_through_xla(dtype, interpreted_k
     # float32 model's decode both are as far (16 seeds: the kernels' error 0.93-1.08x XLA's)
     exact = _decode_logits(dataclasses.replace(config, dtype=jnp.float32), params, tokens, prefill=5)
     assert rel_err(got, exact) <= 1.5 * rel_err(want, exact) + 2e-3, (rel_err(got, exact), rel_err(want, exact))
+
+
+@pytest.mark.parametrize("placement", ["sub", "every_projection"])
+def test_a_ternary_model_decodes_from_the_codes_its_norms_make(placement, interpreted_kernels, monkeypatch):
+  """Converted for ternary, a BitNet model's decode norms hand each linear its int8 codes
+  (``jaxlowbit.fused.decode_quantization``): the logits are those of the model whose linears quantize the norms'
+  outputs themselves, bit for bit, and every norm before a BitNet linear quantized (the final norm did not)."""
+  from jaxlowbit import BitNet
+  from jaxlowbit.inference import linen as inference_linen
+
+  quantized = []
+  kernel = dispatch._norm_rows_kernel  # the fixture's interpreted, counted kernel
+
+  def recording(*args, **kwargs):
+    quantized.append((args + (None,) * 6)[5] is not None)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(dispatch, "_norm_rows_kernel", recording)
+  config = ModelConfig(**TINY, recipe=BitNet(), bitnet_norm_placement=placement)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
+  got = _decode_logits(config, params, tokens, prefill=5, scheme="ternary")
+  # per trace, each layer's norms before BitNet linears: sub: 2 pre-norms + 2 sub-norms; every_projection: 4 own
+  # norms (qkv, out, gate_up, down; the pre-norms write bf16 for them); then the final norm, unquantized
+  per_layer = 4
+  traces = len(quantized) // (TINY["n_layers"] * (4 if placement == "sub" else 6) + 1)
+  assert traces >= 2 and quantized.count(True) == traces * TINY["n_layers"] * per_layer, quantized
+  monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
+  del quantized[:]
+  want = _decode_logits(config, params, tokens, prefill=5, scheme="ternary")
+  assert not any(quantized)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_bitnet_linear_left_unconverted_reads_the_codes_values(interpreted_kernels, monkeypatch):
+  """A BitNet linear kept out of the conversion (``filter_fqns``) gets the norm's codes dequantized and runs its
+  training recipe on them, which quantizes them back to the same codes: the logits of that model decoding with
+  float inputs everywhere, to float32 rounding."""
+  from jaxlowbit import BitNet
+  from jaxlowbit.inference import linen as inference_linen
+
+  config = ModelConfig(**TINY, recipe=BitNet(), bitnet_norm_placement="sub", dtype=jnp.float32)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
+  kept = ("lm_head", "layers_0.mlp")
+  got = _decode_logits(config, params, tokens, prefill=5, scheme="ternary", filter_fqns=kept)
+  monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
+  want = _decode_logits(config, params, tokens, prefill=5, scheme="ternary", filter_fqns=kept)
+  assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
 
 def test_the_deferred_residual_is_the_same_model(interpreted_kernels):
@@ -267,6 +340,24 @@ def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, monkeypatc
   # two bf16 decodes differ by about their own error; the kernels' error is that of XLA's.
   exact = _decode_logits(dataclasses.replace(config, dtype=jnp.float32), params, tokens, 6, scheme)
   assert rel_err(got, exact) <= 1.5 * rel_err(want, exact) + 2e-3, (rel_err(got, exact), rel_err(want, exact))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_ternary_model_decodes_from_its_norms_codes_as_from_its_gemvs_quantizer_on_gpu(batch, monkeypatch):
+  """On the GPU the norm kernel's codes feed the pre-quantized GEMV; without them the GEMV quantizes the norm's bf16
+  output itself. The same codes and the same epilogue: the logits are bit-identical."""
+  from jaxlowbit import BitNet
+  from jaxlowbit.inference import linen as inference_linen
+
+  config = ModelConfig(vocab_size=384, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=2048, init_std=0.1,
+                       recipe=BitNet(), bitnet_norm_placement="sub")
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (batch, 16), 0, config.vocab_size)
+  got = _decode_logits(config, params, tokens, 6, "ternary")
+  monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
+  want = _decode_logits(config, params, tokens, 6, "ternary")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_the_kernels_lower_for_cuda():

@@ -18,9 +18,10 @@ import flax.linen as nn
 import jax
 
 from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions, with_execution
-from jaxlowbit.inference.weights import CONVERTED_NAMES, check_scheme, quantized_linear, scheme_of
+from jaxlowbit.inference.weights import CONVERTED_NAMES, DECODE_INPUTS, check_scheme, quantized_linear, scheme_of
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
 from jaxlowbit.layers import DenseCall, dense_general
+from jaxlowbit.operand import is_low_bit
 
 PARAMS = "params"
 
@@ -72,7 +73,11 @@ def _handler(scheme: str, execution: ExecutionOptions | None):
   def handle(module, inputs, path):
     del path
     leaves = converted_leaves(module)
-    return inference_dense(module, inputs, scheme, leaves, execution) if leaves else PASS
+    if leaves:
+      return inference_dense(module, inputs, scheme, leaves, execution)
+    if is_low_bit(inputs):  # a layer left unconverted (or being initialized) reads the codes' values
+      return dense_general(module, inputs.rows.dequantize(inputs.dtype), getattr(module, "recipe", None))
+    return PASS
 
   return handle
 
@@ -81,8 +86,9 @@ def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | 
   """See :func:`jaxlowbit.inference.convert_for_inference` (Linen branch)."""
   check_scheme(scheme, "convert_for_inference")
   # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
-  # execution options say so, for a model that takes them).
-  module = with_execution(module, fused_quantizers=False)
+  # execution options say so, for a model that takes them); ternary's take the per-token codes a decode step's
+  # norm makes for them (ExecutionOptions.decode_inputs, jaxlowbit.fused.decode_quantization).
+  module = with_execution(module, fused_quantizers=False, decode_inputs=DECODE_INPUTS.get(scheme))
   if execution is None:  # the model's own options, for a model that takes them
     execution = getattr(module, EXECUTION_FIELD, None)
   return intercepted_copy(module, dense_interceptor(_handler(scheme, execution)), "convert_for_inference",

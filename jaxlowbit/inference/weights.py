@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit.execution import ExecutionOptions, resolve
+from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
 from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
@@ -160,9 +161,30 @@ def _check_leaves(leaves: Mapping[str, jax.Array], scheme: str, k: int, who: str
   return w.shape[0]
 
 
-def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str, *,
+# What a converted linear's input may arrive as, already quantized (a decode step's norm quantizes it:
+# ``ExecutionOptions.decode_inputs``, set by ``convert_for_inference``): scheme -> its per-row spec.
+DECODE_INPUTS = {"ternary": BITNET_TOKENS}
+
+
+def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str,
+                         options: ExecutionOptions | None) -> jax.Array:
+  """``quantized_linear`` of an input its producer quantized: ``x [M, K]`` -> ``[M, N]`` in x's dtype."""
+  spec = DECODE_INPUTS.get(scheme)
+  if spec is None or x.rows is None or x.rows.spec != spec or not x.rows.per_row:
+    raise TypeError(f"quantized_linear: scheme {scheme} takes a float x{f' or {spec} rows' if spec else ''}; got a "
+                    f"low-bit operand of {None if x.rows is None else x.rows.spec}")
+  _check_leaves(leaves, scheme, x.shape[-1], "quantized_linear")
+  return inference_dispatch.ternary_matmul(x.rows.data, x.rows.scale, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE],
+                                           x.dtype, options=resolve(options).dispatch())
+
+
+def quantized_linear(x: jax.Array | LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str, *,
                      options: ExecutionOptions | None = None) -> jax.Array:
   """``x @ W`` from converted leaves: ``x [..., K]`` floating -> ``[..., N]`` in x's dtype.
+
+  ``x`` may also arrive quantized, as the :class:`~jaxlowbit.operand.LowBitOperand` ``[M, K]`` of its per-row codes
+  in :data:`DECODE_INPUTS`'s spec for the scheme (ternary: BitNet's per-token int8, from a decode step's norm);
+  the result is then ``[M, N]``, what the float x the codes came from gives.
 
   The matmul runs through :mod:`pallas_kernels.inference_dispatch` (GEMV/GEMM kernels on
   GPU, XLA elsewhere) on the backend of ``options`` (:class:`jaxlowbit.ExecutionOptions`; None, or
@@ -170,6 +192,8 @@ def quantized_linear(x: jax.Array, leaves: Mapping[str, jax.Array], scheme: str,
   bit-for-bit BitNet's training forward; for ``w8a8`` without smoothing, Int8MixedPrecision's.
   """
   check_scheme(scheme, "quantized_linear")
+  if is_low_bit(x):
+    return _prequantized_linear(x, leaves, scheme, options)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantized_linear: x must be floating point, got {x.dtype}")
   if x.ndim < 1:
