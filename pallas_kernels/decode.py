@@ -45,9 +45,8 @@ from pallas_kernels.vma import out_struct
 NORM_ROWS_MAX = 16
 # Columns per load of a row: a row up to this width stays in registers between the two sweeps, read once. A wider
 # row is read in chunks twice, and each chunk is a dependent round trip to memory: the 1B model's ffn_sub_norm
-# (8192 columns, from a 16384-wide gate_up) took 6.2 us per layer as two chunks of 4096, a sixth of a ternary layer,
-# and 3.4 us resident; ternary 1B decode went from 1765 to 1959 tokens/s (H200,
-# benchmarks/results/decode_trace_h200_e9d7263.json, decode_ab_h200_e255c5e.json).
+# (8192 columns, from a 16384-wide gate_up) took 6.2 us per layer as two chunks of 4096, a sixth of a ternary layer
+# (H200, benchmarks/results/decode_trace_h200_e9d7263.json).
 NORM_CHUNK = 8192
 # Warps of a norm program by its chunk: about 16 float32 values of a row per thread.
 NORM_WARPS = ((2048, 4), (4096, 8))

@@ -55,9 +55,6 @@ GEMV_BLOCK_M = 1
 # 63.1 us over the 1B model's four linears against 72.9, the decode 1190-1191 tokens/s against 1239-1240
 # (benchmarks/results/w8a16_gemv_tiling_sweep_h100_53950ff.json, w8a16_decode_tiling_*_h100_53950ff_run*.json).
 GEMV_TILING = (16, 512)
-# Whether the M = 1 GEMV sums each K step's products across the step (a cross-lane reduction per step) or keeps a
-# [block_n, block_k] float32 sum per program and reduces it once after the K loop.
-GEMV_REDUCE_PER_STEP = True
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -72,7 +69,6 @@ class W8A16Config:
       sums on CUDA cores (:data:`GEMV_BLOCK_M`), larger ones on tensor cores.
     split_k: programs that share one output tile, each summing ``K / split_k`` of K.
     num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the K loop).
-    reduce_per_step: (``block_m = 1``) sum each step's products across K at once, not after the loop.
   """
 
   block_m: int = 16
@@ -81,7 +77,6 @@ class W8A16Config:
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
-  reduce_per_step: bool = True
 
 
 def _next_pow2(x: int) -> int:
@@ -113,8 +108,7 @@ def fit_block(dim: int, block: int, minimum: int) -> int:
 def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
   """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
   if m == GEMV_BLOCK_M:
-    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3,
-                       reduce_per_step=GEMV_REDUCE_PER_STEP)
+    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3)
   elif m <= MIN_BLOCK_M:
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=64, block_k=256, num_warps=4, num_stages=3)
   elif m <= 64:
@@ -186,21 +180,16 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
   k0 = i_s * k_per_split
 
-  gemv = bm == GEMV_BLOCK_M
-  per_step = not gemv or config.reduce_per_step
-
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
     x = x_ref[rows, ks]
-    if gemv:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
+    if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
       products = int8_to_float32(w_ref[cols, ks]) * x.astype(jnp.float32)
-      return acc + (jnp.sum(products, axis=1)[None, :] if per_step else products)
+      return acc + jnp.sum(products, axis=1)[None, :]
     w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn) if per_step else (bn, bk), jnp.float32))
-  if not per_step:
-    acc = jnp.sum(acc, axis=1)[None, :]
+  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.float32))
   if apply_scale:
     o_ref[rows, cols] = (acc * s_ref[cols][None, :]).astype(o_ref.dtype)
   else:  # split-K partial sum: rows of split i_s live at [i_s * m_pad, (i_s + 1) * m_pad)

@@ -12,7 +12,6 @@ Numerics checked here:
   ternary; KV-cache decode equals the full forward; the generate CLI runs on its checkpoint.
 """
 
-import dataclasses
 import sysconfig
 
 import flax.linen as nn
@@ -61,8 +60,7 @@ def test_int8_to_float32_by_bits_is_exact_for_every_byte():
   np.testing.assert_array_equal(np.asarray(got), np.arange(-128, 128, dtype=np.float32).reshape(16, 16))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 128, 512), (1, 32, 2048), (5, 64, 256), (16, 256, 1024), (40, 128, 256),
-                                   (130, 256, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 128, 512), (5, 64, 256), (16, 256, 1024), (40, 128, 256), (130, 256, 128)])
 def test_w8a16_kernel_interpret_matches_float64(m, n, k):
   kx, kw, ks = jax.random.split(fresh_key(), 3)
   x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
@@ -82,22 +80,6 @@ def test_w8a16_kernel_interpret_matches_float64(m, n, k):
   got32 = np.asarray(got, np.float64)
   bound16 = np.abs(got32 - ref32) + BF16_ROUNDING * (np.abs(got32) + np.abs(ref32))
   assert np.all(np.abs(np.asarray(got16, np.float64) - ref16) <= bound16)
-
-
-@pytest.mark.parametrize("reduce_per_step", [True, False])
-def test_w8a16_gemv_sums_across_k_per_step_or_once(reduce_per_step):
-  """The M = 1 GEMV over several K steps (2048 = 4 x 512), summing each step's products at once or keeping
-  [block_n, block_k] float32 sums to reduce after the loop: both within float32 summation of the float64 product."""
-  kx, kw, ks = jax.random.split(fresh_key(), 3)
-  n, k = 32, 2048
-  x = jax.random.normal(kx, (1, k)).astype(jnp.bfloat16)
-  wq, scale = _int8(kw, (n, k)), jax.random.uniform(ks, (n,), minval=1e-3, maxval=2e-2)
-  config = dataclasses.replace(w8a16.config_for(1, n, k), reduce_per_step=reduce_per_step, split_k=1)
-  assert (config.block_m, k // config.block_k) == (1, 4)
-  got = w8a16.w8a16_matmul_kernel(x, wq, scale, jnp.float32, config=config, interpret=True)
-  want = np.asarray(x, np.float64) @ (np.asarray(wq, np.float64) * np.asarray(scale, np.float64)[:, None]).T
-  bound = k * 2.0**-23 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T) * np.asarray(scale)
-  assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 128, 512), (7, 64, 256), (16, 256, 2048), (33, 128, 512)])
