@@ -136,7 +136,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
             tensor_scale: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
-  Refs: ``x [m * K]`` (rows flattened; int8 codes, or float activations when ``spec`` quantizes them here), the
+  Refs: ``x`` (rows flattened: the int8 codes as ``[m * K / 4]`` int32 words of four, or ``[m * K]`` float
+  activations when ``spec`` quantizes them here), the
   packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]``
   when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales ``[m]``.
   """
@@ -169,7 +170,10 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
 
   def x_words(r, start):
     # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight byte i of the step: the four
-    # activations that byte's weights meet (strided loads of a row that sits in L2; no interleaved copy).
+    # activations that byte's weights meet. Pre-quantized codes arrive as those words (little-endian int32 of
+    # four consecutive codes: one load); float rows are read in four strided loads (from L2) and quantized.
+    if spec is None:
+      return x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start, bk)]
     words = jnp.zeros((bk,), jnp.int32)
     for j in range(VALUES_PER_BYTE):
       x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
@@ -221,7 +225,8 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   split = config.split_k
   if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
-    operands = (x.reshape(-1), w_packed, sx, sw)
+    words = lax.bitcast_convert_type(x.reshape(m, -1, VALUES_PER_BYTE), jnp.int32)  # a view: no copy
+    operands = (words.reshape(-1), w_packed, sx, sw)
   else:
     operands = (x.reshape(-1), w_packed, sw)
   out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
