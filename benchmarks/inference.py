@@ -125,7 +125,8 @@ def sample_stats(samples: list[float]) -> dict:
 
 def gpu_times(fn, *args, calls: int, per_call: int = 1) -> dict:
   """The device's time per call of ``fn(*args)`` (divided by ``per_call``), as :func:`sample_stats` of ``calls``
-  calls traced by ``jax.profiler``: each call's span from its first kernel's start to its last kernel's end.
+  calls traced by ``jax.profiler``: each call's span from its first kernel's start to its last kernel's end
+  (``busy_us``: the median of the kernels' summed durations; below the span where gaps sit between them).
 
   This is what a linear costs where decode runs it: inside a CUDA graph (XLA's command buffer of the decode loop),
   whose kernels follow each other with no host work between them. Timed from the host, back-to-back calls of a few
@@ -143,9 +144,11 @@ def gpu_times(fn, *args, calls: int, per_call: int = 1) -> dict:
   if not kernels or len(kernels) % calls:
     raise RuntimeError(f"gpu_times: {len(kernels)} traced kernels do not split into {calls} equal calls")
   n = len(kernels) // calls
+  groups = [kernels[i * n:(i + 1) * n] for i in range(calls)]
   spans = [(max(start + duration for _, start, duration, _ in group) - group[0][1]) / 1e3 / per_call
-           for group in (kernels[i * n:(i + 1) * n] for i in range(calls))]
-  return {**sample_stats(spans), "kernels_per_call": n}
+           for group in groups]
+  busy = [sum(duration for _, _, duration, _ in group) / 1e3 / per_call for group in groups]
+  return {**sample_stats(spans), "kernels_per_call": n, "busy_us": float(np.median(busy))}
 
 
 def rel_err(a, b) -> float:

@@ -259,11 +259,11 @@ def busy_ns(kernels) -> tuple[int, int]:
 
 def traced_kernels(run) -> list[tuple[str, int, int, dict]]:
   """:func:`device_kernels` of a ``jax.profiler`` trace around ``run()`` (which blocks until its work is done)."""
-  trace_dir = tempfile.mkdtemp(prefix="jaxlowbit_trace_")
-  with jax.profiler.trace(trace_dir):
-    run()
-  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  return device_kernels(jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime)))
+  with tempfile.TemporaryDirectory(prefix="jaxlowbit_trace_") as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      run()
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    return device_kernels(jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime)))
 
 
 def breakdown(kernels, op_names: dict[str, str], shapes: dict, tokens: tuple[int, ...], steps: int) -> dict:

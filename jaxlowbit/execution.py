@@ -13,9 +13,10 @@ field                  what reads it
                        linear reading it (off in a model converted for inference)
 ``tensor_parallel``    the model (``train/model.py``): this device's tokens, the gathers before
                        column-parallel groups; ``jaxlowbit.parallel.apply`` sets it
-``decode_inputs``      ``jaxlowbit.fused``: a decode step's norm hands a converted linear whose
-                       recipe quantizes its input this way the codes instead of its output;
-                       ``jaxlowbit.inference.convert_for_inference`` sets it (ternary)
+``decode_inputs``      ``jaxlowbit.fused``: the per-row spec in which a decode step's norm hands
+                       its output, as codes, to a converted linear whose recipe quantizes its
+                       input that way; ``jaxlowbit.inference.convert_for_inference`` sets it
+                       (ternary)
 =====================  ========================================================================
 
 Who passes it: ``quantized_matmul(..., options=)``, the Dense layers' ``execution`` field

@@ -44,9 +44,9 @@ from jaxlowbit.recipes import OperandQuantization, Recipe
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.stats import NO_SPLIT, Split
 from pallas_kernels import dispatch
-from pallas_kernels.decode import NORM_ROWS_MAX, Add
+from pallas_kernels.decode import Add
 from pallas_kernels.dispatch import DispatchOptions
-from pallas_kernels.quantize import (Identity, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, amaxes,
+from pallas_kernels.quantize import (Identity, Prologue, RmsNorm, RmsNormApply, SwiGLU, SwiGLUGrad, amaxes,
                                      check_gate_activation, rms_norm_input_grad, round_to)
 
 
@@ -112,7 +112,7 @@ def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Rec
   """Whether a norm of ``x [..., C]`` runs as the one-launch decode kernel: nothing quantized or split, few rows."""
   split = split or NO_SPLIT
   return (fused_quantization(recipe, options, split) is None and not split.cols
-          and dispatch.norm_rows_on_kernel(_rows(x), resolve(options).dispatch()))
+          and dispatch.norm_rows_on_kernel(x.size // x.shape[-1], resolve(options).dispatch()))
 
 
 def decode_quantization(x: jax.Array, recipe: Recipe | None, options: ExecutionOptions | None,
@@ -122,29 +122,27 @@ def decode_quantization(x: jax.Array, recipe: Recipe | None, options: ExecutionO
 
   A model converted for inference says how its converted linears take a quantized input
   (``ExecutionOptions.decode_inputs``: ternary's per-token int8); the norm quantizes for a linear whose ``recipe``
-  quantizes its input rows that way (BitNet's), on a decode step's few rows, unsplit. The codes are those the
-  linear's own quantizer makes of the norm's output, so only the launch that made them moves: the norm's kernel
-  writes them (one more sweep over a row it holds) and the GEMV reads int8 codes instead of quantizing bf16 rows.
+  quantizes its input rows that way (BitNet's) where it runs as the decode kernel (:func:`decode_norm_runs`: a
+  decode step's few rows, unsplit, on a GPU). The codes are those the linear's own quantizer makes of the norm's
+  output, so only the launch that makes them moves: the norm's kernel writes them (one more sweep over a row it
+  holds) and the GEMV reads int8 codes instead of quantizing bf16 rows.
   """
   spec = resolve(options).decode_inputs
   how = None if recipe is None else recipe.input_quantization()
-  if spec is None or how is None or how.rows != spec or (split or NO_SPLIT).cols:
+  if spec is None or how is None or how.rows != spec:
     return None
-  return spec if fused_quantization(recipe, options, split) is None and _rows(x) <= NORM_ROWS_MAX else None
+  return spec if decode_norm_runs(x, options, recipe, split) else None
 
 
-def _rows(x: jax.Array) -> int:
-  return x.size // x.shape[-1]
-
-
-def _norm_operand(inputs: tuple[jax.Array, ...], scale: jax.Array, source, norm: RmsNorm, spec: QuantSpec,
+def _norm_operand(inputs: tuple[jax.Array, ...], scale: jax.Array, source: Prologue, norm: RmsNorm, spec: QuantSpec,
                   options: ExecutionOptions | None, write_source: bool = False):
   """A decode norm's output as the :class:`LowBitOperand` ``[M, C]`` of its per-row codes (``spec``), and the
   source's values shaped like the first input with ``write_source`` (:func:`pallas_kernels.dispatch.norm_rows`)."""
   flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
   out = dispatch.norm_rows(flat, scale, source, norm, write_source, resolve(options).dispatch(), quantize=spec)
   (codes, code_scale), values = out if write_source else (out, None)
-  operand = LowBitOperand(QuantizedMatrix(codes, code_scale, spec), None, carrier_like(codes.shape, norm.dtype))
+  carrier = carrier_like(codes.shape, norm.dtype, *inputs)
+  operand = LowBitOperand(QuantizedMatrix(codes, code_scale, spec), None, carrier)
   return (operand, values.reshape(inputs[0].shape)) if write_source else operand
 
 
@@ -224,7 +222,8 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
 
   ``split`` (tensor parallelism, inside ``shard_map``): how this device's x is split (module
   docstring); with ``Split(cols=...)``, x and scale hold this device's ``C / n`` features.
-  ``options``: the kernels' backend and ``fused_quantizers`` (off: the normed array, never an operand).
+  ``options``: the kernels' backend, ``fused_quantizers`` (off: the normed array) and ``decode_inputs`` (a
+  decode step's per-row codes for a converted linear: :func:`decode_quantization`).
 
   Returns:
     a :class:`LowBitOperand` ``[M, C]`` when ``recipe.input_quantization()`` says how (the norm's

@@ -13,7 +13,9 @@ Why another kernel: the A8W2 GEMM pads M to 16 and feeds int8 mma. At M = 1 it m
 ``[block_n, block_k]`` packed bytes (rows of W are K-major, so a row's bytes are contiguous) and does one ``dp4a``
 per byte and row of x: a multiply and a mask spread the byte's four 2-bit weights over the four bytes of an int32
 (:func:`spread_codes`), and ``dp4a`` multiplies them with the four int8 activation codes they meet, ``x[4 i + j]``,
-packed into one int32 per byte (strided loads of a row that sits in L2; no interleaved copy) and adds the sum.
+packed into one int32 per byte, and adds the sum. Float rows are read in four strided loads (the row sits in L2; no
+interleaved copy) and quantized on the way; pre-quantized codes (a decode norm's, ``jaxlowbit.fused``) arrive as
+those int32 words already, a bitcast view of the int8 row: one load.
 Decoding each weight with shifts and an int32 multiply-add instead cost ~13 integer instructions per byte, which
 bound the kernel by the SM's integer throughput at a quarter of HBM bandwidth; this is ~4. K is split across programs
 (split-K) where N alone gives the SMs too little work; the int32 partials are then added by XLA (exact).
@@ -177,8 +179,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     words = jnp.zeros((bk,), jnp.int32)
     for j in range(VALUES_PER_BYTE):
       x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
-      if spec is not None:
-        x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
+      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
       words = words | lax.shift_left(x.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
     return words
 

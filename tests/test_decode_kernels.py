@@ -255,21 +255,43 @@ def test_a_ternary_model_decodes_from_the_codes_its_norms_make(placement, interp
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_a_bitnet_linear_left_unconverted_reads_the_codes_values(interpreted_kernels, monkeypatch):
-  """A BitNet linear kept out of the conversion (``filter_fqns``) gets the norm's codes dequantized and runs its
-  training recipe on them, which quantizes them back to the same codes: the logits of that model decoding with
-  float inputs everywhere, to float32 rounding."""
+@pytest.mark.parametrize("grad_weight", [False, True], ids=["bitnet", "bitnet_int8_grad_weight"])
+def test_a_bitnet_linear_left_unconverted_reads_the_codes(grad_weight, interpreted_kernels, monkeypatch):
+  """A BitNet linear kept out of the conversion (``filter_fqns``) gets the norm's codes as they are and runs its
+  training recipe's forward on them (with an int8 grad_weight, the x^T layout that recipe also asks for is made
+  from their values): the logits of that model decoding with the bf16 norm outputs everywhere, bit for bit."""
   from jaxlowbit import BitNet
   from jaxlowbit.inference import linen as inference_linen
 
-  config = ModelConfig(**TINY, recipe=BitNet(), bitnet_norm_placement="sub", dtype=jnp.float32)
+  config = ModelConfig(**TINY, recipe=BitNet(grad_weight=grad_weight), bitnet_norm_placement="sub")
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
   kept = ("lm_head", "layers_0.mlp")
   got = _decode_logits(config, params, tokens, prefill=5, scheme="ternary", filter_fqns=kept)
   monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
   want = _decode_logits(config, params, tokens, prefill=5, scheme="ternary", filter_fqns=kept)
-  assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_an_unconverted_layer_takes_the_codes_as_they_are_where_its_recipe_reads_them():
+  """``unconverted_input``: a BitNet recipe gets the very operand (its forward reads the rows: no round trip through
+  bf16 values, which could move a code by one); the int8-grad_weight variant the same rows plus an x^T layout; a
+  high-precision layer the codes' float32 values."""
+  from jaxlowbit import BitNet
+  from jaxlowbit.inference.linen import unconverted_input
+  from jaxlowbit.inference.weights import BITNET_TOKENS
+  from jaxlowbit.operand import LowBitOperand, QuantizedMatrix
+  from pallas_kernels.reference import quantize_rows_reference
+
+  x = jax.random.normal(fresh_key(), (3, 64), jnp.float32).astype(jnp.bfloat16)
+  rows = QuantizedMatrix(*quantize_rows_reference(x, BITNET_TOKENS), BITNET_TOKENS)
+  operand = LowBitOperand(rows, None, jnp.zeros(x.shape, x.dtype))
+  assert unconverted_input(operand, BitNet()) is operand
+  with_t = unconverted_input(operand, BitNet(grad_weight=True))
+  assert with_t.rows is rows and with_t.transposed.data.shape == (64, 3) and with_t.transposed.data.dtype == jnp.int8
+  values = unconverted_input(operand, None)
+  assert values.dtype == jnp.float32
+  np.testing.assert_array_equal(values, np.asarray(rows.data, np.float32) * np.asarray(rows.scale))
 
 
 def test_the_deferred_residual_is_the_same_model(interpreted_kernels):

@@ -74,5 +74,5 @@ def test_device_time_splits_a_trace_into_its_calls():
   per_linear = benchmark.gpu_times(chained, xs, ws, calls=4, per_call=3)
   for stats in (whole, per_linear):
     assert stats["runs"] == len(stats["samples_us"]) == 4 and stats["kernels_per_call"] >= 1
-    assert 0 < stats["us_min"] <= stats["us"] <= stats["us_max"]
+    assert 0 < stats["us_min"] <= stats["us"] <= stats["us_max"] and 0 < stats["busy_us"]
   assert per_linear["kernels_per_call"] == whole["kernels_per_call"]

@@ -14,14 +14,18 @@ intercepted layer's (a jaxlowbit layer's ``execution``), else the defaults.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions, with_execution
 from jaxlowbit.inference.weights import CONVERTED_NAMES, DECODE_INPUTS, check_scheme, quantized_linear, scheme_of
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
 from jaxlowbit.layers import DenseCall, dense_general
-from jaxlowbit.operand import is_low_bit
+from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, is_low_bit
+from pallas_kernels.reference import quantize_cols_t_reference
 
 PARAMS = "params"
 
@@ -75,11 +79,27 @@ def _handler(scheme: str, execution: ExecutionOptions | None):
     leaves = converted_leaves(module)
     if leaves:
       return inference_dense(module, inputs, scheme, leaves, execution)
-    if is_low_bit(inputs):  # a layer left unconverted (or being initialized) reads the codes' values
-      return dense_general(module, inputs.rows.dequantize(inputs.dtype), getattr(module, "recipe", None))
+    if is_low_bit(inputs):  # a layer left unconverted (or being initialized) under a norm that hands codes
+      recipe = getattr(module, "recipe", None)
+      return dense_general(module, unconverted_input(inputs, recipe), recipe)
     return PASS
 
   return handle
+
+
+def unconverted_input(x: LowBitOperand, recipe) -> LowBitOperand | jax.Array:
+  """What a Dense left unconverted reads of a decode norm's codes ``x [M, K]``: the operand itself where its
+  ``recipe`` quantizes its input rows that way, so its forward multiplies those very codes (with ``x^T`` quantized
+  from their values where the recipe asks for a layout of its own: only its backward reads it); else their values
+  in float32."""
+  how = None if recipe is None else recipe.input_quantization()
+  if how is None or how.rows != x.rows.spec:
+    return x.rows.dequantize(jnp.float32)
+  if how.transposed is None or how.transposed_from_rows:
+    return x
+  transposed = QuantizedMatrix(*quantize_cols_t_reference(x.rows.dequantize(jnp.float32), how.transposed),
+                               how.transposed)
+  return dataclasses.replace(x, transposed=transposed)
 
 
 def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | None = None) -> nn.Module:
