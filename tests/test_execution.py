@@ -91,6 +91,8 @@ def test_options_are_checked():
     ExecutionOptions(backend="cuda")
   with pytest.raises(TypeError, match="fused_quantizers"):
     ExecutionOptions(fused_quantizers=1)
+  with pytest.raises(TypeError, match="decode_inputs"):
+    ExecutionOptions(decode_inputs="int8")
   with pytest.raises(TypeError, match="ExecutionOptions"):
     jaxlowbit.quantized_matmul(jnp.ones((M, K)), jnp.ones((K, N)), Int8MixedPrecision(), options="xla")
 
@@ -128,6 +130,9 @@ def test_inference_conversion_turns_the_models_fused_quantizers_off_through_its_
   converted = inference.convert_for_inference(model, "w8a16")
   assert converted.execution == ExecutionOptions(fused_quantizers=False)
   assert model.execution is None  # the user's model is left as it was
+  # ternary's linears take a decode norm's per-token codes (jaxlowbit.fused.decode_quantization)
+  ternary = inference.convert_for_inference(model, "ternary")
+  assert ternary.execution == ExecutionOptions(fused_quantizers=False, decode_inputs=inference.weights.BITNET_TOKENS)
 
 
 def test_no_module_of_the_library_holds_a_context_variable():
