@@ -98,13 +98,22 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split = N
   return _norm_rows((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), options)
 
 
-def _norm_rows(inputs: tuple[jax.Array, ...], scale: jax.Array, source, norm: RmsNorm,
-               options: DispatchOptions | None, write_source: bool = False):
-  """:func:`pallas_kernels.dispatch.norm_rows` of inputs ``[..., C_i]``, its outputs shaped ``[..., C]``."""
+def _norm_rows(inputs: tuple[jax.Array, ...], scale: jax.Array, source: Prologue, norm: RmsNorm,
+               options: DispatchOptions | None, write_source: bool = False, quantize: QuantSpec | None = None):
+  """:func:`pallas_kernels.dispatch.norm_rows` of inputs ``[..., C_i]``, its outputs shaped ``[..., C]``; with
+  ``quantize`` (:func:`decode_quantization`) the normed output is the :class:`LowBitOperand` ``[M, C]`` of its
+  per-row codes instead."""
   lead = inputs[0].shape[:-1]
   flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
-  out = dispatch.norm_rows(flat, scale, source, norm, write_source, options)
-  return jax.tree.map(lambda a: a.reshape(*lead, a.shape[-1]), out)
+  out = dispatch.norm_rows(flat, scale, source, norm, write_source, options, quantize)
+  y, values = out if write_source else (out, None)
+  if quantize is None:
+    y = y.reshape(*lead, y.shape[-1])
+  else:
+    codes, code_scale = y
+    carrier = carrier_like(codes.shape, norm.dtype, *inputs)
+    y = LowBitOperand(QuantizedMatrix(codes, code_scale, quantize), None, carrier)
+  return (y, values.reshape(*lead, values.shape[-1])) if write_source else y
 
 
 def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Recipe | None = None,
@@ -115,35 +124,19 @@ def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Rec
           and dispatch.norm_rows_on_kernel(x.size // x.shape[-1], resolve(options).dispatch()))
 
 
-def decode_quantization(x: jax.Array, recipe: Recipe | None, options: ExecutionOptions | None,
-                        split: Split | None = None) -> QuantSpec | None:
-  """The per-row spec in which a decode step's norm of ``x [..., C]`` hands the linear reading it its input, or None
-  (the norm writes its output and the linear quantizes it).
+def decode_quantization(recipe: Recipe | None, options: ExecutionOptions | None) -> QuantSpec | None:
+  """The per-row spec in which a decode step's norm (where :func:`decode_norm_runs`) hands the linear reading it its
+  input, or None (the norm writes its output and the linear quantizes it).
 
   A model converted for inference says how its converted linears take a quantized input
   (``ExecutionOptions.decode_inputs``: ternary's per-token int8); the norm quantizes for a linear whose ``recipe``
-  quantizes its input rows that way (BitNet's) where it runs as the decode kernel (:func:`decode_norm_runs`: a
-  decode step's few rows, unsplit, on a GPU). The codes are those the linear's own quantizer makes of the norm's
+  quantizes its input rows that way (BitNet's). The codes are those the linear's own quantizer makes of the norm's
   output, so only the launch that makes them moves: the norm's kernel writes them (one more sweep over a row it
   holds) and the GEMV reads int8 codes instead of quantizing bf16 rows.
   """
   spec = resolve(options).decode_inputs
   how = None if recipe is None else recipe.input_quantization()
-  if spec is None or how is None or how.rows != spec:
-    return None
-  return spec if decode_norm_runs(x, options, recipe, split) else None
-
-
-def _norm_operand(inputs: tuple[jax.Array, ...], scale: jax.Array, source: Prologue, norm: RmsNorm, spec: QuantSpec,
-                  options: ExecutionOptions | None, write_source: bool = False):
-  """A decode norm's output as the :class:`LowBitOperand` ``[M, C]`` of its per-row codes (``spec``), and the
-  source's values shaped like the first input with ``write_source`` (:func:`pallas_kernels.dispatch.norm_rows`)."""
-  flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
-  out = dispatch.norm_rows(flat, scale, source, norm, write_source, resolve(options).dispatch(), quantize=spec)
-  (codes, code_scale), values = out if write_source else (out, None)
-  carrier = carrier_like(codes.shape, norm.dtype, *inputs)
-  operand = LowBitOperand(QuantizedMatrix(codes, code_scale, spec), None, carrier)
-  return (operand, values.reshape(inputs[0].shape)) if write_source else operand
+  return spec if spec is not None and how is not None and how.rows == spec else None
 
 
 def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
@@ -154,11 +147,9 @@ def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
   kernel (:func:`decode_norm_runs`) and both have one dtype, the sum is formed and normalized in the same launch
   (the sum in float32, rounded once to x's dtype, as XLA adds); else ``x + delta`` then :func:`rms_norm_for`.
   """
-  if x.dtype == delta.dtype and (spec := decode_quantization(x, recipe, options, split)) is not None:
-    return _norm_operand((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), spec, options, write_source=True)
   if x.dtype == delta.dtype and decode_norm_runs(x, options, recipe, split):
     return _norm_rows((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
-                      write_source=True)
+                      write_source=True, quantize=decode_quantization(recipe, options))
   total = x + delta
   return rms_norm_for(total, scale, eps, recipe, dtype, split, options=options), total
 
@@ -231,8 +222,9 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
-  if (spec := decode_quantization(x, recipe, options, split)) is not None:
-    return _norm_operand((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), spec, options)
+  if (spec := decode_quantization(recipe, options)) is not None and decode_norm_runs(x, options, recipe, split):
+    return _norm_rows((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
+                      quantize=spec)
   how = fused_quantization(recipe, options, split)
   if how is None:
     return rms_norm(x, scale, eps, dtype, split, resolve(options).dispatch())
@@ -407,11 +399,9 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
   check_gate_activation(activation)
   split = split or NO_SPLIT
   how = fused_quantization(recipe, options, split)
-  if not is_measured(gate_up) and (spec := decode_quantization(gate_up, recipe, options, split)) is not None:
-    return _norm_operand((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)), spec, options)
   if not is_measured(gate_up) and decode_norm_runs(gate_up, options, recipe, split):
     return _norm_rows((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)),
-                      resolve(options).dispatch())
+                      resolve(options).dispatch(), quantize=decode_quantization(recipe, options))
   if how is None or split.cols:
     h = swiglu(measured_values(gate_up), activation, resolve(options).dispatch())
     return rms_norm_for(h, scale, eps, recipe, dtype, split, options=options)

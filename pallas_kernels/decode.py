@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels.quantize import RmsNorm, _col_chunk, code_scales, encode, magnitude, normed, round_to
+from pallas_kernels.quantize import (RmsNorm, _col_chunk, check_row_int8, code_scales, encode, magnitude, normed,
+                                     round_to)
 from pallas_kernels.reference import quantize_rows_reference
 from pallas_kernels.vma import out_struct
 
@@ -97,20 +98,22 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   total = lax.fori_loop(0, n_chunks, square_sum, jnp.zeros((1,), jnp.float32))
   rstd = norm.finish_stat(total, width)
 
-  def y(j):  # the normed chunk, rounded to the norm's dtype, as float32
-    return normed(values(j), rstd, gamma_ref[pl.ds(j * chunk, chunk)], norm.dtype)
+  def y(j, v):  # the normed chunk j of values v, rounded to the norm's dtype, as float32
+    return normed(v, rstd, gamma_ref[pl.ds(j * chunk, chunk)], norm.dtype)
 
   if quantize is not None:  # the row's amax over the rounded outputs, then the codes the linear's quantizer makes
-    amax = lax.fori_loop(0, n_chunks, lambda j, a: jnp.maximum(a, jnp.max(magnitude(y(j)))), jnp.float32(0))
+    amax = lax.fori_loop(0, n_chunks, lambda j, a: jnp.maximum(a, jnp.max(magnitude(y(j, values(j))))),
+                         jnp.float32(0))
     param, scale = code_scales(amax, quantize)
     scale_ref[rows, :] = jnp.full((1, 1), scale, jnp.float32)
 
   def write(j, _):
     cols = pl.ds(j * chunk, chunk)
-    out = y(j) if quantize is None else encode(y(j), param, quantize, native)
+    v = values(j)
+    out = y(j, v) if quantize is None else encode(y(j, v), param, quantize, native)
     y_ref[rows, cols] = out.astype(y_ref.dtype)
     if source_ref is not None:
-      source_ref[rows, cols] = values(j).astype(source_ref.dtype)
+      source_ref[rows, cols] = v.astype(source_ref.dtype)
     return 0
 
   lax.fori_loop(0, n_chunks, write, 0)
@@ -147,7 +150,8 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
   r, c = inputs[0].shape[0], source.width(inputs)
   if gamma.shape != (c,):
     raise ValueError(f"norm_rows_kernel: gamma {gamma.shape} does not match the normed width {c}")
-  check_row_quantization(quantize, "norm_rows_kernel")
+  if quantize is not None:
+    check_row_int8(quantize, "norm_rows_kernel", "quantize")
   chunk = _col_chunk(c, NORM_CHUNK)
   if quantize is None:
     outs = [out_struct((r, c), norm.dtype, *inputs)]
@@ -169,17 +173,12 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
   return (y, out[-1]) if write_source else y
 
 
-def check_row_quantization(quantize: QuantSpec | None, who: str) -> None:
-  """ValueError unless ``quantize`` is None or a per-row int8 spec (what a decode norm hands a linear)."""
-  if quantize is not None and (not quantize.is_int8 or quantize.per_tensor or quantize.ternary):
-    raise ValueError(f"{who}: quantize must be a per-row int8 QuantSpec, got {quantize}")
-
-
 def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
                         write_source: bool = False, quantize: QuantSpec | None = None):
   """What :func:`norm_rows_kernel` computes, by XLA (the model's unfused path: the norm, then the linear's
   quantizer)."""
-  check_row_quantization(quantize, "norm_rows_reference")
+  if quantize is not None:
+    check_row_int8(quantize, "norm_rows_reference", "quantize")
   values = source.reference(inputs)
   y = norm.reference((values, gamma))
   if quantize is not None:

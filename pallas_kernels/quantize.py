@@ -386,6 +386,12 @@ Prologue = Identity | RmsNorm | RmsNormApply | SwiGLU
 # Quantization arithmetic shared by the kernels.
 
 
+def check_row_int8(spec: QuantSpec, who: str, name: str = "spec") -> None:
+  """ValueError unless ``spec`` quantizes rows to int8, one scale per row (what a GEMV's activations take)."""
+  if not spec.is_int8 or spec.per_tensor or spec.ternary:
+    raise ValueError(f"{who}: {name} must quantize rows to int8, got {spec}")
+
+
 def _col_chunk(c: int, chunk: int) -> int:
   while c % chunk:
     chunk //= 2

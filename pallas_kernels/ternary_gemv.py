@@ -298,8 +298,7 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
   """
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")
-  if not spec.is_int8 or spec.per_tensor or spec.ternary:
-    raise ValueError(f"quantize_a8w2_gemv_kernel: spec must quantize rows to int8, got {spec}")
+  quantize.check_row_int8(spec, "quantize_a8w2_gemv_kernel")
   check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
              w_scale)
   config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config)
