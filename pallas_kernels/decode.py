@@ -49,9 +49,11 @@ NORM_ROWS_MAX = 16
 # (8192 columns, from a 16384-wide gate_up) took 6.2 us per layer as two chunks of 4096, a sixth of a ternary layer
 # (H200, benchmarks/results/decode_trace_h200_e9d7263.json).
 NORM_CHUNK = 8192
-# Warps of a norm program by its chunk: about 16 float32 values of a row per thread.
-NORM_WARPS = ((2048, 4), (4096, 8))
-NORM_WARPS_MAX = 16
+# Warps of a norm program by its chunk: about 8 float32 values of a row per thread. Against 16 a thread (4 warps at
+# 2048 columns, 16 at 8192), 1B ternary decode on an H200 took 428 us a token against 442: the pre-norms 2.10 -> 1.99
+# us, the ffn_sub_norm 4.16 -> 3.71; 32 a thread took 492 (benchmarks/results/decode_latency_ab_h200_48e3989.json).
+NORM_WARPS = ((1024, 4), (2048, 8), (4096, 16))
+NORM_WARPS_MAX = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,9 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   rows = pl.ds(pl.program_id(0), 1)
   n_chunks = width // chunk
   resident = source.values(inputs, rows, pl.ds(0, chunk), None) if n_chunks == 1 else None
+  # A resident row's gamma is loaded with it, not after the mean square: its trip to memory overlaps the row's (1B
+  # ternary decode on an H200: the norms 190 -> 167 us a token; decode_latency_ab_h200_48e3989.json).
+  gamma = gamma_ref[pl.ds(0, chunk)] if n_chunks == 1 else None
 
   def values(j):
     return resident if resident is not None else source.values(inputs, rows, pl.ds(j * chunk, chunk), None)
@@ -99,7 +104,7 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   rstd = norm.finish_stat(total, width)
 
   def y(j, v):  # the normed chunk j of values v, rounded to the norm's dtype, as float32
-    return normed(v, rstd, gamma_ref[pl.ds(j * chunk, chunk)], norm.dtype)
+    return normed(v, rstd, gamma_ref[pl.ds(j * chunk, chunk)] if gamma is None else gamma, norm.dtype)
 
   if quantize is not None:  # the row's amax over the rounded outputs, then the codes the linear's quantizer makes
     amax = lax.fori_loop(0, n_chunks, lambda j, a: jnp.maximum(a, jnp.max(magnitude(y(j, values(j))))),
