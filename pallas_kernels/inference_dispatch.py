@@ -95,13 +95,13 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype, backend)
 
 
-def ternary_gemv_wanted(m: int, n: int, k_bytes: int) -> bool:
-  """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``:
-  M up to ``policy.TERNARY_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
+def ternary_gemv_wanted(m: int, n: int, k_bytes: int, codes: bool = False) -> bool:
+  """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``
+  (``codes``: x as int8 codes): M up to ``policy.TERNARY_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
   from pallas_kernels import ternary_gemv
 
-  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes,
-                                                                   ternary_gemv.config_for(n, k_bytes, m=m))
+  config = ternary_gemv.config_for(n, k_bytes, m=m, codes=codes)
+  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes, config)
 
 
 def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
@@ -127,8 +127,8 @@ def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
   backend = _backend(options)
-  if ternary_gemv_wanted(xq.shape[0], *w_packed.shape) and policy.use_inference_kernel("ternary GEMV", True, True,
-                                                                                      backend):
+  if ternary_gemv_wanted(xq.shape[0], *w_packed.shape, codes=True) and policy.use_inference_kernel(
+      "ternary GEMV", True, True, backend):
     from pallas_kernels.ternary_gemv import a8w2_gemv_kernel
 
     return a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype)

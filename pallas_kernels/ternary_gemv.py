@@ -72,6 +72,13 @@ class TernaryGemvConfig:
 # total over the shapes at M = 4; 64 x 128 on 8 warps, the old kernel's best, was 2-7x slower here).
 DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4)
 BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
+# M = 1 on pre-quantized codes (a decode norm's: no amax pass for a program to repeat): 8 rows x 512 bytes was the
+# fastest or within 8% of it on 7 of 8 Llama 1B / 8B shapes and 3-15% under 16 x 512 (H200, device time, 16 weights
+# per call; benchmarks/results/ternary_gemv_codes_sweep_h200_48e3989.json). The one K of 2048 bytes or more that a
+# 1024-byte step divides (the 1B down projection, 8192 x 2048: 256 row blocks, so unsplit) took 3.3 us with such
+# steps on 8 warps against 4.1 with 512 on 4 and 4.1 split in four; 14336 x 4096 (3584 bytes) keeps 512-byte steps.
+CODES_TILING = TernaryGemvConfig(block_n=8, block_k=512, num_warps=4)
+CODES_LONG_K, CODES_LONG_K_TILING = 2048, TernaryGemvConfig(block_n=8, block_k=1024, num_warps=8)
 
 
 # Split-K costs an XLA kernel after the GEMV (the partial sums' add and the epilogue). At M = 1 it pays only where
@@ -85,10 +92,17 @@ BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_pe
 DECODE_PROGRAMS_PER_SM = 4
 
 
-def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1) -> TernaryGemvConfig:
-  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight: at M = 1, split-K only where the row blocks
-  are fewer than the SMs (then up to :data:`DECODE_PROGRAMS_PER_SM` programs per SM); ~4 per SM above."""
-  base = DECODE_TILING if m == 1 else BATCH_TILING
+def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, codes: bool = False) -> TernaryGemvConfig:
+  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight (``codes``: x arrives as int8 codes): at
+  M = 1, split-K only where the row blocks are fewer than the SMs (then up to :data:`DECODE_PROGRAMS_PER_SM`
+  programs per SM); ~4 per SM above."""
+  if m > 1:
+    base = BATCH_TILING
+  elif not codes:
+    base = DECODE_TILING
+  else:
+    long_k = k_bytes >= CODES_LONG_K and k_bytes % CODES_LONG_K_TILING.block_k == 0
+    base = CODES_LONG_K_TILING if long_k else CODES_TILING
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   sms = sms or num_sms()
   row_blocks = max(n // block_n, 1)
@@ -157,6 +171,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
 
   first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
+  if config.split_k == 1:  # the epilogue's weight scale, loaded now rather than after the loop
+    sw = sw_ref[0] if tensor_scale else sw_ref[cols]
   if spec is None:
     scales = [sx_ref[r] for r in range(m)]
   else:
@@ -201,7 +217,6 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)
     total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)  # [bn] int32, exact: each product was 64 x its value
     if config.split_k == 1:  # the reference's epilogue, same order
-      sw = sw_ref[0] if tensor_scale else sw_ref[cols]
       o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
     else:
       o_ref[i_s * m + r, cols] = total
@@ -250,10 +265,10 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   return out
 
 
-def _tiling(who: str, m: int, w_packed, config: TernaryGemvConfig | None) -> TernaryGemvConfig:
+def _tiling(who: str, m: int, w_packed, config: TernaryGemvConfig | None, codes: bool) -> TernaryGemvConfig:
   """``config`` (default :func:`config_for`) after checking it takes M rows and the ``[N, K/4]`` packed weight."""
   n, k_bytes = w_packed.shape
-  config = config or config_for(n, k_bytes, m=m)
+  config = config or config_for(n, k_bytes, m=m, codes=codes)
   if not supports(m, n, k_bytes, config):
     raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
                      f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
@@ -275,7 +290,7 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`.
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, config)
+  config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, config, codes=True)
   return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
                interpret=interpret)
 
@@ -301,6 +316,6 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
   quantize.check_row_int8(spec, "quantize_a8w2_gemv_kernel")
   check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
              w_scale)
-  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config)
+  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config, codes=False)
   return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
                interpret=interpret)

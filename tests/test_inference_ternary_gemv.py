@@ -120,6 +120,34 @@ def test_split_k_policy_on_132_sms(n, k, m, split):
   assert config.split_k == split
   assert ternary_gemv.supports(m, n, k // 4, config)
 
+
+@pytest.mark.parametrize("n,k,tiling", [
+    (2048, 8192, (8, 1024, 8)),  # 1B down: 256 rows blocks of 8 fill 132 SMs, unsplit; 2048 bytes of K: long steps
+    (4096, 14336, (8, 512, 4)),  # 3584 bytes of K: no 1024-byte step divides it
+    (14336, 4096, (8, 512, 4)),
+    (3072, 2048, (8, 512, 4)),
+])
+def test_codes_tiling_at_m1_on_132_sms(n, k, tiling):
+  """At M = 1 on int8 codes the GEMV takes 8-row blocks (1024-byte steps on 8 warps where K has >= 2048 bytes that
+  they divide), unsplit where the row blocks fill the SMs; the quantizing kernel keeps its 16-row blocks."""
+  config = ternary_gemv.config_for(n, k // 4, sms=132, m=1, codes=True)
+  assert (config.block_n, config.block_k, config.num_warps, config.split_k) == (*tiling, 1)
+  assert ternary_gemv.supports(1, n, k // 4, config)
+  assert inference_dispatch.ternary_gemv_wanted(1, n, k // 4, codes=True)
+  assert ternary_gemv.config_for(n, k // 4, sms=132, m=1).block_n == 16
+
+
+def test_prequantized_gemv_default_codes_tiling_is_bit_identical():
+  """The pre-quantized GEMV on its default tiling (8-row blocks, 1024-byte steps: 2048 bytes of K) == the A8W2
+  reference, bit for bit."""
+  key = fresh_key()
+  m, n, k = 1, 64, 8192
+  xq, x_scale, w_packed, w_scale = _operands(key, m, n, k)
+  assert ternary_gemv.config_for(n, k // 4, m=m, codes=True).block_k == 1024
+  got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, jnp.float32, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(
+      int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, jnp.float32)))
+
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
 def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split, reduce_per_step):
   """x quantized inside the kernel (BitNet's per-token int8) == quantize_rows_reference, then the A8W2 reference."""
