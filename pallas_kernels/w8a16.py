@@ -189,9 +189,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
     w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
+  scale = s_ref[cols] if apply_scale else None  # loaded before the loop: no memory round trip after it
   acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.float32))
   if apply_scale:
-    o_ref[rows, cols] = (acc * s_ref[cols][None, :]).astype(o_ref.dtype)
+    o_ref[rows, cols] = (acc * scale[None, :]).astype(o_ref.dtype)
   else:  # split-K partial sum: rows of split i_s live at [i_s * m_pad, (i_s + 1) * m_pad)
     o_ref[pl.ds(pl.multiple_of(i_s * m_pad + i_m * bm, bm), bm), cols] = acc
 
