@@ -50,8 +50,9 @@ NORM_ROWS_MAX = 16
 # (H200, benchmarks/results/decode_trace_h200_e9d7263.json).
 NORM_CHUNK = 8192
 # Warps of a norm program by its chunk: about 8 float32 values of a row per thread. Against 16 a thread (4 warps at
-# 2048 columns, 16 at 8192), 1B ternary decode on an H200 took 428 us a token against 442: the pre-norms 2.10 -> 1.99
-# us, the ffn_sub_norm 4.16 -> 3.71; 32 a thread took 492 (benchmarks/results/decode_latency_ab_h200_48e3989.json).
+# 2048 columns, 16 at 8192), the norm kernels of a 1B ternary decode token on an H200 took 158 us against 168: the
+# pre-norms 2.10 -> 1.99 us, the ffn_sub_norm 4.16 -> 3.71; at 32 a thread 199 (the attention step's warps changed
+# in the same variants; its own kernel time is apart: benchmarks/results/decode_latency_ab_h200_48e3989.json).
 NORM_WARPS = ((1024, 4), (2048, 8), (4096, 16))
 NORM_WARPS_MAX = 32
 

@@ -100,8 +100,8 @@ def ternary_gemv_wanted(m: int, n: int, k_bytes: int, codes: bool = False) -> bo
   (``codes``: x as int8 codes): M up to ``policy.TERNARY_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
   from pallas_kernels import ternary_gemv
 
-  config = ternary_gemv.config_for(n, k_bytes, m=m, codes=codes)
-  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(m, n, k_bytes, config)
+  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(
+      m, n, k_bytes, ternary_gemv.config_for(n, k_bytes, m=m, codes=codes))
 
 
 def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:

@@ -22,7 +22,8 @@ bound the kernel by the SM's integer throughput at a quarter of HBM bandwidth; t
 
 Decode at M = 1 pays per launch as much as per byte (a 4096 x 4096 ternary weight is 4 MiB, ~2 us of HBM), so
 the activation quantizer runs inside the GEMV: one launch per linear. Tilings and the M the dispatch sends here
-come from the H100 sweeps recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``).
+come from the H100 sweeps recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``), the tiling on codes
+at M = 1 from an H200 sweep (:data:`CODES_TILING`).
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ CODES_LONG_K, CODES_LONG_K_TILING = 2048, TernaryGemvConfig(block_n=8, block_k=1
 # the row blocks alone leave SMs idle (fewer blocks than SMs); there it splits up to DECODE_PROGRAMS_PER_SM programs
 # per SM. On an H100, 4096 x 4096 (256 row blocks) ran 9.1 us unsplit against 11.1 split in two
 # (benchmarks/results/ternary_gemv_split_h100_aafef12.json). The 1B model's down projection (8192 x 2048: 128 row
-# blocks) is the shape the first clause split: 1B decode on an H200 ran 1675 and 1586 tokens/s with it split in four
-# against 1620 and 1539 unsplit (two calls, inference_decode_1b{,_rest}_h200_21b5d4f.json). At M = 4 the split up to
-# four programs per SM stays: 14336 x 4096 34.8 us split against 42.6 (4096 x 4096 went the other way, 20.3
-# against 12.9).
+# blocks of 16) is the shape the first clause split: 1B decode on an H200 ran 1675 and 1586 tokens/s with it split
+# in four against 1620 and 1539 unsplit (two calls, inference_decode_1b{,_rest}_h200_21b5d4f.json). On codes its
+# 8-row blocks fill the SMs and it runs unsplit (CODES_TILING). At M = 4 the split up to four programs per SM stays:
+# 14336 x 4096 34.8 us split against 42.6 (4096 x 4096 went the other way, 20.3 against 12.9).
 DECODE_PROGRAMS_PER_SM = 4
 
 

@@ -141,7 +141,8 @@ def test_decode_on_gpu_matches_full_forward():
 def test_quantizing_ternary_gemv_matches_the_reference_on_gpu(k, n, m):
   """Decode's one launch per linear (the quantizer inside the dp4a GEMV) == quantize_rows_reference, then the A8W2
   reference, and == the pre-quantized GEMV, bit for bit, on activations without rounding ties, at M = 1 (decode)
-  and 4 (the kernel's limit). 8192 x 2048 (the 1B down projection) is split over K at M = 1 on an H100 or H200."""
+  and 4 (the kernel's limit). 8192 x 2048 (the 1B down projection): the quantizing kernel splits K at M = 1 on
+  an H100 or H200, the pre-quantized one runs its codes tiling unsplit."""
   key = fresh_key()
   x = tie_free_activations(key, m, k, BITNET_TOKENS)
   wt = jax.random.randint(jax.random.fold_in(key, 1), (n, k), -1, 2, jnp.int32).astype(jnp.int8)

@@ -77,9 +77,10 @@ def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce
 
 
 @pytest.mark.parametrize("m", [1, 4])
-@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096)])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (8192, 2048)])
 def test_gemv_lowers_for_cuda(m, k, n):
-  """Pallas -> Triton IR for an H100 at the Llama-3-8B MLP shapes."""
+  """Pallas -> Triton IR for an H100 at the Llama-3-8B MLP shapes and the 1B down projection (at M = 1 its codes
+  tiling: 1024-byte steps on 8 warps)."""
   f = jax.ShapeDtypeStruct
   shapes = (f((m, k), jnp.int8), f((m, 1), jnp.float32), f((n, k // 4), jnp.int8), f((), jnp.float32))
   with jax.sharding.use_abstract_mesh(H100):
@@ -108,7 +109,7 @@ def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
 
 
 @pytest.mark.parametrize("n,k,m,split", [
-    (2048, 8192, 1, 4),   # 1B down: 128 row blocks < 132 SMs -> split up to 4 programs per SM
+    (2048, 8192, 1, 4),   # 1B down, quantizing tiling: 128 row blocks < 132 SMs -> split up to 4 per SM
     (4096, 4096, 1, 1),   # 256 row blocks fill the SMs: unsplit at M = 1 (9.1 us against 11.1 split)
     (4096, 14336, 1, 1),
     (16384, 2048, 1, 1),  # one block of K: nothing to split
@@ -122,7 +123,7 @@ def test_split_k_policy_on_132_sms(n, k, m, split):
 
 
 @pytest.mark.parametrize("n,k,tiling", [
-    (2048, 8192, (8, 1024, 8)),  # 1B down: 256 rows blocks of 8 fill 132 SMs, unsplit; 2048 bytes of K: long steps
+    (2048, 8192, (8, 1024, 8)),  # 1B down: 256 row blocks of 8 fill 132 SMs, unsplit; 2048 bytes of K: long steps
     (4096, 14336, (8, 512, 4)),  # 3584 bytes of K: no 1024-byte step divides it
     (14336, 4096, (8, 512, 4)),
     (3072, 2048, (8, 512, 4)),
@@ -135,18 +136,24 @@ def test_codes_tiling_at_m1_on_132_sms(n, k, tiling):
   assert ternary_gemv.supports(1, n, k // 4, config)
   assert inference_dispatch.ternary_gemv_wanted(1, n, k // 4, codes=True)
   assert ternary_gemv.config_for(n, k // 4, sms=132, m=1).block_n == 16
+  assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024, codes=True)
 
 
-def test_prequantized_gemv_default_codes_tiling_is_bit_identical():
-  """The pre-quantized GEMV on its default tiling (8-row blocks, 1024-byte steps: 2048 bytes of K) == the A8W2
-  reference, bit for bit."""
+def test_prequantized_gemv_default_codes_tiling_is_bit_identical(monkeypatch):
+  """The pre-quantized GEMV on its default tiling (8-row blocks, unsplit, four 1024-byte steps of K) == the A8W2
+  reference, bit for bit, with one weight scale and with one per output channel (loaded before the K loop)."""
+  monkeypatch.setattr(ternary_gemv, "num_sms", lambda: 8)  # 8 row blocks fill 8 SMs: no split-K
   key = fresh_key()
-  m, n, k = 1, 64, 8192
+  m, n, k = 1, 64, 16384
   xq, x_scale, w_packed, w_scale = _operands(key, m, n, k)
-  assert ternary_gemv.config_for(n, k // 4, m=m, codes=True).block_k == 1024
-  got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, jnp.float32, interpret=True)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(
-      int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, jnp.float32)))
+  config = ternary_gemv.config_for(n, k // 4, m=m, codes=True)
+  assert (config.block_n, config.block_k, config.num_warps, config.split_k) == (8, 1024, 8, 1)
+  per_channel = jax.random.uniform(jax.random.fold_in(key, 7), (n,), minval=0.01, maxval=0.05)
+  for scale in (w_scale, per_channel):
+    got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, scale, jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, scale, jnp.float32)))
+
 
 @pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
 def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split, reduce_per_step):
