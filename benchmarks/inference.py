@@ -291,7 +291,7 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
         row = {"k": k, "n": n, "m": m, "kernel": kernel, "block_n": block_n, "block_k": block_k}
         try:
           if kernel == "ternary_gemv":
-            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m), block_n=block_n,
+            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m, codes=True), block_n=block_n,
                                          block_k=block_k, split_k=1)
             if split is None:
               config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k // 4, block_k,
