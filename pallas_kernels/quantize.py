@@ -474,7 +474,8 @@ def _rows_kernel(*refs, prologue: Prologue, n_inputs: int, spec: QuantSpec, bloc
   n_chunks = width // chunk
   stat = None
   if prologue.stats:
-    total = lax.fori_loop(0, n_chunks, lambda j, acc: acc + prologue.partial_stat(inputs, rows, pl.ds(j * chunk, chunk)),
+    total = lax.fori_loop(0, n_chunks,
+                          lambda j, acc: acc + prologue.partial_stat(inputs, rows, pl.ds(j * chunk, chunk)),
                           jnp.zeros((block_rows,), jnp.float32))
     stat = prologue.finish_stat(total, width)
   colmax_ref = outs[1 if not write else 2] if with_colmax else None
