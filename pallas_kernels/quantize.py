@@ -218,7 +218,7 @@ class SwiGLU:
     ref = refs[0]
     h = ref.shape[1] // 2
     gate = ref[rows, cols].astype(jnp.float32)
-    up = ref[rows, pl.ds(cols.start + h, cols.size, cols.stride)].astype(jnp.float32)  # cols may be strided
+    up = ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32)
     return (gate_activation(gate, self.activation) * up).astype(ref.dtype).astype(jnp.float32)
 
   def reference(self, inputs) -> jax.Array:

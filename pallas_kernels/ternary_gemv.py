@@ -40,7 +40,6 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
-from pallas_kernels.quantize import Prologue
 from pallas_kernels.int8_gemv import check_a8w2
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms
@@ -150,105 +149,19 @@ def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
   return c + sum(byte(a, j) * byte(b, j) for j in range(VALUES_PER_BYTE))
 
 
-@dataclasses.dataclass(frozen=True)
-class Feed:
-  """Where a program's activations come from when they arrive as floats: ``source``'s values (a
-  :mod:`pallas_kernels.quantize` prologue over its ``n_inputs`` inputs ``[M, C_i]``: the row itself, ``act(gate) *
-  up``, or a residual sum), through ``norm`` (an RMSNorm with its gamma; None: the values as they are), quantized per
-  row to int8 codes in the kernel. ``resident``: each program loads its whole row once, in the layout its steps
-  multiply, and keeps it in registers (a short row at one K split); otherwise it sweeps the row from L2 for the
-  statistic and the amax, then reloads each step's part."""
-
-  source: Prologue = quantize.Identity()
-  n_inputs: int = 1
-  norm: quantize.RmsNorm | None = None
-  resident: bool = False
-
-
-# A row a program keeps resident: at most this many values per thread (float32 registers) over the M rows.
-RESIDENT_VALUES_PER_THREAD = 32
-
-
-def _float_codes(inputs, gamma_ref, feed: Feed, spec: QuantSpec, m: int, k: int, bk: int, native: bool):
-  """The activation side of a program on float inputs: ``(scales, words)``. ``scales[r]``: row r's code scale;
-  ``words(r, start, t)``: its codes of ``x[r, 4 i + j]`` for step t's packed bytes ``i = start .. start + bk`` as one
-  int32 per byte (byte j: ``x[4 i + j]``), ``[1, bk]``."""
-  source, norm = feed.source, feed.norm
-  chunk = VALUES_PER_BYTE * bk
-
-  def strided(r, start):  # the four values each byte of the step meets: x[r, 4 i + j], j = 0..3, each [1, bk]
-    cols = [pl.ds(VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE) for j in range(VALUES_PER_BYTE)]
-    values = [source.values(inputs, pl.ds(r, 1), c, None) for c in cols]
-    return values, cols
-
-  def finish(values, cols, rstd):  # -> the values the linear quantizes (normed: rounded to the norm's dtype)
-    if norm is None:
-      return values
-    return [quantize.normed(v, rstd, gamma_ref[c], norm.dtype) for v, c in zip(values, cols)]
-
-  if feed.resident:
-    rows = [[strided(r, t * bk) for t in range(k // chunk)] for r in range(m)]
-    rstds = [None] * m
-    if norm is not None:
-      rstds = [norm.finish_stat(sum(jnp.sum(v * v, axis=1) for values, _ in row for v in values), k) for row in rows]
-    ys = [[finish(values, cols, rstd) for values, cols in row] for row, rstd in zip(rows, rstds)]
-    amaxes = [functools.reduce(jnp.maximum, [jnp.max(quantize.magnitude(y)) for step in row for y in step])
-              for row in ys]
-  else:
-    def swept(r, t):
-      return source.values(inputs, pl.ds(r, 1), pl.ds(t * chunk, chunk), None), pl.ds(t * chunk, chunk)
-
-    rstds = [None] * m
-    if norm is not None:
-      def square_sum(r, t, a):
-        v = swept(r, t)[0]
-        return a + jnp.sum(v * v, axis=1)
-
-      rstds = [norm.finish_stat(lax.fori_loop(0, k // chunk, functools.partial(square_sum, r),
-                                              jnp.zeros((1,), jnp.float32)), k) for r in range(m)]
-
-    def row_amax(r, t, a):
-      values, cols = swept(r, t)
-      return jnp.maximum(a, jnp.max(quantize.magnitude(finish([values], [cols], rstds[r])[0])))
-
-    amaxes = [lax.fori_loop(0, k // chunk, functools.partial(row_amax, r), jnp.float32(0)) for r in range(m)]
-  params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
-
-  def words(r, start, t):
-    if feed.resident:  # t is static here: the steps are unrolled
-      ys_step = ys[r][t]
-    else:
-      ys_step = finish(*strided(r, start), rstds[r])
-    out = jnp.zeros((1, bk), jnp.int32)
-    for j, y in enumerate(ys_step):
-      codes = quantize.encode(y, params[r], spec, native)
-      out = out | lax.shift_left(codes.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
-    return out
-
-  return scales, words
-
-
-def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None,
-            feed: Feed | None, native: bool, tensor_scale: bool, residual: bool):
+def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
+            tensor_scale: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
-  Refs: the activations (pre-quantized: the int8 codes as ``[m * K / 4]`` int32 words of four; with ``feed``: its
-  inputs ``[m, C_i]``, then the norm's gamma ``[K]`` if it has one), the packed weight ``[N, K/4]``, the codes'
-  scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]`` when ``tensor_scale``), the residual
-  ``[m, N]`` (``residual``); out, then (``feed`` and split-K) the activation scales ``[m]``.
+  Refs: ``x`` (rows flattened: the int8 codes as ``[m * K / 4]`` int32 words of four, or ``[m * K]`` float
+  activations when ``spec`` quantizes them here), the
+  packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]``
+  when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales ``[m]``.
   """
-  refs = list(refs)
-  if feed is None:
-    x_ref = refs.pop(0)
+  if spec is None:
+    x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
   else:
-    inputs = refs[:feed.n_inputs]
-    del refs[:feed.n_inputs]
-    gamma_ref = refs.pop(0) if feed.norm is not None else None
-  w_ref = refs.pop(0)
-  sx_ref = refs.pop(0) if feed is None else None
-  sw_ref = refs.pop(0)
-  residual_ref = refs.pop(0) if residual else None
-  o_ref, *scale_out = refs
+    x_ref, w_ref, sw_ref, o_ref, *scale_out = refs
   i_n, i_s = pl.program_id(0), pl.program_id(1)
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
@@ -256,26 +169,42 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
 
   def load(t):
     start = pl.multiple_of(k0 + t * bk, bk)
-    return w_ref[cols, pl.ds(start, bk)], start, t  # [bn, bk] packed bytes
+    return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
 
-  first = load(0)  # issued before the activations' passes, so the weight's first bytes are in flight meanwhile
+  first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
   if config.split_k == 1:  # the epilogue's weight scale, loaded now rather than after the loop
     sw = sw_ref[0] if tensor_scale else sw_ref[cols]
-  if feed is None:
+  if spec is None:
     scales = [sx_ref[r] for r in range(m)]
-
-    def x_words(r, start, t):  # pre-quantized codes arrive as the step's words (little-endian int32 of 4 codes)
-      del t
-      return x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start, bk)][None, :]
   else:
-    # Every program reads the whole row (a few KiB, from L2) for its statistic and amax.
-    scales, x_words = _float_codes(inputs, gamma_ref, feed, spec, m, k, bk, native)
+    # The row's amax over all of K (every program reads the whole row, a few KiB from L2), then its scale.
+    chunk = VALUES_PER_BYTE * bk
 
-  def step(p, start, t, accs):
+    def row_amax(t, amaxes):
+      values = [x_ref[pl.ds(r * k + t * chunk, chunk)].astype(jnp.float32) for r in range(m)]
+      return tuple(jnp.maximum(a, jnp.max(quantize.magnitude(v))) for a, v in zip(amaxes, values))
+
+    amaxes = lax.fori_loop(0, k // chunk, row_amax, tuple(jnp.float32(0) for _ in range(m)))
+    params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
+
+  def x_words(r, start):
+    # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight byte i of the step: the four
+    # activations that byte's weights meet. Pre-quantized codes arrive as those words (little-endian int32 of
+    # four consecutive codes: one load); float rows are read in four strided loads (from L2) and quantized.
+    if spec is None:
+      return x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start, bk)]
+    words = jnp.zeros((bk,), jnp.int32)
+    for j in range(VALUES_PER_BYTE):
+      x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
+      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
+      words = words | lax.shift_left(x.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
+    return words
+
+  def step(p, start, accs):
     weights = spread_codes(p)  # [bn, bk]: byte j of each = 64 x weight j of the packed byte
     new = []
     for r in range(m):
-      xw = jnp.broadcast_to(x_words(r, start, t), weights.shape)
+      xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
       if config.reduce_per_step:
         new.append(accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
       else:
@@ -284,23 +213,15 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
 
   acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
   accs = step(*first, tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)))
-  n_steps = k_per_split // bk
-  if feed is not None and feed.resident:  # unrolled: each step's words are registers picked by a static index
-    for t in range(1, n_steps):
-      accs = step(*load(t), accs)
-  else:
-    accs = lax.fori_loop(1, n_steps, lambda t, accs: step(*load(t), accs), accs)
+  accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
     total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)
     total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)  # [bn] int32, exact: each product was 64 x its value
     if config.split_k == 1:  # the reference's epilogue, same order
-      out = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
-      if residual_ref is not None:  # the residual sum as decode.Add makes it: float32, rounded once
-        out = (residual_ref[r, cols].astype(jnp.float32) + out.astype(jnp.float32)).astype(o_ref.dtype)
-      o_ref[r, cols] = out
+      o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
     else:
       o_ref[i_s * m + r, cols] = total
-  if feed is not None and scale_out:  # split-K: XLA's epilogue needs the scales; one program writes them
+  if spec is not None and scale_out:  # split-K: XLA's epilogue needs the scales; one program writes them
 
     @pl.when((i_n == 0) & (i_s == 0))
     def _write_scales():
@@ -308,38 +229,30 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
         scale_out[0][r] = scales[r]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "feed", "interpret"))
-def _call(x, x_scale, w_packed, w_scale, residual=None, *, out_dtype, config: TernaryGemvConfig,
-          spec: QuantSpec | None, feed: Feed | None, interpret: bool):
-  """``feed`` None: ``x`` is the int8 codes ``[M, K]`` with their ``x_scale``; else ``x`` is the feed's inputs (a
-  tuple, then gamma with a norm) and ``spec`` quantizes their values in the kernel. ``residual [M, N]``: added to
-  the output (split-K: by XLA, the same operations)."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
+def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, spec: QuantSpec | None,
+          interpret: bool):
+  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel."""
+  m = x.shape[0]
   n, k_bytes = w_packed.shape
-  k = k_bytes * VALUES_PER_BYTE
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
   # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
   sw = w_scale.astype(jnp.float32).reshape(-1)
   tensor_scale = sw.size == 1
   split = config.split_k
-  if feed is None:
-    m = x.shape[0]
+  if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
     words = lax.bitcast_convert_type(x.reshape(m, -1, VALUES_PER_BYTE), jnp.int32)  # a view: no copy
     operands = (words.reshape(-1), w_packed, sx, sw)
   else:
-    inputs, gamma = x
-    m = inputs[0].shape[0]
-    operands = (*inputs, *(() if gamma is None else (gamma,)), w_packed, sw)
-  fused_residual = residual is not None and split == 1
-  if fused_residual:
-    operands = (*operands, residual)
+    operands = (x.reshape(-1), w_packed, sw)
   out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
                else out_struct((split * m, n), jnp.int32, *operands))
-  if feed is not None and split > 1:
+  if spec is not None and split > 1:
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
-      functools.partial(_kernel, config=config, k=k, k_per_split=k_bytes // split, m=m, spec=spec, feed=feed,
-                        native=not interpret, tensor_scale=tensor_scale, residual=fused_residual),
+      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
+                        native=not interpret, tensor_scale=tensor_scale),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -347,11 +260,9 @@ def _call(x, x_scale, w_packed, w_scale, residual=None, *, out_dtype, config: Te
       name="jaxlowbit_ternary_gemv",
   )(*operands)
   if split > 1:
-    out, sx = out if feed is not None else (out, sx)
+    out, sx = out if spec is not None else (out, sx)
     acc = out.reshape(split, m, n).sum(axis=0)
     out = (acc.astype(jnp.float32) * sx[:, None] * sw[None, :]).astype(out_dtype)
-    if residual is not None:
-      out = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(out_dtype)
   return out
 
 
@@ -381,7 +292,7 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
   config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, config, codes=True)
-  return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None, feed=None,
+  return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
                interpret=interpret)
 
 
@@ -407,61 +318,5 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
   check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
              w_scale)
   config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config, codes=False)
-  return _call(((x,), None), None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,
-               spec=spec, feed=Feed(), interpret=interpret)
-
-
-def resident_fits(m: int, k: int, config: TernaryGemvConfig) -> bool:
-  """Whether a program keeps its M rows of K values in registers (:class:`Feed`'s ``resident``): one K split and
-  at most :data:`RESIDENT_VALUES_PER_THREAD` values a thread."""
-  return config.split_k == 1 and m * k <= RESIDENT_VALUES_PER_THREAD * 32 * config.num_warps
-
-
-def norm_a8w2_gemv_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array | None, source: Prologue,
-                          norm: quantize.RmsNorm | None, w_packed, w_scale, spec: QuantSpec, residual=None,
-                          out_dtype=None, config: TernaryGemvConfig | None = None, resident: bool | None = None,
-                          interpret: bool = False) -> jax.Array:
-  """A norm, its per-row quantizer, the packed-ternary GEMV and a residual add in one launch (M <= :data:`MAX_M`).
-
-  Each program computes its rows' statistic and amax over the whole row (a few KiB from L2), then quantizes the
-  slices it multiplies: the kernels a decode step ran before a ternary linear (a norm handing over codes, then the
-  GEMV) are one.
-
-  Args:
-    inputs: ``source``'s inputs, 2-D with M rows (``x [M, K]``, ``gate_up [M, 2K]``, ``x, delta [M, K]``).
-    gamma: the norm's scale ``[K]`` (None with ``norm`` None).
-    source: the :mod:`pallas_kernels.quantize` prologue whose values are normalized (``Identity``, ``SwiGLU``,
-      ``pallas_kernels.decode.Add``).
-    norm: the RMSNorm (eps, output dtype), or None: the values are quantized as they are.
-    w_packed: ``[N, K / 4]`` int8 from ``pack_2bit(w_ternary [N, K], axis=-1)``; w_scale: float32 ``[N]`` or one.
-    spec: per-row int8 :class:`QuantSpec` (BitNet's tokens).
-    residual: ``[M, N]`` in ``out_dtype``, added to the output in float32 and rounded once (``decode.Add``), or None.
-    out_dtype: result dtype (default the first input's). config: tiling (default :func:`config_for` on codes).
-    resident: keep the rows in registers (default :func:`resident_fits`). interpret: the Pallas interpreter.
-
-  Returns:
-    ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(y, spec), w_packed, w_scale)`` for the normed
-    ``y = pallas_kernels.decode.norm_rows_reference(inputs, gamma, source, norm)``, plus ``residual``; equal to it
-    up to the order of the norm's mean-square sum (a bf16 rounding of y it moves changes a code by one).
-  """
-  if not inputs or any(x.ndim != 2 or x.shape[0] != inputs[0].shape[0] for x in inputs):
-    raise ValueError(f"norm_a8w2_gemv_kernel: inputs must be 2-D with one row count, got "
-                     f"{[tuple(x.shape) for x in inputs]}")
-  if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in inputs):
-    raise ValueError(f"norm_a8w2_gemv_kernel: inputs must be float, got {[str(x.dtype) for x in inputs]}")
-  quantize.check_row_int8(spec, "norm_a8w2_gemv_kernel")
-  m, k = inputs[0].shape[0], source.width(inputs)
-  check_a8w2(jax.ShapeDtypeStruct((m, k), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32), w_packed, w_scale)
-  if (norm is None) != (gamma is None) or (gamma is not None and gamma.shape != (k,)):
-    raise ValueError(f"norm_a8w2_gemv_kernel: gamma {None if gamma is None else gamma.shape} does not match "
-                     f"{'no norm' if norm is None else f'a norm of width {k}'}")
-  out_dtype = jnp.dtype(out_dtype or inputs[0].dtype)
-  n = w_packed.shape[0]
-  if residual is not None and (residual.shape != (m, n) or residual.dtype != out_dtype):
-    raise ValueError(f"norm_a8w2_gemv_kernel: residual {residual.dtype} {residual.shape} must be {out_dtype} "
-                     f"{(m, n)}")
-  config = _tiling("norm_a8w2_gemv_kernel", m, w_packed, config, codes=True)
-  resident = resident_fits(m, k, config) if resident is None else resident and config.split_k == 1
-  feed = Feed(source, len(inputs), norm, resident)
-  return _call((tuple(inputs), gamma), None, w_packed, w_scale, residual, out_dtype=out_dtype, config=config,
-               spec=spec, feed=feed, interpret=interpret)
+  return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
+               interpret=interpret)
