@@ -17,11 +17,14 @@ that even a ``[4096, 14336]`` weight with only 32 column tiles keeps every SM st
 the float32 partial sums (``split x M x N``, tiny) are added by XLA. Larger M uses bigger
 row tiles and no split: it runs at Triton's tensor-core speed, not wgmma's.
 
-At M = 1 (``block_m = 1``) the products are summed on CUDA cores instead (float32: a bf16 times an
-int8 value is exact in float32): no tensor-core tile, so no padding rows, and no padding pass over x,
-which in a decode step was a kernel launch of its own per linear (2-3 us on an H100, as long as
-reading a 2048 x 2048 int8 weight). Its weights become float32 by bit operations
-(:func:`int8_to_float32`, exact), not the quarter-rate conversion instruction.
+Rows of a tile past M are masked on a GPU: x is read as zeros there and those output rows are never written, so
+no padding pass over x runs (in a decode step it was a kernel of its own per linear, 2-3 us on an H100).
+
+At M = 1 a small weight (up to :data:`GEMV_MAX_ELEMENTS`) is summed on CUDA cores instead (``block_m = 1``;
+float32: a bf16 times an int8 value is exact in float32), its weights made float32 by bit operations
+(:func:`int8_to_float32`, exact), not the quarter-rate conversion instruction. A larger one takes a 16-row
+tensor-core tile, 15 rows of it masked (:data:`M1_TENSOR_CORE_TILING`): the int8 -> bf16 conversion and the mma cost
+fewer instructions per weight byte than the float32 products.
 
 Reference: :func:`w8a16_matmul_reference`.
 """
@@ -55,6 +58,14 @@ GEMV_BLOCK_M = 1
 # 63.1 us over the 1B model's four linears against 72.9, the decode 1190-1191 tokens/s against 1239-1240
 # (benchmarks/results/w8a16_gemv_tiling_sweep_h100_53950ff.json, w8a16_decode_tiling_*_h100_53950ff_run*.json).
 GEMV_TILING = (16, 512)
+# M = 1 on tensor cores: (block_n, block_k, num_warps, num_stages), K split up to PROGRAMS_PER_SM programs per SM.
+# One H200 (2026-11-29, device time, 8 weights a call; benchmarks/results/w8a16_m1_tensor_cores_h200_75351e0.json):
+# against the CUDA-core GEMV, 14336 x 4096 18.3 us against 23.9, 4096 x 6144 10.3 / 12.3, 4096 x 4096 8.4 / 9.2,
+# the 1B model's gate_up 12.5 / 13.4 and down 8.4 / 8.9; 4096 x 14336 19.9 / 19.7. Of nine tilings, 64 x 128 on 4
+# stages was the best or within 6% of the best on seven of eight Llama 1B / 8B shapes. Only the smallest, 2048 x 2048,
+# was faster on CUDA cores (3.5 against 3.8 us): GEMV_MAX_ELEMENTS.
+M1_TENSOR_CORE_TILING = (64, 128, 4, 4)
+GEMV_MAX_ELEMENTS = 2048 * 2048
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -107,8 +118,11 @@ def fit_block(dim: int, block: int, minimum: int) -> int:
 
 def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
   """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
-  if m == GEMV_BLOCK_M:
+  if m == GEMV_BLOCK_M and n * k <= GEMV_MAX_ELEMENTS:
     base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3)
+  elif m == GEMV_BLOCK_M:
+    block_n, block_k, warps, stages = M1_TENSOR_CORE_TILING
+    base = W8A16Config(block_m=MIN_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
   elif m <= MIN_BLOCK_M:
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=64, block_k=256, num_warps=4, num_stages=3)
   elif m <= 64:
@@ -173,16 +187,21 @@ def int8_to_float32(w: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32) - INT8_AS_FLOAT_OFFSET
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m_pad: int, apply_scale: bool):
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m: int, m_out: int,
+            apply_scale: bool, masked: bool):
+  """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
+  (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
+  rows). Split-K partial sums of split s live at rows ``[s * m_out, (s + 1) * m_out)``."""
   i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
+  valid = (i_m * bm + jnp.arange(bm) < m)[:, None]
   k0 = i_s * k_per_split
 
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
-    x = x_ref[rows, ks]
+    x = plt.load(x_ref.at[rows, ks], mask=valid, other=0) if masked else x_ref[rows, ks]
     if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
       products = int8_to_float32(w_ref[cols, ks]) * x.astype(jnp.float32)
       return acc + jnp.sum(products, axis=1)[None, :]
@@ -191,10 +210,12 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
 
   scale = s_ref[cols] if apply_scale else None  # loaded before the loop: no memory round trip after it
   acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.float32))
-  if apply_scale:
-    o_ref[rows, cols] = (acc * scale[None, :]).astype(o_ref.dtype)
-  else:  # split-K partial sum: rows of split i_s live at [i_s * m_pad, (i_s + 1) * m_pad)
-    o_ref[pl.ds(pl.multiple_of(i_s * m_pad + i_m * bm, bm), bm), cols] = acc
+  out = (acc * scale[None, :]).astype(o_ref.dtype) if apply_scale else acc
+  out_rows = rows if apply_scale else pl.ds(i_s * m_out + i_m * bm, bm)
+  if masked:
+    plt.store(o_ref.at[out_rows, cols], out, mask=valid)
+  else:
+    o_ref[out_rows, cols] = out
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -202,14 +223,18 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
   m, k = x.shape
   n = wq.shape[0]
   m_pad = -(-m // config.block_m) * config.block_m
-  if m_pad != m:
+  # A GPU masks the tile's rows past M; the interpreter (CPU tests) cannot read past an array: it gets them padded.
+  masked = m_pad != m and not interpret
+  if m_pad != m and not masked:
     x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+  m_out = m if masked else m_pad
   split = config.split_k
   scale = w_scale.astype(jnp.float32).reshape(n)
-  out_shape = (out_struct((m_pad, n), out_dtype, x, wq, scale) if split == 1
-               else out_struct((split * m_pad, n), jnp.float32, x, wq, scale))
+  out_shape = (out_struct((m_out, n), out_dtype, x, wq, scale) if split == 1
+               else out_struct((split * m_out, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
-      functools.partial(_kernel, config=config, k_per_split=k // split, m_pad=m_pad, apply_scale=split == 1),
+      functools.partial(_kernel, config=config, k_per_split=k // split, m=m, m_out=m_out, apply_scale=split == 1,
+                        masked=masked),
       out_shape=out_shape,
       grid=(n // config.block_n, m_pad // config.block_m, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -217,8 +242,8 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
       name="jaxlowbit_w8a16_matmul",
   )(x, wq, scale)
   if split > 1:
-    out = (out.reshape(split, m_pad, n).sum(axis=0) * scale[None, :]).astype(out_dtype)
-  return out[:m] if m_pad != m else out
+    out = (out.reshape(split, m_out, n).sum(axis=0) * scale[None, :]).astype(out_dtype)
+  return out[:m] if m_out != m else out
 
 
 def w8a16_matmul_kernel(

@@ -135,13 +135,45 @@ def test_dispatch_takes_the_kernels_where_the_table_says_lowered_for_cuda(m, mon
     assert (name in hlo) == takes, (scheme, m)
 
 
+@pytest.mark.parametrize("n,k", [(128, 512), (4096, 4096)])
+def test_w8a16_one_row_on_cuda_and_tensor_cores_matches_float64(n, k):
+  """M = 1 either way config_for may send it: the CUDA-core GEMV (block_m 1) or a 16-row tensor-core tile (rows
+  past M padded in the interpreter, masked on a GPU); each within the float32 summation bound of float64."""
+  kx, kw, ks = jax.random.split(fresh_key(), 3)
+  x = jax.random.normal(kx, (1, k)).astype(jnp.bfloat16)
+  wq, scale = _int8(kw, (n, k)), jax.random.uniform(ks, (n,), minval=1e-3, maxval=2e-2)
+  want = np.asarray(x, np.float64) @ (np.asarray(wq, np.float64) * np.asarray(scale, np.float64)[:, None]).T
+  bound = k * 2.0**-23 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T) * np.asarray(scale)
+  bn, bk, warps, stages = w8a16.M1_TENSOR_CORE_TILING
+  configs = [w8a16.W8A16Config(block_m=w8a16.GEMV_BLOCK_M, block_n=16, block_k=256, split_k=2),
+             w8a16.W8A16Config(block_m=w8a16.MIN_BLOCK_M, block_n=min(bn, n), block_k=bk, split_k=2, num_warps=warps,
+                               num_stages=stages)]
+  for config in configs:
+    got = w8a16.w8a16_matmul_kernel(x, wq, scale, jnp.float32, config=config, interpret=True)
+    assert got.shape == (1, n)
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30), config
+
+
+def test_w8a16_one_row_lowers_without_a_padding_pass(monkeypatch):
+  """On the GPU the tensor-core tile's rows past M are masked in the kernel: the program for M = 1 on a large
+  weight is the kernel (and the split-K add), no pad of x."""
+  config = w8a16.config_for(1, 4096, 4096, sms=132)
+  assert config.block_m == w8a16.MIN_BLOCK_M
+  fn = jax.jit(lambda x, w, s: w8a16.w8a16_matmul_kernel(x, w, s, config=config))
+  text = fn.trace(jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 4096), jnp.int8),
+                  jax.ShapeDtypeStruct((4096,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "jaxlowbit_w8a16_matmul" in text and "stablehlo.pad" not in text
+
+
 def test_gemv_configs_fill_the_gpu():
   # decode of a [K=14336 -> N=4096] down projection: 32 column tiles, K split so ~4 programs per SM.
   # M = 1 sums on CUDA cores (no padding rows); a few rows take the smallest tensor-core tile.
-  for m, block_m in ((1, w8a16.GEMV_BLOCK_M), (4, w8a16.MIN_BLOCK_M)):
+  # Past w8a16.GEMV_MAX_ELEMENTS, M = 1 takes a tensor-core tile too (its padding rows masked on the GPU).
+  for m in (1, 4):
     config = w8a16.config_for(m, 4096, 14336, sms=132)
-    assert config.block_m == block_m and config.split_k > 1 and w8a16.supports(4096, 14336, config)
+    assert config.block_m == w8a16.MIN_BLOCK_M and config.split_k > 1 and w8a16.supports(4096, 14336, config)
     assert (4096 // config.block_n) * config.split_k <= w8a16.PROGRAMS_PER_SM * 132
+  assert w8a16.config_for(1, 2048, 2048, sms=132).block_m == w8a16.GEMV_BLOCK_M
   config = int8_gemv.config_for(1, 4096, 14336 // 4, int8_gemv.A8W2_BASE, sms=132)
   assert int8_gemv.supports(4096, 14336 // 4, config) and config.split_k > 1
   assert w8a16.config_for(4096, 4096, 4096).split_k == 1  # large M: no split

@@ -37,7 +37,7 @@ def _int8(key, shape):
 
 @needs_sm80
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 33, 64, 128, 300])
-@pytest.mark.parametrize("k,n", [(4096, 1024), (1024, 4096)])
+@pytest.mark.parametrize("k,n", [(4096, 1024), (1024, 4096), (4096, 4096)])  # the last: M = 1 on tensor cores
 def test_w8a16_kernel_on_gpu(m, k, n):
   kx, kw, ks = jax.random.split(fresh_key(), 3)
   x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
