@@ -82,8 +82,13 @@ def test_rope_rotates_by_relative_position():
     kn = rope(k, jnp.array([n]), 10_000.0)
     dots.append(float(jnp.sum(qm * kn)))
     np.testing.assert_allclose(float(jnp.linalg.norm(qm)), float(jnp.linalg.norm(q)), rtol=1e-5)
-  np.testing.assert_allclose(dots, dots[0], rtol=1e-4)  # depends on m - n only
-  assert abs(dots[0] - float(jnp.sum(q * k))) > 1e-3  # and it does rotate
+  # Depends on m - n only, to float32 rounding at the dot's scale |q| |k| (the dot itself may nearly cancel: 5e-7
+  # for seed 147087845, where a tolerance relative to it fails).
+  scale = float(jnp.linalg.norm(q) * jnp.linalg.norm(k))
+  np.testing.assert_allclose(dots, dots[0], rtol=0, atol=1e-5 * scale)
+  ones = jnp.ones((1, 1, 1, 32))  # and it does rotate: sum_i 2 cos(3 theta_i) over the 16 pairs, not 32
+  rotated = float(jnp.sum(rope(ones, jnp.array([5]), 10_000.0) * rope(ones, jnp.array([2]), 10_000.0)))
+  assert abs(rotated - 32.0) > 1.0, rotated
 
 
 def test_attention_is_causal():
