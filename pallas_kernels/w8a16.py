@@ -57,7 +57,7 @@ GEMV_BLOCK_M = 1
 # again with the conversion by bit operations (2026-11-27, one call, alternating processes): alone 8 x 1024 summed
 # 63.1 us over the 1B model's four linears against 72.9, the decode 1190-1191 tokens/s against 1239-1240
 # (benchmarks/results/w8a16_gemv_tiling_sweep_h100_53950ff.json, w8a16_decode_tiling_*_h100_53950ff_run*.json).
-GEMV_TILING = (16, 512)
+GEMV_TILING = (8, 1024)
 # M = 1 on tensor cores: (block_n, block_k, num_warps, num_stages), K split up to PROGRAMS_PER_SM programs per SM.
 # One H200 (2026-11-29, device time, 8 weights a call; benchmarks/results/w8a16_m1_tensor_cores_h200_75351e0.json):
 # against the CUDA-core GEMV, 14336 x 4096 18.3 us against 23.9, 4096 x 6144 10.3 / 12.3, 4096 x 4096 8.4 / 9.2,
@@ -66,7 +66,7 @@ GEMV_TILING = (16, 512)
 # clearly faster on CUDA cores (3.5 against 3.8 us): GEMV_MAX_ELEMENTS. 1B decode at batch 1, same process: 1,591
 # tokens/s against 1,480 with every M = 1 linear on CUDA cores (decode_1b_h200_f59842f.json).
 M1_TENSOR_CORE_TILING = (64, 128, 4, 4)
-GEMV_MAX_ELEMENTS = 2048 * 2048
+GEMV_MAX_ELEMENTS = 2048 * 3072
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -81,6 +81,8 @@ class W8A16Config:
       sums on CUDA cores (:data:`GEMV_BLOCK_M`), larger ones on tensor cores.
     split_k: programs that share one output tile, each summing ``K / split_k`` of K.
     num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the K loop).
+    reduce_per_step: ``block_m = 1`` only: sum each step's products across K at once (``[block_n]`` partial sums);
+      False keeps ``[block_n, block_k]`` partial sums and reduces them once after the loop.
   """
 
   block_m: int = 16
@@ -89,6 +91,7 @@ class W8A16Config:
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  reduce_per_step: bool = True
 
 
 def _next_pow2(x: int) -> int:
@@ -119,8 +122,10 @@ def fit_block(dim: int, block: int, minimum: int) -> int:
 
 def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
   """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
-  if m == GEMV_BLOCK_M and n * k <= GEMV_MAX_ELEMENTS:
-    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3)
+  gemv = m == GEMV_BLOCK_M and n * k <= GEMV_MAX_ELEMENTS
+  if gemv:
+    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3,
+                       reduce_per_step=False)
   elif m == GEMV_BLOCK_M:
     block_n, block_k, warps, stages = M1_TENSOR_CORE_TILING
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
@@ -132,7 +137,9 @@ def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
     base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // base.block_m)) * max(n // block_n, 1)
-  split = choose_split_k(tiles, k, block_k, sms or num_sms()) if m <= 64 else 1
+  sms = sms or num_sms()
+  # The GEMV splits K only where its row blocks leave SMs idle: a split costs XLA's add after it (~1.4 us at decode).
+  split = choose_split_k(tiles, k, block_k, sms) if m <= 64 and not (gemv and tiles >= sms) else 1
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
@@ -199,18 +206,21 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
   valid = (i_m * bm + jnp.arange(bm) < m)[:, None]
   k0 = i_s * k_per_split
+  deferred = bm == GEMV_BLOCK_M and not config.reduce_per_step
 
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
     x = plt.load(x_ref.at[rows, ks], mask=valid, other=0) if masked else x_ref[rows, ks]
     if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
       products = int8_to_float32(w_ref[cols, ks]) * x.astype(jnp.float32)
-      return acc + jnp.sum(products, axis=1)[None, :]
+      return acc + (products if deferred else jnp.sum(products, axis=1)[None, :])
     w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
   scale = s_ref[cols] if apply_scale else None  # loaded before the loop: no memory round trip after it
-  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.float32))
+  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bn, bk) if deferred else (bm, bn), jnp.float32))
+  if deferred:
+    acc = jnp.sum(acc, axis=1)[None, :]
   out = (acc * scale[None, :]).astype(o_ref.dtype) if apply_scale else acc
   out_rows = rows if apply_scale else pl.ds(i_s * m_out + i_m * bm, bm)
   if masked:
