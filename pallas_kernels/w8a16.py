@@ -51,22 +51,22 @@ PROGRAMS_PER_SM = 4
 MIN_BLOCK_M = 16
 # block_m of the CUDA-core GEMV (M = 1): one row, nothing padded.
 GEMV_BLOCK_M = 1
-# (block_n, block_k) at M = 1. One H100 (2026-11-26): alone, 8 x 1024 was the best or within 5% of it on 7 of 8
-# Llama 1B / 8B shapes (benchmarks/results/w8a16_gemv_bf16_matvec_h100_ba701ca.json; 16 x 512 up to 22% slower),
-# but the 1B decode at batch 1 ran 1145 tokens/s with it against 1186 with 16 x 512 (two machine starts). Checked
-# again with the conversion by bit operations (2026-11-27, one call, alternating processes): alone 8 x 1024 summed
-# 63.1 us over the 1B model's four linears against 72.9, the decode 1190-1191 tokens/s against 1239-1240
-# (benchmarks/results/w8a16_gemv_tiling_sweep_h100_53950ff.json, w8a16_decode_tiling_*_h100_53950ff_run*.json).
+# (block_n, block_k) of the CUDA-core GEMV at M = 1: partial sums [block_n, block_k] reduced once after the loop,
+# K unsplit where the row blocks alone fill the SMs (a split costs XLA's add after it, ~1.4 us at decode). One H200
+# (2026-11-29, benchmarks/results/w8a16_gemv_unsplit_h200_bb914ed.json, device time): the 1B qkv 2048 x 3072 4.0 us
+# against 5.5 (tensor cores, split 8), the out projection 2048 x 2048 2.7 against 3.5 (16 x 512 reduced each step,
+# split 4); reduced each step on the same blocks 4.4 and 2.9; the 1B decode at batch 1 1,666 tokens/s against 1,568
+# (same process). The H100 tilings before: w8a16_gemv_tiling_sweep_h100_53950ff.json.
 GEMV_TILING = (8, 1024)
 # M = 1 on tensor cores: (block_n, block_k, num_warps, num_stages), K split up to PROGRAMS_PER_SM programs per SM.
 # One H200 (2026-11-29, device time, 8 weights a call; benchmarks/results/w8a16_m1_tensor_cores_h200_75351e0.json):
-# against the CUDA-core GEMV, 14336 x 4096 18.3 us against 23.9, 4096 x 6144 10.3 / 12.3, 4096 x 4096 8.4 / 9.2,
-# the 1B model's gate_up 12.5 / 13.4 and down 8.4 / 8.9; 4096 x 14336 19.9 / 19.7. Of nine tilings, 64 x 128 on 4
-# stages was the best or within 6% of the best on all eight Llama 1B / 8B shapes. The smallest, 2048 x 2048, was
-# clearly faster on CUDA cores (3.5 against 3.8 us): GEMV_MAX_ELEMENTS. 1B decode at batch 1, same process: 1,591
-# tokens/s against 1,480 with every M = 1 linear on CUDA cores (decode_1b_h200_f59842f.json).
+# against the CUDA-core GEMV as it was then (16 x 512, split), 14336 x 4096 18.3 us against 23.9, 4096 x 6144 10.3 /
+# 12.3, 4096 x 4096 8.4 / 9.2, the 1B model's gate_up 12.5 / 13.4 and down 8.4 / 8.9; 4096 x 14336 19.9 / 19.7. Of
+# nine tilings, 64 x 128 on 4 stages was the best or within 6% of the best on all eight Llama 1B / 8B shapes. 1B decode
+# at batch 1, same process: 1,591 tokens/s against 1,480 with every M = 1 linear on that GEMV
+# (decode_1b_h200_f59842f.json). Weights of up to GEMV_MAX_ELEMENTS stay on CUDA cores (GEMV_TILING).
 M1_TENSOR_CORE_TILING = (64, 128, 4, 4)
-GEMV_MAX_ELEMENTS = 2048 * 3072
+GEMV_MAX_ELEMENTS = 2048 * 3072  # the largest weight measured faster on the GEMV (GEMV_TILING)
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

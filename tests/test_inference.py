@@ -146,6 +146,7 @@ def test_w8a16_one_row_on_cuda_and_tensor_cores_matches_float64(n, k):
   bound = k * 2.0**-23 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T) * np.asarray(scale)
   bn, bk, warps, stages = w8a16.M1_TENSOR_CORE_TILING
   configs = [w8a16.W8A16Config(block_m=w8a16.GEMV_BLOCK_M, block_n=16, block_k=256, split_k=2),
+             w8a16.W8A16Config(block_m=w8a16.GEMV_BLOCK_M, block_n=8, block_k=256, split_k=2, reduce_per_step=False),
              w8a16.W8A16Config(block_m=w8a16.MIN_BLOCK_M, block_n=min(bn, n), block_k=bk, split_k=2, num_warps=warps,
                                num_stages=stages)]
   for config in configs:
@@ -173,7 +174,13 @@ def test_gemv_configs_fill_the_gpu():
     config = w8a16.config_for(m, 4096, 14336, sms=132)
     assert config.block_m == w8a16.MIN_BLOCK_M and config.split_k > 1 and w8a16.supports(4096, 14336, config)
     assert (4096 // config.block_n) * config.split_k <= w8a16.PROGRAMS_PER_SM * 132
-  assert w8a16.config_for(1, 2048, 2048, sms=132).block_m == w8a16.GEMV_BLOCK_M
+  # Up to w8a16.GEMV_MAX_ELEMENTS the M = 1 GEMV sums on CUDA cores, K unsplit where its row blocks fill the SMs
+  # (the 1B qkv and out projections: no split-K add after them), split where they do not.
+  for n, k in ((3072, 2048), (2048, 2048)):
+    config = w8a16.config_for(1, n, k, sms=132)
+    assert config.block_m == w8a16.GEMV_BLOCK_M and config.split_k == 1 and not config.reduce_per_step
+    assert n // config.block_n >= 132
+  assert w8a16.config_for(1, 1024, 4096, sms=132).split_k > 1
   config = int8_gemv.config_for(1, 4096, 14336 // 4, int8_gemv.A8W2_BASE, sms=132)
   assert int8_gemv.supports(4096, 14336 // 4, config) and config.split_k > 1
   assert w8a16.config_for(4096, 4096, 4096).split_k == 1  # large M: no split
