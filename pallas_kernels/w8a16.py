@@ -47,7 +47,7 @@ DEFAULT_NUM_SMS = 132
 # Split K until the grid holds about this many programs per SM: a memory-bound GEMV needs
 # several CTAs resident per SM to keep enough loads in flight to saturate HBM.
 PROGRAMS_PER_SM = 4
-# Smallest tensor-core tile in M (mma m16n8k16); M = 2..15 rows are padded up to it.
+# Smallest tensor-core tile in M (mma m16n8k16); a tile's rows past M are masked (GPU) or padded (interpreter).
 MIN_BLOCK_M = 16
 # block_m of the CUDA-core GEMV (M = 1): one row, nothing padded.
 GEMV_BLOCK_M = 1
@@ -58,6 +58,10 @@ GEMV_BLOCK_M = 1
 # split 4); reduced each step on the same blocks 4.4 and 2.9; the 1B decode at batch 1 1,666 tokens/s against 1,568
 # (same process). The H100 tilings before: w8a16_gemv_tiling_sweep_h100_53950ff.json.
 GEMV_TILING = (8, 1024)
+# The GEMV where its row blocks leave SMs idle (N < 8 x SMs): 16 x 512, summed each step, K split (2048 x 2048 split
+# 2 on 8 x 1024 summed after the loop took 3.84 us against 3.68 on this one split 4,
+# w8a16_gemv_deferred_sum_h200_6894429.json).
+GEMV_SPLIT_TILING = (16, 512)
 # M = 1 on tensor cores: (block_n, block_k, num_warps, num_stages), K split up to PROGRAMS_PER_SM programs per SM.
 # One H200 (2026-11-29, device time, 8 weights a call; benchmarks/results/w8a16_m1_tensor_cores_h200_75351e0.json):
 # against the CUDA-core GEMV as it was then (16 x 512, split), 14336 x 4096 18.3 us against 23.9, 4096 x 6144 10.3 /
@@ -122,10 +126,15 @@ def fit_block(dim: int, block: int, minimum: int) -> int:
 
 def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
   """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
+  sms = sms or num_sms()
   gemv = m == GEMV_BLOCK_M and n * k <= GEMV_MAX_ELEMENTS
-  if gemv:
+  unsplit_gemv = gemv and n // fit_block(n, GEMV_TILING[0], GEMV_TILING[0]) >= sms
+  if unsplit_gemv:  # the row blocks fill the SMs: K unsplit, no XLA add after it
     base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3,
                        reduce_per_step=False)
+  elif gemv:
+    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_SPLIT_TILING[0], block_k=GEMV_SPLIT_TILING[1], num_warps=4,
+                       num_stages=3)
   elif m == GEMV_BLOCK_M:
     block_n, block_k, warps, stages = M1_TENSOR_CORE_TILING
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
@@ -137,9 +146,8 @@ def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
     base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // base.block_m)) * max(n // block_n, 1)
-  sms = sms or num_sms()
-  # The GEMV splits K only where its row blocks leave SMs idle: a split costs XLA's add after it (~1.4 us at decode).
-  split = choose_split_k(tiles, k, block_k, sms) if m <= 64 and not (gemv and tiles >= sms) else 1
+  # A split costs XLA's add after the kernel (~1.4 us at decode): the GEMV whose row blocks fill the SMs runs unsplit.
+  split = choose_split_k(tiles, k, block_k, sms) if m <= 64 and not unsplit_gemv else 1
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
@@ -268,7 +276,8 @@ def w8a16_matmul_kernel(
   """W8A16 GEMM with in-kernel dequantization (see the module docstring).
 
   Args:
-    x: ``[M, K]`` bfloat16 or float16 activations (any M >= 1; rows are padded to the tile).
+    x: ``[M, K]`` bfloat16 or float16 activations (any M >= 1; a tile's rows past M are masked on a GPU, padded in
+      the interpreter).
     wq: ``[N, K]`` int8 weight, K-major. w_scale: ``[N]`` or ``[N, 1]`` float32.
     out_dtype: result dtype (default ``x.dtype``).
     config: tiling; default :func:`config_for`. N must be a multiple of ``block_n`` and K
