@@ -42,7 +42,7 @@ from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
 from pallas_kernels.int8_gemv import check_a8w2
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms
+from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms, split_where_idle
 
 # Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
 # (block_n with reduce_per_step) and, per step, the quantization and packing of its activations. Tried to 16 on an
@@ -109,10 +109,8 @@ def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, codes: 
   row_blocks = max(n // block_n, 1)
   if m > 1:
     split = choose_split_k(row_blocks, k_bytes, block_k, sms, PROGRAMS_PER_SM)
-  elif row_blocks < sms:
-    split = choose_split_k(row_blocks, k_bytes, block_k, sms, DECODE_PROGRAMS_PER_SM)
   else:
-    split = 1
+    split = split_where_idle(row_blocks, k_bytes, block_k, sms, DECODE_PROGRAMS_PER_SM)
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 

@@ -117,6 +117,12 @@ def choose_split_k(tiles: int, k: int, block_k: int, sms: int, programs_per_sm: 
   return split
 
 
+def split_where_idle(row_blocks: int, k: int, block_k: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+  """A decode GEMV's split of K: none where its row blocks alone fill the SMs (a split costs XLA's add after the
+  kernel, ~1.4 us at decode), else :func:`choose_split_k`."""
+  return 1 if row_blocks >= sms else choose_split_k(row_blocks, k, block_k, sms, programs_per_sm)
+
+
 def fit_block(dim: int, block: int, minimum: int) -> int:
   """``block`` halved until it divides ``dim`` (not below ``minimum``; the caller checks the fit)."""
   while block > minimum and dim % block:
@@ -128,13 +134,11 @@ def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
   """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
   sms = sms or num_sms()
   gemv = m == GEMV_BLOCK_M and n * k <= GEMV_MAX_ELEMENTS
-  unsplit_gemv = gemv and n // fit_block(n, GEMV_TILING[0], GEMV_TILING[0]) >= sms
-  if unsplit_gemv:  # the row blocks fill the SMs: K unsplit, no XLA add after it
-    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_TILING[0], block_k=GEMV_TILING[1], num_warps=4, num_stages=3,
-                       reduce_per_step=False)
-  elif gemv:
-    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=GEMV_SPLIT_TILING[0], block_k=GEMV_SPLIT_TILING[1], num_warps=4,
-                       num_stages=3)
+  if gemv:  # GEMV_TILING where its row blocks fill the SMs (then unsplit), else GEMV_SPLIT_TILING
+    fills = n // GEMV_TILING[0] >= sms
+    block_n, block_k = GEMV_TILING if fills else GEMV_SPLIT_TILING
+    base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
+                       reduce_per_step=not fills)
   elif m == GEMV_BLOCK_M:
     block_n, block_k, warps, stages = M1_TENSOR_CORE_TILING
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
@@ -146,8 +150,10 @@ def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
     base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // base.block_m)) * max(n // block_n, 1)
-  # A split costs XLA's add after the kernel (~1.4 us at decode): the GEMV whose row blocks fill the SMs runs unsplit.
-  split = choose_split_k(tiles, k, block_k, sms) if m <= 64 and not unsplit_gemv else 1
+  if gemv:
+    split = split_where_idle(tiles, k, block_k, sms)
+  else:
+    split = choose_split_k(tiles, k, block_k, sms) if m <= 64 else 1
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
