@@ -40,6 +40,7 @@ from pallas_kernels.quantize import (RmsNorm, _col_chunk, check_row_int8, code_s
                                      round_to)
 from pallas_kernels.reference import quantize_rows_reference
 from pallas_kernels.vma import out_struct
+from pallas_kernels.w8a16 import num_sms
 
 # Rows a norm kernel takes (decode: the batch); more rows are the training forward's, where XLA's two passes
 # stream well and its statistic feeds the backward.
@@ -202,12 +203,29 @@ ATTENTION_BLOCK = 128
 # tl.dot's smallest operand side: the query rows of a KV head (its group) are padded to it, and the RoPE halves
 # (head_dim / 2), which the products read separately, must reach it.
 DOT_MIN = 16
+# Caches up to this many positions are walked by one program per sequence and KV head; a longer one is split over
+# programs (about one per SM, each a run of whole blocks) whose partial softmaxes XLA then merges. One program per
+# KV head took 25-33 us a layer at 128-512 positions against XLA's 38-51 on an H200, but lost from 1024
+# (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json): 8 programs stream the 1B model's cache on 8 SMs.
+ATTENTION_SPLIT_FROM = 512
+# The int8 KV cache's codes: one scale per sequence, KV head and position, over head_dim (train.kv_cache).
+KV_CACHE_SPEC = QuantSpec("int8")
 
 
 def decode_attention_supported(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
   """Whether :func:`decode_attention_kernel` takes these heads (Triton: power-of-two blocks of >= 16)."""
   half = head_dim // 2
   return (head_dim % 2 == 0 and half >= DOT_MIN and half & (half - 1) == 0 and n_heads % n_kv_heads == 0)
+
+
+def attention_splits(batch: int, n_kv_heads: int, cache_len: int, block: int = ATTENTION_BLOCK,
+                     sms: int | None = None) -> int:
+  """Programs that share one sequence and KV head's cache: 1 up to :data:`ATTENTION_SPLIT_FROM` positions, else
+  enough for about one program per SM (``sms``; default the GPU's), each at least one block."""
+  if cache_len <= ATTENTION_SPLIT_FROM:
+    return 1
+  blocks = -(-cache_len // block)
+  return max(1, min(blocks, (sms or num_sms()) // (batch * n_kv_heads)))
 
 
 def _rotate(x1, x2, cos, sin, dtype):
@@ -223,12 +241,27 @@ def _dot(a, b, b_contracting: int, precision):
                          preferred_element_type=jnp.float32)
 
 
-def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_out, v_out, *, n_heads: int,
-                             n_kv_heads: int, head_dim: int, rows: int, block: int):
-  """One program per (sequence b, KV head h): RoPE of its query group and key, the key and value written at
-  ``pos``, then attention over positions ``0..pos`` (the new one from registers, the rest from the cache) with
-  an online softmax."""
-  b, h = pl.program_id(0), pl.program_id(1)
+def _int8_codes(parts, native: bool):
+  """float32 ``parts`` of one row (the key's RoPE halves, or the value) -> their int8 codes and the row's scale, as
+  ``train.kv_cache.quantize_heads`` quantizes a row (one amax over all the parts)."""
+  amax = functools.reduce(jnp.maximum, [jnp.max(magnitude(x)) for x in parts])
+  param, scale = code_scales(amax, KV_CACHE_SPEC)
+  return [encode(x, param, KV_CACHE_SPEC, native) for x in parts], scale
+
+
+def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_kv_heads: int, head_dim: int,
+                             rows: int, block: int, chunk: int, partial: bool, int8_cache: bool, native: bool):
+  """One program per (sequence b, KV head h, split s of the cache): RoPE of its query group and key, the key and
+  value written at ``pos`` (split 0), then attention over its positions of ``0..pos`` (the new one from registers,
+  in split 0; the rest from the cache, ``chunk`` blocks a split) with an online softmax.
+
+  ``refs``: the caches in (key, value, and with ``int8_cache`` their scales), the outputs (``[B, N, D]`` attention,
+  or with ``partial`` each split's float32 ``acc [B, H, S, rows, D]``, running max and sum ``[B, H, S, rows]``),
+  then the caches out (aliased to the caches in)."""
+  n_cache = 4 if int8_cache else 2
+  caches_in, outs, caches_out = refs[:n_cache], refs[n_cache:-n_cache], refs[-n_cache:]
+  k_in, v_in = caches_in[:2]
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   group, half = n_heads // n_kv_heads, head_dim // 2
   dtype = qkv_ref.dtype
   pos = pos_ref[0]
@@ -245,18 +278,33 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_
   k_row, v_row = pl.ds(n_heads + h, 1), pl.ds(n_heads + n_kv_heads + h, 1)
   k1, k2 = _rotate(qkv_ref[b, k_row, first].astype(jnp.float32), qkv_ref[b, k_row, second].astype(jnp.float32),
                    cos, sin, dtype)  # [1, half]
-  v_new = qkv_ref[b, v_row, :]  # [1, head_dim]
-  # k_out, v_out are k_in, v_in's buffers (aliased); this program reads only the positions before pos.
-  k_out[b, h, pl.ds(pos, 1), first] = k1.astype(k_out.dtype)
-  k_out[b, h, pl.ds(pos, 1), second] = k2.astype(k_out.dtype)
-  v_out[b, h, pl.ds(pos, 1), :] = v_new
+  v_new = qkv_ref[b, v_row, :].astype(jnp.float32)  # [1, head_dim]
+  here = pl.ds(pos, 1)
+  inv_sqrt_d = 1.0 / float(head_dim) ** 0.5
+  if int8_cache:  # what the cache holds of the new token: its codes (exact in dtype) and scales
+    (k1q, k2q), k_scale = _int8_codes([k1, k2], native)
+    (vq,), v_scale = _int8_codes([v_new], native)
+    stored = [(caches_out[0], first, k1q), (caches_out[0], second, k2q), (caches_out[1], slice(None), vq)]
+    k1, k2, v_new = k1q.astype(jnp.float32), k2q.astype(jnp.float32), vq.astype(jnp.float32) * v_scale
+    key_factor = k_scale * inv_sqrt_d
+  else:
+    stored = [(caches_out[0], first, k1), (caches_out[0], second, k2), (caches_out[1], slice(None), v_new)]
+    key_factor = inv_sqrt_d
 
-  scale = 1.0 / float(head_dim) ** 0.5
+  @pl.when(split == 0)
+  def _():  # the caches out are the caches in (aliased); every program reads only positions before pos
+    for ref, cols, x in stored:
+      ref[b, h, here, cols] = x.astype(ref.dtype)
+    if int8_cache:
+      caches_out[2][b, h, here] = jnp.full((1,), k_scale, jnp.float32)
+      caches_out[3][b, h, here] = jnp.full((1,), v_scale, jnp.float32)
+
   q1d, q2d = q1.astype(dtype), q2.astype(dtype)
-  # The new token's score from registers: the products of the rounded q and k, summed in float32.
-  m = jnp.sum(q1 * k1 + q2 * k2, axis=1) * scale  # [rows]
-  l = jnp.ones((rows,), jnp.float32)
-  acc = jnp.broadcast_to(v_new.astype(jnp.float32), (rows, head_dim))
+  # The new token (split 0): its score from registers, the products of the rounded q and k summed in float32.
+  first_split = split == 0
+  m = jnp.where(first_split, jnp.sum(q1 * k1 + q2 * k2, axis=1) * key_factor, -jnp.inf)  # [rows]
+  l = jnp.where(first_split, jnp.ones((rows,), jnp.float32), 0.0)
+  acc = jnp.where(first_split, jnp.broadcast_to(v_new, (rows, head_dim)), 0.0)
   precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
   def step(j, carry):
@@ -264,85 +312,136 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, k_in, v_in, out_ref, k_
     positions = j * block + jnp.arange(block)
     seen = positions < pos
     cached = pl.ds(j * block, block)
-    keys1 = plt.load(k_in.at[b, h, cached, first], mask=seen[:, None], other=0)
-    keys2 = plt.load(k_in.at[b, h, cached, second], mask=seen[:, None], other=0)
-    values = plt.load(v_in.at[b, h, cached, :], mask=seen[:, None], other=0)
-    s = (_dot(q1d, keys1, 1, precision) + _dot(q2d, keys2, 1, precision)) * scale  # [rows, block]
+
+    def load(ref, cols=None):
+      at = ref.at[b, h, cached] if cols is None else ref.at[b, h, cached, cols]
+      return plt.load(at, mask=seen if cols is None else seen[:, None], other=0)
+
+    keys1, keys2, values = load(k_in, first), load(k_in, second), load(v_in, slice(None))
+    s = _dot(q1d, keys1.astype(dtype), 1, precision) + _dot(q2d, keys2.astype(dtype), 1, precision)  # [rows, block]
+    s = s * (load(caches_in[2])[None, :] * inv_sqrt_d if int8_cache else inv_sqrt_d)
     s = jnp.where(seen[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every block walked holds a position before pos
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.astype(dtype), values, 0, precision)
+    weights = p * load(caches_in[3])[None, :] if int8_cache else p  # a value's scale rides on its probability
+    acc = acc * alpha[:, None] + _dot(weights.astype(dtype), values.astype(dtype), 0, precision)
     return m_new, l, acc
 
-  n_blocks = (pos + block - 1) // block
-  m, l, acc = lax.fori_loop(0, n_blocks, step, (m, l, acc))
-  plt.store(out_ref.at[b, q_rows, :], (acc / l[:, None]).astype(out_ref.dtype), mask=valid)
+  start = split * chunk
+  end = jnp.minimum(start + chunk, (pos + block - 1) // block)  # blocks past pos are not walked
+  m, l, acc = lax.fori_loop(start, end, step, (m, l, acc))
+  if partial:
+    acc_ref, m_ref, l_ref = outs
+    acc_ref[b, h, split] = acc
+    m_ref[b, h, split] = m
+    l_ref[b, h, split] = l
+  else:
+    plt.store(outs[0].at[b, q_rows, :], (acc / l[:, None]).astype(outs[0].dtype), mask=valid)
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, group: int, dtype) -> jax.Array:
+  """The splits' partial softmaxes (``acc [B, H, S, rows, D]``, ``m``, ``l [B, H, S, rows]`` float32) -> the
+  attention ``[B, H group, D]`` in ``dtype`` (a split with no positions has ``m = -inf`` and weighs nothing)."""
+  top = jnp.max(m, axis=2, keepdims=True)  # finite: split 0 holds the new token
+  w = jnp.exp(m - top)
+  out = jnp.sum(w[..., None] * acc, axis=2) / jnp.sum(w * l, axis=2)[..., None]  # [B, H, rows, D]
+  b, h, _, d = out.shape
+  return out[:, :, :group].reshape(b, h * group, d).astype(dtype)
 
 
 def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, position: jax.Array,
                             frequencies: jax.Array, n_heads: int, block: int = ATTENTION_BLOCK,
-                            interpret: bool = False):
+                            interpret: bool = False, key_scale: jax.Array | None = None,
+                            value_scale: jax.Array | None = None, splits: int | None = None):
   """One decode step of grouped-query attention in one launch: RoPE, the KV cache write, and attention.
 
   Args:
     qkv: ``[B, N + 2 H, D]`` the fused projection's output for one token per sequence (N query heads, then H key
       and H value heads, as ``train.model.Attention`` splits it), before RoPE; the compute dtype.
-    key, value: the cache ``[B, H, S, D]`` in qkv's dtype; updated in place (aliased to the outputs).
+    key, value: the cache ``[B, H, S, D]``, in qkv's dtype or int8 (with ``key_scale`` and ``value_scale``);
+      updated in place (aliased to the outputs).
     position: int32 ``[1]``: the token's position, the cache row it is written to (< S).
     frequencies: float32 ``[D / 2]`` RoPE's angular frequencies (``train.model.rope_frequencies``).
     n_heads: N.
     block: cache positions per step of the attention loop (a power of two >= 16).
     interpret: Pallas interpret mode (CPU tests).
+    key_scale, value_scale: float32 ``[B, H, S]`` an int8 cache's scales (``train.kv_cache``: one per position over
+      D); the new key and value are quantized as ``train.kv_cache.quantize_heads`` does.
+    splits: programs per sequence and KV head, each walking a run of the cache's blocks (default
+      :func:`attention_splits`); more than one adds an XLA merge of their partial softmaxes.
 
   Returns:
-    ``(out [B, N, D], key, value)``: attention of each query head over positions ``0..position`` (softmax in
-    float32; its weights rounded to qkv's dtype for the product with the values, as ``jax.nn.dot_product_attention``
-    rounds its probabilities), and the caches with the rotated key and the value at ``position``.
+    ``(out [B, N, D], key, value)``, and ``key_scale, value_scale`` after them for an int8 cache: attention of
+    each query head over positions ``0..position`` (softmax in float32; its weights, times an int8 cache's value
+    scales, rounded to qkv's dtype for the product with the values, as ``jax.nn.dot_product_attention`` rounds
+    its probabilities), and the caches with the rotated key and the value at ``position``.
   """
   b, width, d = qkv.shape
   _, n_kv_heads, s, _ = key.shape
   if width != n_heads + 2 * n_kv_heads or key.shape != (b, n_kv_heads, s, d) or value.shape != key.shape:
     raise ValueError(f"decode_attention_kernel: qkv {qkv.shape} with {n_heads} query heads does not match the "
                      f"cache {key.shape} / {value.shape}")
-  if key.dtype != qkv.dtype or value.dtype != qkv.dtype:
-    raise ValueError(f"decode_attention_kernel: cache {key.dtype}/{value.dtype} must be qkv's dtype {qkv.dtype}")
+  int8_cache = key_scale is not None
+  if (value_scale is not None) != int8_cache:
+    raise ValueError("decode_attention_kernel: an int8 cache takes both key_scale and value_scale")
+  cache_dtype = jnp.int8 if int8_cache else qkv.dtype
+  if key.dtype != cache_dtype or value.dtype != cache_dtype:
+    raise ValueError(f"decode_attention_kernel: cache {key.dtype}/{value.dtype} must be qkv's dtype {qkv.dtype}, "
+                     f"or int8 with key_scale and value_scale")
+  if int8_cache and (key_scale.shape != key.shape[:3] or value_scale.shape != key.shape[:3]
+                     or key_scale.dtype != jnp.float32 or value_scale.dtype != jnp.float32):
+    raise ValueError(f"decode_attention_kernel: the int8 cache's scales must be float32 {key.shape[:3]}, got "
+                     f"{key_scale.dtype}{key_scale.shape} / {value_scale.dtype}{value_scale.shape}")
   if not decode_attention_supported(n_heads, n_kv_heads, d):
     raise ValueError(f"decode_attention_kernel: {n_heads}/{n_kv_heads} heads of {d}: head_dim / 2 must be a power "
                      f"of two >= {DOT_MIN}")
   group = n_heads // n_kv_heads
   rows = max(DOT_MIN, 1 << (group - 1).bit_length())
+  blocks = -(-s // block)
+  chunk = -(-blocks // (splits or attention_splits(b, n_kv_heads, s, block)))
+  caches = (key, value) + ((key_scale, value_scale) if int8_cache else ())
+  call = functools.partial(_attention_call, n_heads=n_heads, rows=rows, block=block, chunk=chunk,
+                           splits=-(-blocks // chunk), interpret=interpret)
   if interpret:  # the interpreter clamps a block that runs past its array (dynamic_slice) where the GPU masks it
-    return _interpreted_attention(qkv, key, value, position, frequencies, n_heads, rows, block)
-  return _attention_call(qkv, key, value, position, frequencies, n_heads, rows, block, False)
+    return _interpreted_attention(call, qkv, caches, position, frequencies, n_heads, rows, block)
+  return call(qkv, caches, position, frequencies)
 
 
-def _attention_call(qkv, key, value, position, frequencies, n_heads: int, rows: int, block: int, interpret: bool,
-                    out_heads: int | None = None):
+def _attention_call(qkv, caches, position, frequencies, *, n_heads: int, rows: int, block: int, chunk: int,
+                    splits: int, interpret: bool, out_heads: int | None = None):
   b, _, d = qkv.shape
-  n_kv_heads = key.shape[1]
+  n_kv_heads = caches[0].shape[1]
+  partial = splits > 1
   kernel = functools.partial(_decode_attention_kernel, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d, rows=rows,
-                             block=block)
-  return pl.pallas_call(
+                             block=block, chunk=chunk, partial=partial, int8_cache=len(caches) == 4,
+                             native=not interpret)
+  if partial:
+    outs = (out_struct((b, n_kv_heads, splits, rows, d), jnp.float32, qkv),
+            out_struct((b, n_kv_heads, splits, rows), jnp.float32, qkv),
+            out_struct((b, n_kv_heads, splits, rows), jnp.float32, qkv))
+  else:
+    outs = (out_struct((b, out_heads or n_heads, d), qkv.dtype, qkv),)
+  results = pl.pallas_call(
       kernel,
-      out_shape=(out_struct((b, out_heads or n_heads, d), qkv.dtype, qkv), out_struct(key.shape, key.dtype, key),
-                 out_struct(value.shape, value.dtype, value)),
-      grid=(b, n_kv_heads),
-      input_output_aliases={3: 1, 4: 2},
+      out_shape=outs + tuple(out_struct(c.shape, c.dtype, c) for c in caches),
+      grid=(b, n_kv_heads, splits),
+      input_output_aliases={3 + i: len(outs) + i for i in range(len(caches))},
       compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="jaxlowbit_decode_attention",
-  )(position, frequencies, qkv, key, value)
+  )(position, frequencies, qkv, *caches)
+  out = merge_splits(*results[:3], n_heads // n_kv_heads, qkv.dtype) if partial else results[0]
+  return (out,) + tuple(results[len(outs):])
 
 
-def _interpreted_attention(qkv, key, value, position, frequencies, n_heads: int, rows: int, block: int):
+def _interpreted_attention(call, qkv, caches, position, frequencies, n_heads: int, rows: int, block: int):
   """:func:`decode_attention_kernel` in interpret mode on arrays padded so that no block runs past them."""
-  n_kv_heads, s = key.shape[1], key.shape[2]
+  n_kv_heads, s = caches[0].shape[1], caches[0].shape[2]
   extra = max(0, (n_kv_heads - 1) * (n_heads // n_kv_heads) + rows - qkv.shape[1])
-  padded_s = -(-s // block) * block
-  grow = ((0, 0), (0, 0), (0, padded_s - s), (0, 0))
-  out, key, value = _attention_call(jnp.pad(qkv, ((0, 0), (0, extra), (0, 0))), jnp.pad(key, grow),
-                                    jnp.pad(value, grow), position, frequencies, n_heads, rows, block, True,
-                                    out_heads=n_heads + extra + rows)
-  return out[:, :n_heads], key[:, :, :s], value[:, :, :s]
+  grow = (0, -(-s // block) * block - s)
+  padded = [jnp.pad(c, ((0, 0), (0, 0), grow) + ((0, 0),) * (c.ndim - 3)) for c in caches]
+  out, *caches = call(jnp.pad(qkv, ((0, 0), (0, extra), (0, 0))), tuple(padded), position, frequencies,
+                      out_heads=n_heads + extra + rows)
+  return (out[:, :n_heads],) + tuple(c[:, :, :s] for c in caches)

@@ -272,18 +272,18 @@ def _norm_rows_bwd(source, norm, write_source, residuals, ct):
 _norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
 
 
-def decode_attention_on_kernel(n_heads: int, n_kv_heads: int, head_dim: int, cache_len: int,
+def decode_attention_on_kernel(n_heads: int, n_kv_heads: int, head_dim: int,
                                options: DispatchOptions | None = None) -> bool:
-  """Whether :func:`decode_attention` runs for these heads and a cache of ``cache_len`` positions (a GPU from sm80;
-  head_dim / 2 a power of two >= 16; ``policy.DECODE_ATTENTION_MAX_LEN``). The caller checks the rest: one new
-  token, a compute-dtype cache, the fused qkv projection."""
-  return (policy.DECODE_ATTENTION_KERNEL and cache_len <= policy.DECODE_ATTENTION_MAX_LEN
-          and decode_kernels.decode_attention_supported(n_heads, n_kv_heads, head_dim)
+  """Whether :func:`decode_attention` runs for these heads (a GPU from sm80; head_dim / 2 a power of two >= 16;
+  ``policy.DECODE_ATTENTION_KERNEL``), for a cache of any length (a long one is split over programs). The caller
+  checks the rest: one new token, a cache that exists, the fused qkv projection."""
+  return (policy.DECODE_ATTENTION_KERNEL and decode_kernels.decode_attention_supported(n_heads, n_kv_heads, head_dim)
           and policy.quantize_on_kernel(_resolve(options).backend))
 
 
 # Through jax.jit, as :func:`_kernel`; the caches are donated by the decode loop, which aliases them through.
-decode_attention = jax.jit(decode_kernels.decode_attention_kernel, static_argnames=("n_heads", "block", "interpret"))
+decode_attention = jax.jit(decode_kernels.decode_attention_kernel,
+                           static_argnames=("n_heads", "block", "interpret", "splits"))
 decode_attention.__doc__ = ("A decode step's attention in one launch: "
                             ":func:`pallas_kernels.decode.decode_attention_kernel` (its arguments and results).")
 

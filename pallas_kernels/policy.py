@@ -293,10 +293,12 @@ DECODE_NORM_KERNEL = True
 
 # A decode step's attention (RoPE of the new query and key, the KV cache write, attention over the cache) as one
 # Pallas kernel on a GPU (pallas_kernels.decode.decode_attention_kernel) instead of XLA's six kernels per layer, for
-# caches of up to DECODE_ATTENTION_MAX_LEN positions. Its one program per sequence and KV head walks the cache in
-# steps of 128 positions: the 1B model's heads on an H200 (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json,
-# 16 layers chained, medians of 5, one run) took 25-33 us per layer against XLA's 38-51 at 128-512 positions and
-# batch 1 (28-31 against 27-46 at batch 8), but 42-45 against 33-43 at 1024-2048 (batch 1), where XLA's products
-# spread over more SMs. False keeps XLA's (benchmarks/inference.py --xla-decode-ops).
+# caches of any length and either KV cache dtype. Up to 512 positions one program per sequence and KV head walks the
+# cache: the 1B model's heads on an H200 took 25-33 us per layer against XLA's 38-51 at 128-512 positions and batch 1
+# (28-31 against 27-46 at batch 8; benchmarks/results/decode_attention_sweep_h200_75bfaaf.json, 16 layers chained).
+# Longer caches are split over about one program per SM (decode.ATTENTION_SPLIT_FROM): the 1B decode at a
+# 2048-position cache, one H200, took 886 us a token against 906 with XLA's attention (bf16 weights and cache), 910
+# against 1,040 with an int8 cache, 493 against 649 for ternary weights on an int8 cache, and 1,054 against 1,552 at
+# batch 8 (benchmarks/results/decode_long_attention_h200_d4529b7.json). False keeps XLA's (benchmarks/inference.py
+# --xla-decode-ops).
 DECODE_ATTENTION_KERNEL = True
-DECODE_ATTENTION_MAX_LEN = 512

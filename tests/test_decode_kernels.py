@@ -116,20 +116,46 @@ def _xla_attention_step(qkv, key, value, pos, n_heads, theta):
   return out, exact, key, value
 
 
-# (batch, query heads, kv heads, head_dim, cache length, position): the 1B model's heads; positions 0 and S - 1;
-# a cache length that is no multiple of the 64-position block; one query head per kv head.
-ATTENTION_CASES = [(1, 32, 8, 64, 81, 70), (2, 4, 2, 32, 37, 0), (2, 4, 2, 32, 37, 36), (1, 8, 8, 64, 200, 130)]
+def _xla_attention_step_int8(qkv, key, value, key_scale, value_scale, pos, n_heads, theta):
+  """The same step over an int8 cache: kv_cache.update's quantized write, then kv_cache.attend_int8; ``exact`` is
+  float32 attention over the cache it leaves, dequantized."""
+  h = key.shape[1]
+  q, k, v = qkv[:, :n_heads], qkv[:, n_heads : n_heads + h], qkv[:, n_heads + h :]
+  positions = jnp.array([pos], jnp.int32)
+  q, k = rope(q[:, None], positions, theta), rope(k[:, None], positions, theta)
+  (kq, ks), (vq, vs) = kv_cache.quantize_heads(jnp.swapaxes(k, 1, 2)), kv_cache.quantize_heads(v[:, :, None])
+  key, value = (jax.lax.dynamic_update_slice(c, x, (0, 0, pos, 0)) for c, x in ((key, kq), (value, vq)))
+  key_scale, value_scale = (jax.lax.dynamic_update_slice(c, x, (0, 0, pos)) for c, x in ((key_scale, ks),
+                                                                                         (value_scale, vs)))
+  mask = (jnp.arange(key.shape[2])[None, :] <= positions[:, None])[None, None]
+  out = kv_cache.attend(q, kv_cache.CachedKV(key, value, key_scale, value_scale, mask))[:, 0]
+  exact = kv_cache.attend_reference(q, key * key_scale[..., None], value * value_scale[..., None], mask)[:, 0]
+  return out, exact, (key, value, key_scale, value_scale)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("b,n,h,d,s,pos", ATTENTION_CASES)
-def test_decode_attention_kernel_equals_the_xla_step(b, n, h, d, s, pos, dtype):
+# (batch, query heads, kv heads, head_dim, cache length, position, block, splits): the 1B model's heads; positions
+# 0 and S - 1; a cache length that is no multiple of the block; one query head per kv head; the cache split over
+# programs (7 blocks of 16 in runs of 3, 3 and 1; a position that leaves the later splits empty; 4 blocks of 32 in 2).
+ATTENTION_CASES = [(1, 32, 8, 64, 81, 70, 128, None), (2, 4, 2, 32, 37, 0, 128, None), (2, 4, 2, 32, 37, 36, 128, None),
+                   (1, 8, 8, 64, 200, 130, 128, None), (2, 4, 2, 32, 100, 99, 16, 3), (2, 4, 2, 32, 100, 20, 16, 4),
+                   (1, 8, 8, 64, 100, 0, 32, 2)]
+
+
+def _attention_inputs(b, n, h, d, s, dtype):
   k = jax.random.split(fresh_key(), 3)
   qkv = jax.random.normal(k[0], (b, n + 2 * h, d), jnp.float32).astype(dtype)
   key, value = (jax.random.normal(k[i], (b, h, s, d), jnp.float32).astype(dtype) for i in (1, 2))
+  return qkv, key, value
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,n,h,d,s,pos,block,splits", ATTENTION_CASES)
+def test_decode_attention_kernel_equals_the_xla_step(b, n, h, d, s, pos, block, splits, dtype):
+  qkv, key, value = _attention_inputs(b, n, h, d, s, dtype)
   theta = 10_000.0
   out, new_key, new_value = decode.decode_attention_kernel(qkv, key, value, jnp.array([pos], jnp.int32),
-                                                           rope_frequencies(d, theta), n, interpret=True)
+                                                           rope_frequencies(d, theta), n, block=block,
+                                                           interpret=True, splits=splits)
   want, exact, want_key, want_value = _xla_attention_step(qkv, key, value, pos, n, theta)
   assert out.shape == (b, n, d) and out.dtype == dtype
   np.testing.assert_array_equal(new_value, want_value)
@@ -146,6 +172,46 @@ def test_decode_attention_kernel_equals_the_xla_step(b, n, h, d, s, pos, dtype):
     assert sqnr_db(out, exact) >= 100.0, sqnr_db(out, exact)
   else:
     assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,n,h,d,s,pos,block,splits", ATTENTION_CASES)
+def test_decode_attention_kernel_on_an_int8_cache_equals_the_xla_step(b, n, h, d, s, pos, block, splits, dtype):
+  """An int8 cache: the new value's codes and scale are XLA's exactly; the rotated key's within one code (float32
+  cos/sin may move a rounding of the key, and so of its codes); nothing else changes; the output is float32
+  attention over the dequantized cache up to float32 sums (float32), or at least as close to it as XLA's int8
+  attention, less 2 dB (bf16)."""
+  qkv, key, value = _attention_inputs(b, n, h, d, s, dtype)
+  (key, key_scale), (value, value_scale) = kv_cache.quantize_heads(key), kv_cache.quantize_heads(value)
+  theta = 10_000.0
+  out, *caches = decode.decode_attention_kernel(qkv, key, value, jnp.array([pos], jnp.int32),
+                                                rope_frequencies(d, theta), n, block=block, interpret=True,
+                                                key_scale=key_scale, value_scale=value_scale, splits=splits)
+  want, exact, want_caches = _xla_attention_step_int8(qkv, key, value, key_scale, value_scale, pos, n, theta)
+  assert out.shape == (b, n, d) and out.dtype == dtype
+  assert [c.dtype for c in caches] == [jnp.int8, jnp.int8, jnp.float32, jnp.float32]
+  others = np.arange(s) != pos
+  for got_cache, before in zip(caches, (key, value, key_scale, value_scale)):
+    np.testing.assert_array_equal(np.asarray(got_cache)[:, :, others], np.asarray(before)[:, :, others])
+  np.testing.assert_array_equal(caches[1], want_caches[1])  # the value: no RoPE, XLA's codes and scale exactly
+  np.testing.assert_array_equal(caches[3], want_caches[3])
+  key_codes = np.asarray(caches[0], np.int32)[:, :, pos] - np.asarray(want_caches[0], np.int32)[:, :, pos]
+  assert np.abs(key_codes).max() <= 1
+  np.testing.assert_allclose(caches[2][:, :, pos], want_caches[2][:, :, pos], rtol=2e-2 if dtype == jnp.bfloat16
+                             else 1e-5)
+  if dtype == jnp.float32:  # float32 sums in another order: ~1e-6 relative
+    assert sqnr_db(out, exact) >= 100.0, sqnr_db(out, exact)
+  elif pos:
+    assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
+
+
+def test_attention_splits_one_program_a_kv_head_up_to_the_threshold_then_about_one_an_sm():
+  assert decode.attention_splits(1, 8, decode.ATTENTION_SPLIT_FROM, sms=132) == 1
+  assert decode.attention_splits(1, 8, 2048, sms=132) == 16  # 16 blocks of 128: one each
+  assert decode.attention_splits(1, 8, 8192, sms=132) == 16  # 64 blocks in runs of 4
+  assert decode.attention_splits(8, 8, 2048, sms=132) == 2
+  assert decode.attention_splits(32, 8, 2048, sms=132) == 1  # the sequences and heads fill the SMs
+  assert decode.attention_splits(1, 2, 600, sms=132) == 5  # no more splits than blocks
 
 
 def test_decode_attention_kernel_names_a_cache_that_does_not_match():
@@ -183,7 +249,7 @@ def interpreted_kernels(monkeypatch):
   """The dispatch sends decode's norms and attention to the kernels in interpret mode; counts their calls."""
   monkeypatch.setattr(dispatch, "norm_rows_on_kernel", lambda rows, options=None: rows <= decode.NORM_ROWS_MAX)
   monkeypatch.setattr(dispatch, "decode_attention_on_kernel",
-                      lambda n, h, d, s, options=None: decode.decode_attention_supported(n, h, d))
+                      lambda n, h, d, options=None: decode.decode_attention_supported(n, h, d))
   return count_kernel_calls(monkeypatch, functools.partial(decode.norm_rows_kernel, interpret=True),
                             functools.partial(decode.decode_attention_kernel, interpret=True))
 
@@ -200,13 +266,14 @@ def _decode_logits(config, params, tokens, prefill: int, scheme: str = "bf16", *
   return jnp.concatenate(out, axis=1)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_model_decodes_through_the_kernels_as_through_xla(dtype, interpreted_kernels, monkeypatch):
+def test_a_model_decodes_through_the_kernels_as_through_xla(dtype, kv_cache_dtype, interpreted_kernels, monkeypatch):
   config = ModelConfig(**TINY, dtype=dtype)
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (2, 12), 0, TINY["vocab_size"])
   interpreted_kernels.update(norm=0, attention=0)  # the init's 8 rows took the norm kernel too
-  got = _decode_logits(config, params, tokens, prefill=5)
+  got = _decode_logits(config, params, tokens, prefill=5, kv_cache_dtype=kv_cache_dtype)
   # Each trace (the prefill's 10 rows, then a step's 2) runs 2 layers x 2 pre-norms + the final norm on the kernel;
   # attention runs on it in the steps' traces (one new token), once per layer.
   steps = interpreted_kernels["attention"] // 2
@@ -214,11 +281,12 @@ def test_a_model_decodes_through_the_kernels_as_through_xla(dtype, interpreted_k
   monkeypatch.setattr(policy, "DECODE_NORM_KERNEL", False)
   monkeypatch.setattr(dispatch, "norm_rows_on_kernel", lambda rows, options=None: False)
   monkeypatch.setattr(dispatch, "decode_attention_on_kernel", lambda *a, **k: False)
-  want = _decode_logits(config, params, tokens, prefill=5)
-  if dtype == jnp.float32:  # float32 sums in other orders: ~1e-6 of the logits' scale (relative L2 ~3e-6)
+  want = _decode_logits(config, params, tokens, prefill=5, kv_cache_dtype=kv_cache_dtype)
+  if dtype == jnp.float32 and kv_cache_dtype == "auto":  # float32 sums in other orders: relative L2 ~3e-6
     assert rel_err(got, want) <= 2e-5, rel_err(got, want)
-  else:  # a moved bf16 rounding in a norm or the attention carries through the layers (1-2e-2 apart): against the
-    # float32 model's decode both are as far (16 seeds: the kernels' error 0.93-1.08x XLA's)
+  else:  # a moved bf16 rounding in a norm or the attention (or a key's int8 code moved by float32 cos/sin) carries
+    # through the layers (1-2e-2 apart): against the float32 model's decode with a float32 cache both are as far
+    # (16 seeds: the kernels' error 0.93-1.08x XLA's)
     exact = _decode_logits(dataclasses.replace(config, dtype=jnp.float32), params, tokens, prefill=5)
     assert rel_err(got, exact) <= 1.5 * rel_err(want, exact) + 2e-3, (rel_err(got, exact), rel_err(want, exact))
 
@@ -323,13 +391,16 @@ def test_norm_rows_kernel_on_gpu(name, rows, width):
   bf16_values_close(got, want, max_fraction=0.05, steps=1)
 
 
+# (batch, cache length, position): the 1B model's short decode; a cache split over programs (2048: 16 splits at
+# batch 1 on 132 SMs; 1000: 8 at batch 2; 8192 with the position in its first split, the others empty).
+GPU_ATTENTION_CASES = [(1, 81, 70), (8, 81, 80), (1, 2048, 2047), (2, 1000, 513), (1, 64, 0), (1, 8192, 100)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,s,pos", [(1, 81, 70), (8, 81, 80), (1, 2048, 2047), (2, 1000, 513), (1, 64, 0)])
+@pytest.mark.parametrize("b,s,pos", GPU_ATTENTION_CASES)
 def test_decode_attention_kernel_on_gpu(b, s, pos):
   n, h, d = 32, 8, 64  # the 1B model's heads
-  k = jax.random.split(fresh_key(), 3)
-  qkv = jax.random.normal(k[0], (b, n + 2 * h, d), jnp.float32).astype(jnp.bfloat16)
-  key, value = (jax.random.normal(k[i], (b, h, s, d), jnp.float32).astype(jnp.bfloat16) for i in (1, 2))
+  qkv, key, value = _attention_inputs(b, n, h, d, s, jnp.bfloat16)
   step = jax.jit(decode.decode_attention_kernel, static_argnames=("n_heads",))
   out, new_key, new_value = step(qkv, key, value, jnp.array([pos], jnp.int32), rope_frequencies(d, 5e5), n_heads=n)
   want, exact, want_key, want_value = jax.jit(_xla_attention_step, static_argnums=(3, 4, 5))(
@@ -341,8 +412,27 @@ def test_decode_attention_kernel_on_gpu(b, s, pos):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "ternary"])
-def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, monkeypatch):
+@pytest.mark.parametrize("b,s,pos", GPU_ATTENTION_CASES)
+def test_decode_attention_kernel_on_an_int8_cache_on_gpu(b, s, pos):
+  n, h, d = 32, 8, 64
+  qkv, key, value = _attention_inputs(b, n, h, d, s, jnp.bfloat16)
+  (key, key_scale), (value, value_scale) = kv_cache.quantize_heads(key), kv_cache.quantize_heads(value)
+  step = jax.jit(decode.decode_attention_kernel, static_argnames=("n_heads",))
+  out, *caches = step(qkv, key, value, jnp.array([pos], jnp.int32), rope_frequencies(d, 5e5), n_heads=n,
+                      key_scale=key_scale, value_scale=value_scale)
+  want, exact, want_caches = jax.jit(_xla_attention_step_int8, static_argnums=(5, 6, 7))(
+      qkv, key, value, key_scale, value_scale, pos, n, 5e5)
+  np.testing.assert_array_equal(caches[1], want_caches[1])
+  np.testing.assert_array_equal(caches[3], want_caches[3])
+  assert np.abs(np.asarray(caches[0], np.int32) - np.asarray(want_caches[0], np.int32)).max() <= 1
+  if pos:
+    assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme,kv_cache_dtype", [("bf16", "auto"), ("ternary", "auto"), ("bf16", "int8"),
+                                                   ("ternary", "int8")])
+def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, kv_cache_dtype, monkeypatch):
   from jaxlowbit import BitNet
 
   config = ModelConfig(vocab_size=384, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=1024, init_std=0.1,
@@ -350,13 +440,13 @@ def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, monkeypatc
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (2, 16), 0, config.vocab_size)
   calls = count_kernel_calls(monkeypatch, dispatch._norm_rows_kernel, dispatch.decode_attention)
-  got = _decode_logits(config, params, tokens, 6, scheme)
+  got = _decode_logits(config, params, tokens, 6, scheme, kv_cache_dtype=kv_cache_dtype)
   # each of the two traces: 4 layers x 2 pre-norms + the final norm (+ 4 sub-norms for ternary); attention in one
   norms, steps = 9 + (8 if scheme == "ternary" else 0), calls["attention"] // 4
   assert steps >= 1 and calls == {"norm": norms * (1 + steps), "attention": 4 * steps}, calls
   monkeypatch.setattr(policy, "DECODE_NORM_KERNEL", False)
   monkeypatch.setattr(policy, "DECODE_ATTENTION_KERNEL", False)
-  want = _decode_logits(config, params, tokens, 6, scheme)
+  want = _decode_logits(config, params, tokens, 6, scheme, kv_cache_dtype=kv_cache_dtype)
   assert calls == {"norm": norms * (1 + steps), "attention": 4 * steps}, calls  # none ran
   # Against the float32 model's decode: a moved bf16 rounding can flip an int8 activation code (ternary), so the
   # two bf16 decodes differ by about their own error; the kernels' error is that of XLA's.
@@ -395,7 +485,12 @@ def test_the_kernels_lower_for_cuda():
       "gated norm": (functools.partial(decode.norm_rows_kernel, source=SwiGLU("silu"), norm=norm),
                      (f((1, 16384), bf16),), f((8192,), bf16)),
       "attention": (functools.partial(decode.decode_attention_kernel, n_heads=32), f((8, 48, 64), bf16),
-                    f((8, 8, 2048, 64), bf16), f((8, 8, 2048, 64), bf16), f((1,), jnp.int32), f((32,), jnp.float32)),
+                    f((8, 8, 512, 64), bf16), f((8, 8, 512, 64), bf16), f((1,), jnp.int32), f((32,), jnp.float32)),
+      "split attention, int8 cache": (
+          lambda qkv, k, v, p, fr, ks, vs: decode.decode_attention_kernel(qkv, k, v, p, fr, 32, key_scale=ks,
+                                                                          value_scale=vs),
+          f((1, 48, 64), bf16), f((1, 8, 8192, 64), jnp.int8), f((1, 8, 8192, 64), jnp.int8), f((1,), jnp.int32),
+          f((32,), jnp.float32), f((1, 8, 8192), jnp.float32), f((1, 8, 8192), jnp.float32)),
   }
   with jax.sharding.use_abstract_mesh(H100):
     for name, (fn, *shapes) in cases.items():
@@ -403,14 +498,12 @@ def test_the_kernels_lower_for_cuda():
       assert "__gpu$xla.gpu.triton" in text, name
 
 
-def test_the_attention_kernel_takes_short_caches_only(monkeypatch):
-  """On a (faked) sm90 GPU the dispatch sends caches up to policy.DECODE_ATTENTION_MAX_LEN positions to the kernel,
-  longer ones and heads it does not take to XLA."""
+def test_the_attention_kernel_takes_the_heads_it_tiles(monkeypatch):
+  """On a (faked) sm90 GPU the dispatch sends decode's attention to the kernel for heads it tiles (any cache length:
+  a long cache is split over programs), other heads to XLA; policy.DECODE_ATTENTION_KERNEL turns it off."""
   monkeypatch.delenv("JAXLOWBIT_BACKEND", raising=False)
   monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
-  longest = policy.DECODE_ATTENTION_MAX_LEN
-  assert dispatch.decode_attention_on_kernel(32, 8, 64, longest)
-  assert not dispatch.decode_attention_on_kernel(32, 8, 64, longest + 1)
-  assert not dispatch.decode_attention_on_kernel(4, 2, 16, 64)  # head_dim / 2 = 8: under tl.dot's 16
+  assert dispatch.decode_attention_on_kernel(32, 8, 64)
+  assert not dispatch.decode_attention_on_kernel(4, 2, 16)  # head_dim / 2 = 8: under tl.dot's 16
   monkeypatch.setattr(policy, "DECODE_ATTENTION_KERNEL", False)
-  assert not dispatch.decode_attention_on_kernel(32, 8, 64, 64)
+  assert not dispatch.decode_attention_on_kernel(32, 8, 64)

@@ -116,14 +116,14 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array, 
 
 def fused_step_runs(module: nn.Module, tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     kv_cache_dtype: str, options=None) -> bool:
-  """Whether a decode step runs as :func:`attend_step` (one kernel): one new token per sequence, a compute-dtype
-  cache that exists already, and ``pallas_kernels.dispatch.decode_attention_on_kernel`` (heads, cache length)."""
+  """Whether a decode step runs as :func:`attend_step` (one kernel): one new token per sequence, a cache (either
+  dtype, any length) that exists already, and ``pallas_kernels.dispatch.decode_attention_on_kernel`` (heads)."""
   from pallas_kernels import dispatch
 
-  if tokens != 1 or kv_cache_dtype != "auto" or module.is_initializing() or not module.has_variable(COLLECTION, "key"):
+  check_kv_cache_dtype(kv_cache_dtype, "kv_cache.fused_step_runs")
+  if tokens != 1 or module.is_initializing() or not module.has_variable(COLLECTION, "key"):
     return False
-  cache_len = module.get_variable(COLLECTION, "key").shape[2]
-  return dispatch.decode_attention_on_kernel(n_heads, n_kv_heads, head_dim, cache_len, options)
+  return dispatch.decode_attention_on_kernel(n_heads, n_kv_heads, head_dim, options)
 
 
 def attend_step(module: nn.Module, qkv: jax.Array, positions: jax.Array, n_heads: int,
@@ -132,15 +132,18 @@ def attend_step(module: nn.Module, qkv: jax.Array, positions: jax.Array, n_heads
 
   ``qkv [B, N + 2 H, D]``: the fused projection's output for the new token (before RoPE), ``positions [1]``, and
   ``frequencies [D / 2]`` RoPE's. Writes the rotated key and the value into ``module``'s cache at the position, in
-  place; returns the attention ``[B, 1, N, D]`` over the cache (what :func:`update` then :func:`attend` give, up to
-  the order of float32 sums).
+  place (an int8 cache: their codes and scales, as :func:`update` quantizes them); returns the attention
+  ``[B, 1, N, D]`` over the cache (what :func:`update` then :func:`attend` give, up to the order of float32 sums).
   """
   from pallas_kernels import dispatch
 
-  cached_k = module.variable(COLLECTION, "key", jnp.zeros, (), qkv.dtype)  # exists: the shape is not read
-  cached_v = module.variable(COLLECTION, "value", jnp.zeros, (), qkv.dtype)
-  out, cached_k.value, cached_v.value = dispatch.decode_attention(
-      qkv, cached_k.value, cached_v.value, positions[:1].astype(jnp.int32), frequencies, n_heads=n_heads)
+  names = ("key", "value") + (("key_scale", "value_scale") if module.has_variable(COLLECTION, "key_scale") else ())
+  variables = [module.variable(COLLECTION, name, jnp.zeros, (), qkv.dtype) for name in names]  # exist: not read
+  scales = {"key_scale": variables[2].value, "value_scale": variables[3].value} if len(names) == 4 else {}
+  out, *caches = dispatch.decode_attention(qkv, variables[0].value, variables[1].value,
+                                           positions[:1].astype(jnp.int32), frequencies, n_heads=n_heads, **scales)
+  for variable, cache in zip(variables, caches):
+    variable.value = cache
   return out[:, None]
 
 
