@@ -20,8 +20,9 @@ benchmarks/results/linears_ab3_h200_b195ebc.json).
 program takes one sequence and KV head: RoPE of its query group and of the new key, the key and value written into
 the cache at the token's position (the cache buffers aliased in and out: in place), then attention over the
 positions before it (read from the cache in blocks, an online softmax in float32) and the new one (from registers).
-One program per KV head walks the whole cache, so long caches leave SMs idle: ``pallas_kernels.policy`` sends caches
-up to ``DECODE_ATTENTION_MAX_LEN`` positions here (docs/inference.md, "Decode's kernel count").
+A cache of more than :data:`ATTENTION_SPLIT_FROM` positions is split over programs (one program per KV head would
+stream it on a few SMs); XLA merges their partial softmaxes. An int8 cache (``train.kv_cache``) is read as codes,
+its scales applied to the scores and the softmax weights, and the new key and value are quantized in the kernel.
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ DOT_MIN = 16
 # KV head took 25-33 us a layer at 128-512 positions against XLA's 38-51 on an H200, but lost from 1024
 # (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json): 8 programs stream the 1B model's cache on 8 SMs.
 ATTENTION_SPLIT_FROM = 512
+# Programs per SM a split cache aims at (each a run of whole blocks).
+ATTENTION_PROGRAMS_PER_SM = 1
 # The int8 KV cache's codes: one scale per sequence, KV head and position, over head_dim (train.kv_cache).
 KV_CACHE_SPEC = QuantSpec("int8")
 
@@ -221,11 +224,12 @@ def decode_attention_supported(n_heads: int, n_kv_heads: int, head_dim: int) -> 
 def attention_splits(batch: int, n_kv_heads: int, cache_len: int, block: int = ATTENTION_BLOCK,
                      sms: int | None = None) -> int:
   """Programs that share one sequence and KV head's cache: 1 up to :data:`ATTENTION_SPLIT_FROM` positions, else
-  enough for about one program per SM (``sms``; default the GPU's), each at least one block."""
+  enough for about :data:`ATTENTION_PROGRAMS_PER_SM` programs per SM (``sms``; default the GPU's), each at least one
+  block."""
   if cache_len <= ATTENTION_SPLIT_FROM:
     return 1
   blocks = -(-cache_len // block)
-  return max(1, min(blocks, (sms or num_sms()) // (batch * n_kv_heads)))
+  return max(1, min(blocks, ATTENTION_PROGRAMS_PER_SM * (sms or num_sms()) // (batch * n_kv_heads)))
 
 
 def _rotate(x1, x2, cos, sin, dtype):

@@ -299,6 +299,6 @@ DECODE_NORM_KERNEL = True
 # Longer caches are split over about one program per SM (decode.ATTENTION_SPLIT_FROM): the 1B decode at a
 # 2048-position cache, one H200, took 886 us a token against 906 with XLA's attention (bf16 weights and cache), 910
 # against 1,040 with an int8 cache, 493 against 649 for ternary weights on an int8 cache, and 1,054 against 1,552 at
-# batch 8 (benchmarks/results/decode_long_attention_h200_d4529b7.json). False keeps XLA's (benchmarks/inference.py
+# batch 8 (benchmarks/results/decode_long_attention_h200_e471c1d.json). False keeps XLA's (benchmarks/inference.py
 # --xla-decode-ops).
 DECODE_ATTENTION_KERNEL = True
