@@ -209,8 +209,11 @@ DOT_MIN = 16
 # KV head took 25-33 us a layer at 128-512 positions against XLA's 38-51 on an H200, but lost from 1024
 # (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json): 8 programs stream the 1B model's cache on 8 SMs.
 ATTENTION_SPLIT_FROM = 512
-# Programs per SM a split cache aims at (each a run of whole blocks).
-ATTENTION_PROGRAMS_PER_SM = 1
+# Programs per SM a split cache aims at (each a run of whole blocks). The ternary 1B decode at batch 1, one H200
+# (benchmarks/results/attention_programs_per_sm_h200_b16b2ad.json, one run each): at 8192 positions 567 us a token
+# with 2 against 580 with 1 and 583 with 4 (bf16 cache), 550 against 587 and 571 (int8 cache); at 2048, 485-504 for
+# all three, within the runs' 2-4% spread.
+ATTENTION_PROGRAMS_PER_SM = 2
 # The int8 KV cache's codes: one scale per sequence, KV head and position, over head_dim (train.kv_cache).
 KV_CACHE_SPEC = QuantSpec("int8")
 
@@ -228,8 +231,13 @@ def attention_splits(batch: int, n_kv_heads: int, cache_len: int, block: int = A
   block."""
   if cache_len <= ATTENTION_SPLIT_FROM:
     return 1
-  blocks = -(-cache_len // block)
-  return max(1, min(blocks, ATTENTION_PROGRAMS_PER_SM * (sms or num_sms()) // (batch * n_kv_heads)))
+  return _runs(-(-cache_len // block), ATTENTION_PROGRAMS_PER_SM * (sms or num_sms()) // (batch * n_kv_heads))[1]
+
+
+def _runs(blocks: int, splits: int) -> tuple[int, int]:
+  """``(blocks a split walks, splits)``: ``blocks`` in equal runs, as many as ``splits`` allows (at least one)."""
+  chunk = -(-blocks // max(1, min(splits, blocks)))
+  return chunk, -(-blocks // chunk)
 
 
 def _rotate(x1, x2, cos, sin, dtype):
@@ -403,11 +411,10 @@ def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, po
                      f"of two >= {DOT_MIN}")
   group = n_heads // n_kv_heads
   rows = max(DOT_MIN, 1 << (group - 1).bit_length())
-  blocks = -(-s // block)
-  chunk = -(-blocks // (splits or attention_splits(b, n_kv_heads, s, block)))
+  chunk, splits = _runs(-(-s // block), splits or attention_splits(b, n_kv_heads, s, block))
   caches = (key, value) + ((key_scale, value_scale) if int8_cache else ())
-  call = functools.partial(_attention_call, n_heads=n_heads, rows=rows, block=block, chunk=chunk,
-                           splits=-(-blocks // chunk), interpret=interpret)
+  call = functools.partial(_attention_call, n_heads=n_heads, rows=rows, block=block, chunk=chunk, splits=splits,
+                           interpret=interpret)
   if interpret:  # the interpreter clamps a block that runs past its array (dynamic_slice) where the GPU masks it
     return _interpreted_attention(call, qkv, caches, position, frequencies, n_heads, rows, block)
   return call(qkv, caches, position, frequencies)

@@ -205,11 +205,12 @@ def test_decode_attention_kernel_on_an_int8_cache_equals_the_xla_step(b, n, h, d
     assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
 
 
-def test_attention_splits_one_program_a_kv_head_up_to_the_threshold_then_about_one_an_sm():
+def test_attention_splits_one_program_a_kv_head_up_to_the_threshold_then_a_few_an_sm(monkeypatch):
+  monkeypatch.setattr(decode, "ATTENTION_PROGRAMS_PER_SM", 2)
   assert decode.attention_splits(1, 8, decode.ATTENTION_SPLIT_FROM, sms=132) == 1
-  assert decode.attention_splits(1, 8, 2048, sms=132) == 16  # 16 blocks of 128: one each
-  assert decode.attention_splits(1, 8, 8192, sms=132) == 16  # 64 blocks in runs of 4
-  assert decode.attention_splits(8, 8, 2048, sms=132) == 2
+  assert decode.attention_splits(1, 8, 2048, sms=132) == 16  # 16 blocks of 128: one each (no more than blocks)
+  assert decode.attention_splits(1, 8, 8192, sms=132) == 32  # 64 blocks for 2 x 132 // 8 = 33: 32 runs of 2
+  assert decode.attention_splits(8, 8, 2048, sms=132) == 4
   assert decode.attention_splits(32, 8, 2048, sms=132) == 1  # the sequences and heads fill the SMs
   assert decode.attention_splits(1, 2, 600, sms=132) == 5  # no more splits than blocks
 
