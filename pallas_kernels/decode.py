@@ -205,14 +205,14 @@ ATTENTION_BLOCK = 128
 # (head_dim / 2), which the products read separately, must reach it.
 DOT_MIN = 16
 # Caches up to this many positions are walked by one program per sequence and KV head; a longer one is split over
-# programs (about one per SM, each a run of whole blocks) whose partial softmaxes XLA then merges. One program per
+# programs (ATTENTION_PROGRAMS_PER_SM per SM, each a run of whole blocks) whose partial softmaxes XLA then merges. One program per
 # KV head took 25-33 us a layer at 128-512 positions against XLA's 38-51 on an H200, but lost from 1024
 # (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json): 8 programs stream the 1B model's cache on 8 SMs.
 ATTENTION_SPLIT_FROM = 512
 # Programs per SM a split cache aims at (each a run of whole blocks). The ternary 1B decode at batch 1, one H200
 # (benchmarks/results/attention_programs_per_sm_h200_b16b2ad.json, one run each): at 8192 positions 567 us a token
 # with 2 against 580 with 1 and 583 with 4 (bf16 cache), 550 against 587 and 571 (int8 cache); at 2048, 485-504 for
-# all three, within the runs' 2-4% spread.
+# all three (the rows spread 2-6% each). Only the int8 cache's gain at 8192 is clearly outside a row's spread.
 ATTENTION_PROGRAMS_PER_SM = 2
 # The int8 KV cache's codes: one scale per sequence, KV head and position, over head_dim (train.kv_cache).
 KV_CACHE_SPEC = QuantSpec("int8")
@@ -386,9 +386,10 @@ def decode_attention_kernel(qkv: jax.Array, key: jax.Array, value: jax.Array, po
 
   Returns:
     ``(out [B, N, D], key, value)``, and ``key_scale, value_scale`` after them for an int8 cache: attention of
-    each query head over positions ``0..position`` (softmax in float32; its weights, times an int8 cache's value
-    scales, rounded to qkv's dtype for the product with the values, as ``jax.nn.dot_product_attention`` rounds
-    its probabilities), and the caches with the rotated key and the value at ``position``.
+    each query head over positions ``0..position`` (softmax in float32; the cached positions' weights, times an
+    int8 cache's value scales, rounded to qkv's dtype for the product with the values, as
+    ``jax.nn.dot_product_attention`` rounds its probabilities; the new position's value enters in float32), and
+    the caches with the rotated key and the value at ``position``.
   """
   b, width, d = qkv.shape
   _, n_kv_heads, s, _ = key.shape

@@ -296,9 +296,10 @@ DECODE_NORM_KERNEL = True
 # caches of any length and either KV cache dtype. Up to 512 positions one program per sequence and KV head walks the
 # cache: the 1B model's heads on an H200 took 25-33 us per layer against XLA's 38-51 at 128-512 positions and batch 1
 # (28-31 against 27-46 at batch 8; benchmarks/results/decode_attention_sweep_h200_75bfaaf.json, 16 layers chained).
-# Longer caches are split over about one program per SM (decode.ATTENTION_SPLIT_FROM): the 1B decode at a
-# 2048-position cache, one H200, took 886 us a token against 906 with XLA's attention (bf16 weights and cache), 910
-# against 1,040 with an int8 cache, 493 against 649 for ternary weights on an int8 cache, and 1,054 against 1,552 at
-# batch 8 (benchmarks/results/decode_long_attention_h200_e471c1d.json). False keeps XLA's (benchmarks/inference.py
+# Longer caches (over decode.ATTENTION_SPLIT_FROM) are split over decode.ATTENTION_PROGRAMS_PER_SM programs per SM.
+# Split at one per SM, the 1B decode at a 2048-position cache on one H200 took 886 us a token against 906 with XLA's
+# attention (bf16 weights and cache), 910 against 1,040 (bf16 weights, int8 cache), 493 against 649 (ternary
+# weights, int8 cache), and at batch 8 1,054 against 1,552 (bf16 weights, int8 cache)
+# (benchmarks/results/decode_long_attention_h200_e471c1d.json). False keeps XLA's (benchmarks/inference.py
 # --xla-decode-ops).
 DECODE_ATTENTION_KERNEL = True

@@ -129,8 +129,18 @@ def _xla_attention_step_int8(qkv, key, value, key_scale, value_scale, pos, n_hea
                                                                                          (value_scale, vs)))
   mask = (jnp.arange(key.shape[2])[None, :] <= positions[:, None])[None, None]
   out = kv_cache.attend(q, kv_cache.CachedKV(key, value, key_scale, value_scale, mask))[:, 0]
-  exact = kv_cache.attend_reference(q, key * key_scale[..., None], value * value_scale[..., None], mask)[:, 0]
-  return out, exact, (key, value, key_scale, value_scale)
+  return out, _exact_int8(q, (key, value, key_scale, value_scale), mask), (key, value, key_scale, value_scale)
+
+
+def _exact_int8(q, caches, mask):
+  """float32 attention of the rotated ``q [B, 1, N, D]`` over an int8 cache ``(key, value, key_scale,
+  value_scale)``, dequantized."""
+  key, value, key_scale, value_scale = caches
+  return kv_cache.attend_reference(q, key * key_scale[..., None], value * value_scale[..., None], mask)[:, 0]
+
+
+def _rotated_query(qkv, pos, n_heads, theta):
+  return rope(qkv[:, None, :n_heads], jnp.array([pos], jnp.int32), theta)
 
 
 # (batch, query heads, kv heads, head_dim, cache length, position, block, splits): the 1B model's heads; positions
@@ -199,9 +209,14 @@ def test_decode_attention_kernel_on_an_int8_cache_equals_the_xla_step(b, n, h, d
   assert np.abs(key_codes).max() <= 1
   np.testing.assert_allclose(caches[2][:, :, pos], want_caches[2][:, :, pos], rtol=2e-2 if dtype == jnp.bfloat16
                              else 1e-5)
-  if dtype == jnp.float32:  # float32 sums in another order: ~1e-6 relative
-    assert sqnr_db(out, exact) >= 100.0, sqnr_db(out, exact)
-  elif pos:
+  if pos == 0:  # one position: the output is the new value's codes times its scale, rounded once
+    new_value = caches[1][:, :, 0].astype(jnp.float32) * caches[3][:, :, 0, None]  # [B, H, D]
+    np.testing.assert_array_equal(out, jnp.repeat(new_value, n // h, axis=1).astype(dtype))
+  elif dtype == jnp.float32:  # float32 sums in another order (~1e-6 relative), against the cache the kernel wrote
+    mask = (jnp.arange(s) <= pos)[None, None, None]
+    mine = _exact_int8(_rotated_query(qkv, pos, n, theta), caches, mask)
+    assert sqnr_db(out, mine) >= 100.0, sqnr_db(out, mine)
+  else:
     assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
 
 
@@ -213,6 +228,21 @@ def test_attention_splits_one_program_a_kv_head_up_to_the_threshold_then_a_few_a
   assert decode.attention_splits(8, 8, 2048, sms=132) == 4
   assert decode.attention_splits(32, 8, 2048, sms=132) == 1  # the sequences and heads fill the SMs
   assert decode.attention_splits(1, 2, 600, sms=132) == 5  # no more splits than blocks
+
+
+def test_decode_attention_kernel_names_int8_scales_that_do_not_match():
+  qkv = jnp.zeros((1, 8, 32), jnp.bfloat16)
+  codes, scales = jnp.zeros((1, 2, 16, 32), jnp.int8), jnp.ones((1, 2, 16), jnp.float32)
+  step = functools.partial(decode.decode_attention_kernel, qkv, codes, codes, jnp.array([0], jnp.int32),
+                           rope_frequencies(32, 1e4), 4, interpret=True)
+  with pytest.raises(ValueError, match="both key_scale and value_scale"):
+    step(key_scale=scales)
+  with pytest.raises(ValueError, match=r"scales must be float32 \(1, 2, 16\)"):
+    step(key_scale=scales, value_scale=jnp.ones((1, 2, 8), jnp.float32))
+  with pytest.raises(ValueError, match="scales must be float32"):
+    step(key_scale=scales, value_scale=scales.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="or int8 with key_scale"):  # int8 codes without their scales
+    step()
 
 
 def test_decode_attention_kernel_names_a_cache_that_does_not_match():
@@ -392,9 +422,11 @@ def test_norm_rows_kernel_on_gpu(name, rows, width):
   bf16_values_close(got, want, max_fraction=0.05, steps=1)
 
 
-# (batch, cache length, position): the 1B model's short decode; a cache split over programs (2048: 16 splits at
-# batch 1 on 132 SMs; 1000: 8 at batch 2; 8192 with the position in its first split, the others empty).
-GPU_ATTENTION_CASES = [(1, 81, 70), (8, 81, 80), (1, 2048, 2047), (2, 1000, 513), (1, 64, 0), (1, 8192, 100)]
+# (batch, cache length, position): the 1B model's short decode; a cache split over programs, 2 per SM on 132 SMs
+# (2048: 16 splits of one block at batch 1, 4 of four blocks at batch 8; 1000: 8 at batch 2; 8192: 32 of two
+# blocks, and with the position in the first split, the others empty).
+GPU_ATTENTION_CASES = [(1, 81, 70), (8, 81, 80), (1, 2048, 2047), (8, 2048, 2047), (2, 1000, 513), (1, 64, 0),
+                       (1, 8192, 8191), (1, 8192, 100)]
 
 
 @pytest.mark.gpu
@@ -428,6 +460,9 @@ def test_decode_attention_kernel_on_an_int8_cache_on_gpu(b, s, pos):
   assert np.abs(np.asarray(caches[0], np.int32) - np.asarray(want_caches[0], np.int32)).max() <= 1
   if pos:
     assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
+  else:  # one position: the new value's codes times its scale, rounded once
+    new_value = caches[1][:, :, 0].astype(jnp.float32) * caches[3][:, :, 0, None]
+    np.testing.assert_array_equal(out, jnp.repeat(new_value, n // h, axis=1).astype(jnp.bfloat16))
 
 
 @pytest.mark.gpu
