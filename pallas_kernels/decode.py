@@ -205,8 +205,8 @@ ATTENTION_BLOCK = 128
 # (head_dim / 2), which the products read separately, must reach it.
 DOT_MIN = 16
 # Caches up to this many positions are walked by one program per sequence and KV head; a longer one is split over
-# programs (ATTENTION_PROGRAMS_PER_SM per SM, each a run of whole blocks) whose partial softmaxes XLA then merges. One program per
-# KV head took 25-33 us a layer at 128-512 positions against XLA's 38-51 on an H200, but lost from 1024
+# programs (ATTENTION_PROGRAMS_PER_SM per SM, each a run of whole blocks) whose partial softmaxes XLA then merges.
+# One program per KV head took 25-33 us a layer at 128-512 positions against XLA's 38-51 on an H200, but lost from 1024
 # (benchmarks/results/decode_attention_sweep_h200_75bfaaf.json): 8 programs stream the 1B model's cache on 8 SMs.
 ATTENTION_SPLIT_FROM = 512
 # Programs per SM a split cache aims at (each a run of whole blocks). The ternary 1B decode at batch 1, one H200

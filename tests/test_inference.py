@@ -53,7 +53,8 @@ def _ternary(key, shape):
 
 
 def test_int8_to_float32_by_bits_is_exact_for_every_byte():
-  """The M = 1 W8A16 GEMV's conversion (bit operations and one subtraction, no I2F) == the conversion, all 256 values."""
+  """The M = 1 W8A16 GEMV's conversion (bit operations and one subtraction, no I2F) == the conversion, all 256
+  values."""
   w = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(16, 16)
   got = jax.jit(w8a16.int8_to_float32)(w)
   assert got.dtype == jnp.float32

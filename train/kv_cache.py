@@ -115,12 +115,11 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array, positions: jax.Array, 
 
 
 def fused_step_runs(module: nn.Module, tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                    kv_cache_dtype: str, options=None) -> bool:
+                    options=None) -> bool:
   """Whether a decode step runs as :func:`attend_step` (one kernel): one new token per sequence, a cache (either
   dtype, any length) that exists already, and ``pallas_kernels.dispatch.decode_attention_on_kernel`` (heads)."""
   from pallas_kernels import dispatch
 
-  check_kv_cache_dtype(kv_cache_dtype, "kv_cache.fused_step_runs")
   if tokens != 1 or module.is_initializing() or not module.has_variable(COLLECTION, "key"):
     return False
   return dispatch.decode_attention_on_kernel(n_heads, n_kv_heads, head_dim, options)

@@ -593,7 +593,7 @@ class Attention(nn.Module):
 
     if c.fused_projections:
       qkv = projection(c, x, "layers.attn.qkv", q_dim + 2 * kv_dim, c.init_std, execution=e)
-      if self.decode and kv_cache.fused_step_runs(self, t, c.n_heads, c.n_kv_heads, hd, self.kv_cache_dtype,
+      if self.decode and kv_cache.fused_step_runs(self, t, c.n_heads, c.n_kv_heads, hd,
                                                   resolve(e).dispatch()):  # RoPE, cache write, attention: one kernel
         return output(kv_cache.attend_step(self, qkv.reshape(-1, c.n_heads + 2 * c.n_kv_heads, hd), positions,
                                            c.n_heads, rope_frequencies(hd, c.rope_theta, tuple(c.rope_scaling))))
