@@ -17,9 +17,12 @@ large M belongs on the Hopper wgmma GEMM (``pallas_kernels.dispatch.scaled_matmu
 
 Unpacking without an interleave: byte ``i`` of a packed row holds ``w[4i + j]`` in bits
 ``7-2j .. 6-2j``. Instead of interleaving the four decoded ``[block_n, block_k/4]`` tiles back
-into K order, the activations are permuted once outside the kernel (``x_perm[j, m, i] =
-xq[m, 4i + j]``, M x K bytes, negligible for decode), and the kernel runs four int8 dots, one per
-bit position.
+into K order, the kernel runs four int8 dots, one per bit position ``j``. The activations arrive as
+int32 words, a bitcast view of the int8 row (word ``i`` holds ``x[4i .. 4i+3]``, byte ``j`` is
+``x[4i + j]``), so the operand of dot ``j`` is byte ``j`` of every word: no copy of x outside the
+kernel. On a GPU one PTX sequence decodes four codes a byte per instruction group (:func:`weight_planes`),
+and a tile's rows past M are masked (x reads as zeros there, those output rows are not written), so
+M is never padded by a kernel of its own; the interpreter (CPU tests) gets x padded instead.
 
 References: :func:`a8w8_matmul_reference`, :func:`a8w2_matmul_reference`.
 """
@@ -46,6 +49,7 @@ MIN_BLOCK_N = 16
 # Bits per ternary code and the shift that brings code j of a byte (held in an int32) to the top.
 CODE_BITS = 2
 BYTE_TOP_SHIFT = 24  # a byte's bit 7 moves to bit 31 of an int32
+BYTE_BITS = 8
 INT32_TOP_SHIFT = 32 - CODE_BITS
 
 
@@ -138,40 +142,77 @@ def _dot_i32(a, b):
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
-def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_split: int, m_pad: int, packed: bool,
-            tensor_scale: bool):
+# A GPU decodes the four 2-bit planes of four packed bytes (one 32-bit register) per group of PTX: shift plane j to
+# the low bits of each byte, mask, and widen the sign (0b11 -> 0xFF) by or-ing in 0xFC where bit 1 is set
+# ((byte & 2) * 0x7E = 0xFC never carries into the next byte). Every step acts on each byte alone, so the register's
+# byte order does not matter.
+_PLANE_ASM = """{{
+.reg .b32 t, s;
+shr.u32 t, $1, {shift}; and.b32 t, t, 0x03030303; and.b32 s, t, 0x02020202; mul.lo.u32 s, s, 0x7E; or.b32 $0, t, s;
+}}"""
+
+
+def weight_planes(packed: jax.Array, native: bool) -> list[jax.Array]:
+  """int8 packed bytes ``[..]`` -> the four int8 code planes (plane ``j``: each byte's weight ``j``, in -1..1).
+
+  ``native``: inline PTX on four bytes at a time (:data:`_PLANE_ASM`); otherwise shifts on int32, for the Pallas
+  interpreter. Both give the same values.
+  """
+  if native:  # one asm per plane: Pallas lowers an asm of one result
+    return [plt.elementwise_inline_asm(_PLANE_ASM.format(shift=CODE_BITS * (VALUES_PER_BYTE - 1 - j)), args=[packed],
+                                       constraints="=r,r", pack=VALUES_PER_BYTE,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int8)])[0]
+            for j in range(VALUES_PER_BYTE)]
+  p = packed.astype(jnp.int32)
+  # Code j sits in bits 7-2j..6-2j: shift it to the top of the int32, then an arithmetic right shift sign-extends it
+  # (0b11 -> -1, 0b01 -> 1, 0b00 -> 0).
+  planes = [lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
+            for j in range(VALUES_PER_BYTE)]
+  return [plane.astype(jnp.int8) for plane in planes]
+
+
+def byte_plane(words: jax.Array, j: int) -> jax.Array:
+  """Byte ``j`` of each int32 word, as int8 (signed)."""
+  byte = lax.shift_right_arithmetic(lax.shift_left(words, BYTE_TOP_SHIFT - BYTE_BITS * j), BYTE_TOP_SHIFT)
+  return byte.astype(jnp.int8)
+
+
+def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_split: int, m: int, m_out: int,
+            packed: bool, tensor_scale: bool, masked: bool, native: bool):
   """One ``[block_m, block_n]`` output tile over one K split.
 
-  ``x_ref``: int8 ``[m_pad, K]`` (A8W8) or the permuted ``[4 * m_pad, K / 4]`` (A8W2).
+  ``x_ref``: int8 ``[M, K]`` (A8W8) or its int32 words ``[M, K / 4]`` (A8W2).
   ``w_ref``: int8 ``[N, K]`` or packed ``[N, K / 4]``; ``k_per_split`` counts weight bytes.
+  ``masked``: x and the output hold only the M rows (a GPU); else both are padded to the tiles (``m_out`` rows).
+  ``native``: decode the weight with inline PTX (a GPU; :func:`weight_planes`).
+  Split-K partial sums of split s live at rows ``[s * m_out, (s + 1) * m_out)``.
   """
   i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
+  rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
+  valid = i_m * bm + jnp.arange(bm) < m
   k0 = i_s * k_per_split
-
-  def x_rows(j):
-    return pl.ds(pl.multiple_of(j * m_pad + i_m * bm, bm), bm)
 
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
+    x = plt.load(x_ref.at[rows, ks], mask=valid[:, None], other=0) if masked else x_ref[rows, ks]
     if not packed:
-      return acc + _dot_i32(x_ref[x_rows(0), ks], w_ref[cols, ks])
-    p = w_ref[cols, ks].astype(jnp.int32)
-    for j in range(VALUES_PER_BYTE):
-      # Code j sits in bits 7-2j..6-2j: shift it to the top of the int32, then an arithmetic
-      # right shift sign-extends it (0b11 -> -1, 0b01 -> 1, 0b00 -> 0).
-      w = lax.shift_right_arithmetic(lax.shift_left(p, BYTE_TOP_SHIFT + CODE_BITS * j), INT32_TOP_SHIFT)
-      acc = acc + _dot_i32(x_ref[x_rows(j), ks], w.astype(jnp.int8))
+      return acc + _dot_i32(x, w_ref[cols, ks])
+    for j, w in enumerate(weight_planes(w_ref[cols, ks], native=native)):
+      acc = acc + _dot_i32(byte_plane(x, j), w)
     return acc
 
   acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.int32))
-  rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   if config.split_k == 1:
-    o_ref[rows, cols] = _epilogue(acc, sx_ref[rows], sw_ref[pl.ds(0, 1)] if tensor_scale else sw_ref[cols],
-                                  o_ref.dtype)
-  else:  # int32 partial sums of split i_s at rows [i_s * m_pad, (i_s + 1) * m_pad)
-    o_ref[pl.ds(pl.multiple_of(i_s * m_pad + i_m * bm, bm), bm), cols] = acc
+    sx = plt.load(sx_ref.at[rows], mask=valid, other=0) if masked else sx_ref[rows]
+    out, out_rows = _epilogue(acc, sx, sw_ref[pl.ds(0, 1)] if tensor_scale else sw_ref[cols], o_ref.dtype), rows
+  else:  # int32 partial sums of split i_s
+    out, out_rows = acc, pl.ds(i_s * m_out + i_m * bm, bm)
+  if masked:
+    plt.store(o_ref.at[out_rows, cols], out, mask=valid[:, None])
+  else:
+    o_ref[out_rows, cols] = out
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "packed", "interpret"))
@@ -179,22 +220,25 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
   m = xq.shape[0]
   n, k_bytes = w.shape
   m_pad = -(-m // config.block_m) * config.block_m
+  # A GPU masks the tile's rows past M; the interpreter (CPU tests) cannot read past an array: it gets them padded.
+  masked = m_pad != m and not interpret
+  m_out = m if masked or m_pad == m else m_pad
   sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
   # One scale per tensor (BitNet's) stays one element: broadcast to [N] it is a kernel of its own on every
   # decode step (39 us per token of the 1B model at batch 8 on an H100), as in ternary_gemv.
   sw = w_scale.astype(jnp.float32).reshape(-1)
   tensor_scale = sw.size == 1
-  if m_pad != m:
-    xq = jnp.pad(xq, ((0, m_pad - m), (0, 0)))
-    sx = jnp.pad(sx, (0, m_pad - m))
-  if packed:  # x_perm[j * m_pad + r, i] = xq[r, 4 i + j]
-    xq = xq.reshape(m_pad, k_bytes, VALUES_PER_BYTE).transpose(2, 0, 1).reshape(VALUES_PER_BYTE * m_pad, k_bytes)
+  if m_out != m:
+    xq = jnp.pad(xq, ((0, m_out - m), (0, 0)))
+    sx = jnp.pad(sx, (0, m_out - m))
+  if packed:  # int32 words of four codes: a bitcast view, no copy
+    xq = lax.bitcast_convert_type(xq.reshape(m_out, k_bytes, VALUES_PER_BYTE), jnp.int32)
   split = config.split_k
-  out_shape = (out_struct((m_pad, n), out_dtype, xq, w, sx, sw) if split == 1
-               else out_struct((split * m_pad, n), jnp.int32, xq, w, sx, sw))
+  out_shape = (out_struct((m_out, n), out_dtype, xq, w, sx, sw) if split == 1
+               else out_struct((split * m_out, n), jnp.int32, xq, w, sx, sw))
   out = pl.pallas_call(
-      functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m_pad=m_pad, packed=packed,
-                        tensor_scale=tensor_scale),
+      functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m=m, m_out=m_out, packed=packed,
+                        tensor_scale=tensor_scale, masked=masked, native=not interpret),
       out_shape=out_shape,
       grid=(n // config.block_n, m_pad // config.block_m, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -202,8 +246,8 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
       name="jaxlowbit_a8w2_matmul" if packed else "jaxlowbit_a8w8_matmul",
   )(xq, w, sx, sw)
   if split > 1:
-    out = _epilogue(out.reshape(split, m_pad, n).sum(axis=0), sx, sw, out_dtype)
-  return out[:m] if m_pad != m else out
+    out = _epilogue(out.reshape(split, m_out, n).sum(axis=0), sx, sw, out_dtype)
+  return out[:m] if m_out != m else out
 
 
 def _run(xq, x_scale, w, w_scale, out_dtype, config, interpret, packed, who, base):
