@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import MIN_BLOCK_M, choose_split_k, fit_block, num_sms
+from pallas_kernels.w8a16 import MIN_BLOCK_M, choose_split_k, fit_block, num_sms, split_where_idle
 
 # int8 mma is m16n8k32: the K step must be at least 32 bytes.
 MIN_BLOCK_K = 32
@@ -75,16 +75,26 @@ class GemvConfig:
 # A8W8: x and w tiles are both int8, so a [16, 256] x tile costs a quarter of a [64, 256] w tile.
 A8W8_BASE = GemvConfig(block_m=16, block_n=64, block_k=256)
 # A8W2: one packed byte meets four activation bytes; wider N tiles keep the activation reads
-# (served from L2) at half the weight reads.
-A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64)
+# (served from L2) at half the weight reads. One H200 at M = 8 and 16 (2026-11-29, device time, 8 weights a call,
+# benchmarks/results/a8w2_m8_16_h200_6d76cc2.json): 128 x 64 on 4 stages was the best tiling or within 3% of it on
+# the 1B gate_up and down and on 4096 x 14336 and 14336 x 4096 (2.0-2.5x bf16). K unsplit where the tiles fill half
+# the SMs (gate_up, 128 tiles: 7.4 us against 8.2 split in four; 4096 x 14336 even), else split up to
+# A8W2_PROGRAMS_PER_SM programs an SM (the down projection's 16 tiles split 16: 5.2 us against 6.7 split 32).
+A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64, num_stages=4)
+A8W2_PROGRAMS_PER_SM, A8W2_UNSPLIT_FILL = 2, 0.5
 
 
 def config_for(m: int, n: int, k_bytes: int, base: GemvConfig, sms: int | None = None) -> GemvConfig:
-  """Tiling for M rows, an ``[N, k_bytes]`` weight: rows padded to a power of two (16..64), split-K."""
+  """Tiling for M rows, an ``[N, k_bytes]`` weight: rows padded to a power of two (16..64), split-K (A8W2: as
+  :data:`A8W2_BASE` says; A8W8: up to ``w8a16.PROGRAMS_PER_SM`` programs an SM)."""
   block_m = max(MIN_BLOCK_M, min(1 << max(m - 1, 0).bit_length(), 64))
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // block_m)) * max(n // block_n, 1)
-  split = choose_split_k(tiles, k_bytes, block_k, sms or num_sms())
+  sms = sms or num_sms()
+  if base == A8W2_BASE:
+    split = split_where_idle(tiles, k_bytes, block_k, sms, A8W2_PROGRAMS_PER_SM, A8W2_UNSPLIT_FILL)
+  else:
+    split = choose_split_k(tiles, k_bytes, block_k, sms)
   return dataclasses.replace(base, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split)
 
 

@@ -117,10 +117,11 @@ def choose_split_k(tiles: int, k: int, block_k: int, sms: int, programs_per_sm: 
   return split
 
 
-def split_where_idle(row_blocks: int, k: int, block_k: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-  """A decode GEMV's split of K: none where its row blocks alone fill the SMs (a split costs XLA's add after the
-  kernel, ~1.4 us at decode), else :func:`choose_split_k`."""
-  return 1 if row_blocks >= sms else choose_split_k(row_blocks, k, block_k, sms, programs_per_sm)
+def split_where_idle(row_blocks: int, k: int, block_k: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+                     fill: float = 1.0) -> int:
+  """A decode GEMV's split of K: none where its row blocks alone fill ``fill`` of the SMs (a split costs XLA's add
+  after the kernel, ~1.4 us at decode), else :func:`choose_split_k`."""
+  return 1 if row_blocks >= fill * sms else choose_split_k(row_blocks, k, block_k, sms, programs_per_sm)
 
 
 def fit_block(dim: int, block: int, minimum: int) -> int:
