@@ -10,9 +10,9 @@ int32 accumulation on int8 tensor cores and the epilogue in float32 in that orde
 as :func:`pallas_kernels.reference.scaled_matmul_reference` does, so results are
 bit-identical to the reference (and to BitNet's training forward).
 
-Decode is memory-bound on the weight: rows are padded to 16 (the smallest tensor-core M)
-and K is split across programs (split-K) so every SM streams weights; the int32 partial
-sums (``split x M x N``) are added by XLA, which is exact. These kernels are for small M;
+Decode is memory-bound on the weight: a tile takes 16 rows (the smallest tensor-core M; rows past M are masked)
+and K is split across programs (split-K) where the output tiles alone leave SMs idle, so every SM streams weights;
+the int32 partial sums (``split x M x N``) are then added by XLA, which is exact. These kernels are for small M;
 large M belongs on the Hopper wgmma GEMM (``pallas_kernels.dispatch.scaled_matmul``).
 
 Unpacking without an interleave: byte ``i`` of a packed row holds ``w[4i + j]`` in bits

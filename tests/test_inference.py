@@ -99,9 +99,10 @@ def test_int8_activation_kernels_interpret_bit_exact(m, n, k, out_dtype):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("m", [1, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 256])
 def test_kernels_lower_for_cuda(m):
-  """Triton-backend lowering (Pallas -> Triton IR) of each kernel for an H100, Llama-MLP-sized weights."""
+  """Triton-backend lowering (Pallas -> Triton IR) of each kernel for an H100, Llama-MLP-sized weights (M = 8: a
+  tile's rows past M masked; A8W2's weight decoded by inline PTX)."""
   k, n = 4096, 14336
   f = jax.ShapeDtypeStruct
   args = {
@@ -184,6 +185,13 @@ def test_gemv_configs_fill_the_gpu():
   assert w8a16.config_for(1, 1024, 4096, sms=132).split_k > 1
   config = int8_gemv.config_for(1, 4096, 14336 // 4, int8_gemv.A8W2_BASE, sms=132)
   assert int8_gemv.supports(4096, 14336 // 4, config) and config.split_k > 1
+  # A8W2 at M = 8: K unsplit where the tiles fill half the SMs (the 1B gate_up: no split-K add after it), else split
+  # up to A8W2_PROGRAMS_PER_SM programs an SM (the 1B down projection).
+  gate_up = int8_gemv.config_for(8, 16384, 2048 // 4, int8_gemv.A8W2_BASE, sms=132)
+  assert gate_up.split_k == 1 and 16384 // gate_up.block_n >= 66
+  down = int8_gemv.config_for(8, 2048, 8192 // 4, int8_gemv.A8W2_BASE, sms=132)
+  assert 1 < down.split_k and (2048 // down.block_n) * down.split_k <= int8_gemv.A8W2_PROGRAMS_PER_SM * 132
+  assert int8_gemv.supports(2048, 8192 // 4, down)
   assert w8a16.config_for(4096, 4096, 4096).split_k == 1  # large M: no split
 
 
