@@ -19,7 +19,7 @@ w8a8          XLA int8 dot (ties the A8W8 kernel)          Hopper wgmma (``dispa
                                                            once the output fills the GPU, else XLA
 ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
               weights unpacked in registers), M <= 32;
-              ``ternary_gemv`` (quantizer inside, dp4a) at M <= 4
+              ``ternary_gemv`` (quantizer inside, dp4a) at M <= 2
               (``policy.TERNARY_GEMV_MAX_M``)
 ============  ===========================================  ==========================================
 

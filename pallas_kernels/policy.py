@@ -78,7 +78,12 @@ TERNARY_KERNEL_MAX_M = 32
 # beside it. Its outputs equal the XLA quantizer + A8W2 reference bit for bit; a converted
 # layer reproduces its training forward also for float32 inputs since every layer rounds its input cast explicitly
 # (quantize.to_compute_dtype: XLA had dropped the bare float32 -> bf16 round trip inside its quantizer fusion).
-TERNARY_GEMV_MAX_M = 4
+# Since the A8W2 kernel reads x as int32 words and masks its rows (6d76cc2), it takes M = 4 on codes in as little time
+# as M = 16, and the GEMV's time grows with M (one dp4a per weight byte and row). One H200 (2026-11-29, device time,
+# benchmarks/results/ternary_m1_16_h200_4448fdb.json): at M = 2 the GEMV was faster on all seven 1B / 8B shapes
+# (4096 x 14336 8.0 us against 11.9, the 1B gate_up 6.4 / 7.3); at M = 4 the A8W2 kernel was faster or even
+# (4096 x 14336 11.9 / 17.0, gate_up 7.3 / 9.5, the 1B down and 4096 x 4096 within 2%).
+TERNARY_GEMV_MAX_M = 2
 # High-precision one-row dots (jaxlowbit.matmul; bf16 decode at batch 1): XLA on GPU strength-reduces a dot with
 # one row whose operands hold fewer than 10M elements into multiply + reduce, which read the bf16 weight at
 # 0.6-1.3 TB/s on an H100 against its GEMM's 2.2-2.8. Given a second (zero) row the dot stays a GEMM: 2048 x 3072

@@ -95,13 +95,13 @@ def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
-  """M = 1..4 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 4); M = 5 and a weight it cannot
+  """M = 1..2 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 2); M = 3 and a weight it cannot
   tile do not, and 0 turns it off."""
-  assert policy.TERNARY_GEMV_MAX_M == 4
+  assert policy.TERNARY_GEMV_MAX_M == 2
   assert inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
   assert inference_dispatch.ternary_gemv_wanted(1, 4096, 3584)
-  assert inference_dispatch.ternary_gemv_wanted(4, 4096, 3584)
-  assert not inference_dispatch.ternary_gemv_wanted(5, 14336, 1024)
+  assert inference_dispatch.ternary_gemv_wanted(2, 4096, 3584)
+  assert not inference_dispatch.ternary_gemv_wanted(3, 14336, 1024)
   assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024)
   monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 0)
   assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
