@@ -50,8 +50,8 @@ def test_w8a16_kernel_on_gpu(m, k, n):
 
 
 @needs_sm80
-@pytest.mark.parametrize("m", [1, 3, 16, 40, 64])
-@pytest.mark.parametrize("k,n", [(4096, 1024), (1024, 4096)])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 40, 64])
+@pytest.mark.parametrize("k,n", [(4096, 1024), (1024, 4096), (2048, 16384)])  # the last: A8W2 with K unsplit
 def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
   kx, kw, kt, ks = jax.random.split(fresh_key(), 4)
   xq, sx = _int8(kx, (m, k)), jax.random.uniform(ks, (m, 1), minval=1e-3, maxval=1e-1)
