@@ -181,24 +181,8 @@ def weight_planes(packed: jax.Array, native: bool) -> list[jax.Array]:
   return [plane.astype(jnp.int8) for plane in planes]
 
 
-# Byte j of four int32 words into one register: two byte permutes take byte j of words 0, 1 and of words 2, 3, a
-# third joins the pairs (PTX prmt: selector nibble i names the source byte of result byte i, 0-3 the first operand,
-# 4-7 the second).
-_BYTE_PLANE_ASM = """{{
-.reg .b32 lo, hi;
-prmt.b32 lo, $1, $2, {select}; prmt.b32 hi, $3, $4, {select}; prmt.b32 $0, lo, hi, 0x5410;
-}}"""
-# Whether the GPU extracts x's byte planes with prmt (:data:`_BYTE_PLANE_ASM`) instead of int32 shifts.
-X_PLANES_ASM = False
-
-
-def byte_plane(words: jax.Array, j: int, native: bool = False) -> jax.Array:
-  """Byte ``j`` of each int32 word, as int8 (signed). ``native``: PTX byte permutes, four words at a time."""
-  if native and X_PLANES_ASM:
-    select = f"{j | (VALUES_PER_BYTE + j) << 4:#x}"
-    return plt.elementwise_inline_asm(_BYTE_PLANE_ASM.format(select=select), args=[words], constraints="=r,r,r,r,r",
-                                      pack=VALUES_PER_BYTE,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int8)])[0]
+def byte_plane(words: jax.Array, j: int) -> jax.Array:
+  """Byte ``j`` of each int32 word, as int8 (signed)."""
   byte = lax.shift_right_arithmetic(lax.shift_left(words, BYTE_TOP_SHIFT - BYTE_BITS * j), BYTE_TOP_SHIFT)
   return byte.astype(jnp.int8)
 
@@ -226,7 +210,7 @@ def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_sp
     if not packed:
       return acc + _dot_i32(x, w_ref[cols, ks])
     for j, w in enumerate(weight_planes(w_ref[cols, ks], native=native)):
-      acc = acc + _dot_i32(byte_plane(x, j, native), w)
+      acc = acc + _dot_i32(byte_plane(x, j), w)
     return acc
 
   acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.int32))

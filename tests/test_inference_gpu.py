@@ -94,9 +94,15 @@ def test_ternary_conversion_reproduces_bitnet_forward_on_gpu(m):
 
 
 @needs_sm80
-def test_forced_kernels_and_xla_agree_on_a_model():
+def test_forced_kernels_and_xla_agree_on_a_model(monkeypatch):
+  """The forced GEMM kernels (A8W8, A8W2: exact int32 sums, the reference's epilogue) give XLA's logits bit for bit;
+  W8A16 within its bound. The norms stay on XLA in both runs: the decode norm kernel, which a forced backend runs for
+  up to 16 rows, sums the mean square in another order (``dispatch.norm_rows``: equal up to that order; its own tests
+  bound it), and one norm value a rounding apart changes an int8 code and every logit of its row (79 of 6144 logits
+  differed on an H200 for one draw of tokens)."""
   from train.model import ModelConfig, Transformer
 
+  monkeypatch.setattr(policy, "DECODE_NORM_KERNEL", False)
   config = ModelConfig(vocab_size=384, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=768,
                        recipe=BitNet())
   tokens = jax.random.randint(fresh_key(), (2, 8), 0, 384)
