@@ -250,9 +250,9 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
   return rows
 
 
-# Kernel tilings tried by --sweep at each --sweep-m (decode pads rows to 16, so M <= 16 runs the same tiles; the
-# ternary GEMV only M <= 4): (block_n, block_k, split_k); split_k None = the automatic split. block_k counts weight
-# bytes.
+# Kernel tilings tried by --sweep at each --sweep-m (a tile takes 16 rows, those past M masked, so M <= 16 runs the
+# same tiles; the ternary GEMV only M <= 4): (block_n, block_k, split_k); split_k None = the automatic split. block_k
+# counts weight bytes.
 SWEEP = {
     "w8a16": [(16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1), (16, 256, None), (32, 256, None),
               (64, 256, None), (128, 128, None)],
@@ -312,9 +312,9 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
             base = int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE
             config = dataclasses.replace(int8_gemv.config_for(m, n, k_bytes, base), block_n=block_n, block_k=block_k,
                                          split_k=1)
-            if split is None:
-              config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k_bytes, block_k,
-                                                                                 w8a16.num_sms()))
+            if split is None:  # the shipped rule for this kernel (int8_gemv.split_for)
+              tiles = -(-m // config.block_m) * (n // block_n)
+              config = dataclasses.replace(config, split_k=int8_gemv.split_for(config, tiles, k_bytes))
             call = int8_gemv.a8w2_matmul_kernel if packed else int8_gemv.a8w8_matmul_kernel
             fn = chain(lambda a, w, c=config, f=call: f(a, sx, w, sw, config=c))
             args, nbytes = (xq, wp if packed else wq), n * k_bytes

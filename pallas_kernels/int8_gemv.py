@@ -20,7 +20,7 @@ Unpacking without an interleave: byte ``i`` of a packed row holds ``w[4i + j]`` 
 into K order, the kernel runs four int8 dots, one per bit position ``j``. The activations arrive as
 int32 words, a bitcast view of the int8 row (word ``i`` holds ``x[4i .. 4i+3]``, byte ``j`` is
 ``x[4i + j]``), so the operand of dot ``j`` is byte ``j`` of every word: no copy of x outside the
-kernel. On a GPU one PTX sequence decodes four codes a byte per instruction group (:func:`weight_planes`),
+kernel. On a GPU one PTX sequence per plane decodes code ``j`` of four packed bytes (:func:`weight_planes`),
 and a tile's rows past M are masked (x reads as zeros there, those output rows are not written), so
 M is never padded by a kernel of its own; the interpreter (CPU tests) gets x padded instead.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import MIN_BLOCK_M, choose_split_k, fit_block, num_sms, split_where_idle
+from pallas_kernels.w8a16 import MIN_BLOCK_M, PROGRAMS_PER_SM, fit_block, num_sms, split_where_idle
 
 # int8 mma is m16n8k32: the K step must be at least 32 bytes.
 MIN_BLOCK_K = 32
@@ -62,6 +63,8 @@ class GemvConfig:
       A8W8, packed bytes = 4 values for A8W2).
     split_k: programs that share an output tile, each summing ``1 / split_k`` of K.
     num_warps, num_stages: Triton launch parameters.
+    programs_per_sm, unsplit_fill: how :func:`config_for` splits K (:func:`split_for`): up to ``programs_per_sm``
+      programs an SM, none where the output tiles fill ``unsplit_fill`` of the SMs (``inf``: always split).
   """
 
   block_m: int = 16
@@ -70,6 +73,8 @@ class GemvConfig:
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  programs_per_sm: int = PROGRAMS_PER_SM
+  unsplit_fill: float = math.inf
 
 
 # A8W8: x and w tiles are both int8, so a [16, 256] x tile costs a quarter of a [64, 256] w tile.
@@ -77,25 +82,29 @@ A8W8_BASE = GemvConfig(block_m=16, block_n=64, block_k=256)
 # A8W2: one packed byte meets four activation bytes; wider N tiles keep the activation reads
 # (served from L2) at half the weight reads. One H200 at M = 8 and 16 (2026-11-29, device time, 8 weights a call,
 # benchmarks/results/a8w2_m8_16_h200_6d76cc2.json): 128 x 64 on 4 stages was the best tiling or within 3% of it on
-# the 1B gate_up and down and on 4096 x 14336 and 14336 x 4096 (2.0-2.5x bf16). K unsplit where the tiles fill half
+# the 1B gate_up and down and on 4096 x 14336 and 14336 x 4096 (1.9-2.6x bf16). K unsplit where the tiles fill half
 # the SMs (gate_up, 128 tiles: 7.4 us against 8.2 split in four; 4096 x 14336 even), else split up to
 # A8W2_PROGRAMS_PER_SM programs an SM (the down projection's 16 tiles split 16: 5.2 us against 6.7 split 32).
-A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64, num_stages=4)
 A8W2_PROGRAMS_PER_SM, A8W2_UNSPLIT_FILL = 2, 0.5
+A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64, num_stages=4, programs_per_sm=A8W2_PROGRAMS_PER_SM,
+                       unsplit_fill=A8W2_UNSPLIT_FILL)
 
 
 def config_for(m: int, n: int, k_bytes: int, base: GemvConfig, sms: int | None = None) -> GemvConfig:
-  """Tiling for M rows, an ``[N, k_bytes]`` weight: rows padded to a power of two (16..64), split-K (A8W2: as
-  :data:`A8W2_BASE` says; A8W8: up to ``w8a16.PROGRAMS_PER_SM`` programs an SM)."""
+  """Tiling for M rows, an ``[N, k_bytes]`` weight: ``block_m`` a power of two (16..64; a tile's rows past M are
+  masked), ``base``'s block sizes fitted to the weight, and K split by :func:`split_for`."""
   block_m = max(MIN_BLOCK_M, min(1 << max(m - 1, 0).bit_length(), 64))
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // block_m)) * max(n // block_n, 1)
-  sms = sms or num_sms()
-  if base == A8W2_BASE:
-    split = split_where_idle(tiles, k_bytes, block_k, sms, A8W2_PROGRAMS_PER_SM, A8W2_UNSPLIT_FILL)
-  else:
-    split = choose_split_k(tiles, k_bytes, block_k, sms)
-  return dataclasses.replace(base, block_m=block_m, block_n=block_n, block_k=block_k, split_k=split)
+  config = dataclasses.replace(base, block_m=block_m, block_n=block_n, block_k=block_k)
+  return dataclasses.replace(config, split_k=split_for(config, tiles, k_bytes, sms))
+
+
+def split_for(config: GemvConfig, tiles: int, k_bytes: int, sms: int | None = None) -> int:
+  """The split of K for ``tiles`` output tiles of ``config`` over ``k_bytes`` weight bytes: none where the tiles fill
+  ``config.unsplit_fill`` of the SMs, else up to ``config.programs_per_sm`` programs an SM (``w8a16.split_where_idle``).
+  """
+  return split_where_idle(tiles, k_bytes, config.block_k, sms or num_sms(), config.programs_per_sm, config.unsplit_fill)
 
 
 def supports(n: int, k_bytes: int, config: GemvConfig) -> bool:
@@ -163,7 +172,8 @@ shr.u32 t, $1, {shift}; and.b32 t, t, 0x03030303; and.b32 s, t, 0x02020202; mul.
 
 
 def weight_planes(packed: jax.Array, native: bool) -> list[jax.Array]:
-  """int8 packed bytes ``[..]`` -> the four int8 code planes (plane ``j``: each byte's weight ``j``, in -1..1).
+  """int8 packed bytes (any shape, e.g. a ``[block_n, block_k]`` tile) -> four int8 arrays of that shape, plane ``j``
+  holding each byte's weight ``j`` (-1, 0 or 1).
 
   ``native``: inline PTX on four bytes at a time (:data:`_PLANE_ASM`); otherwise shifts on int32, for the Pallas
   interpreter. Both give the same values.
@@ -182,7 +192,7 @@ def weight_planes(packed: jax.Array, native: bool) -> list[jax.Array]:
 
 
 def byte_plane(words: jax.Array, j: int) -> jax.Array:
-  """Byte ``j`` of each int32 word, as int8 (signed)."""
+  """int32 words (any shape, e.g. a ``[block_m, block_k]`` tile of x) -> byte ``j`` of each, as int8 of that shape."""
   byte = lax.shift_right_arithmetic(lax.shift_left(words, BYTE_TOP_SHIFT - BYTE_BITS * j), BYTE_TOP_SHIFT)
   return byte.astype(jnp.int8)
 
@@ -232,7 +242,7 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
   m_pad = -(-m // config.block_m) * config.block_m
   # A GPU masks the tile's rows past M; the interpreter (CPU tests) cannot read past an array: it gets them padded.
   masked = m_pad != m and not interpret
-  m_out = m if masked or m_pad == m else m_pad
+  m_out = m_pad if interpret else m
   sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
   # One scale per tensor (BitNet's) stays one element: broadcast to [N] it is a kernel of its own on every
   # decode step (39 us per token of the 1B model at batch 8 on an H100), as in ternary_gemv.

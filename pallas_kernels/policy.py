@@ -209,7 +209,7 @@ def ternary_weights_on_kernel(backend: str) -> bool:
 # Fewer rows than this are quantized by XLA under auto: decode at batch 2..16 quantizes a few rows per linear per
 # token, and the rows kernel (8 rows per program) then ran one program on one SM: [8, 8192] in ~9 us on an H100,
 # 268 us per token of the 1B ternary model at batch 8 (inference_decode_profile_1b_batch8_h100_2129284.json);
-# XLA spreads the rows' reduction and its codes fuse into the A8W2 kernel's pad and permute of x. Training's
+# XLA spreads the rows' reduction, and the A8W2 kernel reads its codes as they are (a bitcast view). Training's
 # operands (thousands of token rows) keep the kernels.
 QUANTIZE_KERNEL_MIN_ROWS = 64
 

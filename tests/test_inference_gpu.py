@@ -60,8 +60,9 @@ def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
     np.testing.assert_array_equal(int8_gemv.a8w8_matmul_kernel(xq, sx, wq, sw, out_dtype),
                                   scaled_matmul_reference(xq, sx, wq, sw, out_dtype))
     wt = jax.random.randint(kt, (n, k), -1, 2, jnp.int32).astype(jnp.int8)
-    np.testing.assert_array_equal(int8_gemv.a8w2_matmul_kernel(xq, sx, pack_2bit(wt), jnp.float32(0.02), out_dtype),
-                                  scaled_matmul_reference(xq, sx, wt, jnp.float32(0.02), out_dtype))
+    for scale in (jnp.float32(0.02), sw):  # BitNet's one scale, and one per output row
+      np.testing.assert_array_equal(int8_gemv.a8w2_matmul_kernel(xq, sx, pack_2bit(wt), scale, out_dtype),
+                                    scaled_matmul_reference(xq, sx, wt, scale, out_dtype))
 
 
 @needs_sm80
