@@ -161,8 +161,8 @@ def _dot_i32(a, b):
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
-# A GPU decodes the four 2-bit planes of four packed bytes (one 32-bit register) per group of PTX: shift plane j to
-# the low bits of each byte, mask, and widen the sign (0b11 -> 0xFF) by or-ing in 0xFC where bit 1 is set
+# A GPU decodes plane j of four packed bytes (one 32-bit register) with one group of PTX: shift code j to the low
+# bits of each byte, mask, and widen the sign (0b11 -> 0xFF) by or-ing in 0xFC where bit 1 is set
 # ((byte & 2) * 0x7E = 0xFC never carries into the next byte). Every step acts on each byte alone, so the register's
 # byte order does not matter.
 _PLANE_ASM = """{{
