@@ -42,7 +42,8 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import MIN_BLOCK_M, PROGRAMS_PER_SM, fit_block, num_sms, split_where_idle
+from pallas_kernels.w8a16 import (MIN_BLOCK_M, PROGRAMS_PER_SM, fit_block, load_rows, num_sms, split_where_idle,
+                                  store_rows, tile_rows)
 
 # int8 mma is m16n8k32: the K step must be at least 32 bytes.
 MIN_BLOCK_K = 32
@@ -216,7 +217,7 @@ def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_sp
 
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
-    x = plt.load(x_ref.at[rows, ks], mask=valid[:, None], other=0) if masked else x_ref[rows, ks]
+    x = load_rows(x_ref.at[rows, ks], valid, masked)
     if not packed:
       return acc + _dot_i32(x, w_ref[cols, ks])
     for j, w in enumerate(weight_planes(w_ref[cols, ks], native=native)):
@@ -225,24 +226,18 @@ def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_sp
 
   acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bm, bn), jnp.int32))
   if config.split_k == 1:
-    sx = plt.load(sx_ref.at[rows], mask=valid, other=0) if masked else sx_ref[rows]
+    sx = load_rows(sx_ref.at[rows], valid, masked)
     out, out_rows = _epilogue(acc, sx, sw_ref[pl.ds(0, 1)] if tensor_scale else sw_ref[cols], o_ref.dtype), rows
   else:  # int32 partial sums of split i_s
     out, out_rows = acc, pl.ds(i_s * m_out + i_m * bm, bm)
-  if masked:
-    plt.store(o_ref.at[out_rows, cols], out, mask=valid[:, None])
-  else:
-    o_ref[out_rows, cols] = out
+  store_rows(o_ref.at[out_rows, cols], out, valid, masked)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "packed", "interpret"))
 def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: bool, interpret: bool):
   m = xq.shape[0]
   n, k_bytes = w.shape
-  m_pad = -(-m // config.block_m) * config.block_m
-  # A GPU masks the tile's rows past M; the interpreter (CPU tests) cannot read past an array: it gets them padded.
-  masked = m_pad != m and not interpret
-  m_out = m_pad if interpret else m
+  masked, m_out = tile_rows(m, config.block_m, interpret)
   sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
   # One scale per tensor (BitNet's) stays one element: broadcast to [N] it is a kernel of its own on every
   # decode step (39 us per token of the 1B model at batch 8 on an H100), as in ternary_gemv.
@@ -260,7 +255,7 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
       functools.partial(_kernel, config=config, k_per_split=k_bytes // split, m=m, m_out=m_out, packed=packed,
                         tensor_scale=tensor_scale, masked=masked, native=not interpret),
       out_shape=out_shape,
-      grid=(n // config.block_n, m_pad // config.block_m, split),
+      grid=(n // config.block_n, -(-m // config.block_m), split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="jaxlowbit_a8w2_matmul" if packed else "jaxlowbit_a8w8_matmul",

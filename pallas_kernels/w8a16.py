@@ -124,6 +124,32 @@ def split_where_idle(row_blocks: int, k: int, block_k: int, sms: int, programs_p
   return 1 if row_blocks >= fill * sms else choose_split_k(row_blocks, k, block_k, sms, programs_per_sm)
 
 
+def tile_rows(m: int, block_m: int, interpret: bool) -> tuple[bool, int]:
+  """How a kernel of ``block_m``-row tiles holds M rows: ``(masked, m_out)``. A GPU masks a tile's rows past M
+  (``masked``: x and the output hold the M rows, :func:`load_rows` / :func:`store_rows`); the interpreter (CPU tests)
+  cannot read past an array, so there x and the output are padded to ``m_out`` rows, a whole number of tiles."""
+  m_pad = -(-m // block_m) * block_m
+  return m_pad != m and not interpret, m_pad if interpret else m
+
+
+def _row_mask(view, valid: jax.Array) -> jax.Array:
+  return valid[(slice(None),) + (None,) * (len(view.shape) - 1)]  # [rows, 1, ...]
+
+
+def load_rows(view, valid: jax.Array, masked: bool) -> jax.Array:
+  """A tile ``view`` (``ref.at[rows, ...]``) read in a kernel; with ``masked`` its rows where ``valid [rows]`` is
+  False read as zeros and are never touched."""
+  return plt.load(view, mask=_row_mask(view, valid), other=0) if masked else view[...]
+
+
+def store_rows(view, value: jax.Array, valid: jax.Array, masked: bool) -> None:
+  """``value`` written to the tile ``view``; with ``masked`` only its rows where ``valid [rows]`` holds."""
+  if masked:
+    plt.store(view, value, mask=_row_mask(view, valid))
+  else:
+    view[...] = value
+
+
 def fit_block(dim: int, block: int, minimum: int) -> int:
   """``block`` halved until it divides ``dim`` (not below ``minimum``; the caller checks the fit)."""
   while block > minimum and dim % block:
@@ -219,13 +245,13 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
-  valid = (i_m * bm + jnp.arange(bm) < m)[:, None]
+  valid = i_m * bm + jnp.arange(bm) < m
   k0 = i_s * k_per_split
   deferred = bm == GEMV_BLOCK_M and not config.reduce_per_step
 
   def step(t, acc):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
-    x = plt.load(x_ref.at[rows, ks], mask=valid, other=0) if masked else x_ref[rows, ks]
+    x = load_rows(x_ref.at[rows, ks], valid, masked)
     if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
       products = int8_to_float32(w_ref[cols, ks]) * x.astype(jnp.float32)
       return acc + (products if deferred else jnp.sum(products, axis=1)[None, :])
@@ -238,22 +264,16 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
     acc = jnp.sum(acc, axis=1)[None, :]
   out = (acc * scale[None, :]).astype(o_ref.dtype) if apply_scale else acc
   out_rows = rows if apply_scale else pl.ds(i_s * m_out + i_m * bm, bm)
-  if masked:
-    plt.store(o_ref.at[out_rows, cols], out, mask=valid)
-  else:
-    o_ref[out_rows, cols] = out
+  store_rows(o_ref.at[out_rows, cols], out, valid, masked)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool):
   m, k = x.shape
   n = wq.shape[0]
-  m_pad = -(-m // config.block_m) * config.block_m
-  # A GPU masks the tile's rows past M; the interpreter (CPU tests) cannot read past an array: it gets them padded.
-  masked = m_pad != m and not interpret
-  if m_pad != m and not masked:
-    x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-  m_out = m if masked else m_pad
+  masked, m_out = tile_rows(m, config.block_m, interpret)
+  if m_out != m:
+    x = jnp.pad(x, ((0, m_out - m), (0, 0)))
   split = config.split_k
   scale = w_scale.astype(jnp.float32).reshape(n)
   out_shape = (out_struct((m_out, n), out_dtype, x, wq, scale) if split == 1
@@ -262,7 +282,7 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
       functools.partial(_kernel, config=config, k_per_split=k // split, m=m, m_out=m_out, apply_scale=split == 1,
                         masked=masked),
       out_shape=out_shape,
-      grid=(n // config.block_n, m_pad // config.block_m, split),
+      grid=(n // config.block_n, -(-m // config.block_m), split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="jaxlowbit_w8a16_matmul",
