@@ -444,7 +444,12 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
   batch = fsdp.shard_batch((x, g), plan)
   value, grads = jax.jit(fsdp.value_and_grad(loss_fn, plan))(sharded, scales, batch)
   in_layer = jax.jit(fsdp.evaluate(loss_fn, plan))  # no precomputed scales: each layer reduces its own
-  np.testing.assert_allclose(in_layer(sharded, None, batch), value, rtol=1e-3)  # a ternary tie may round apart
+  # The loss averages terms out * g of about |x g| each, which cancel to ~1e-3 of that: a bound relative to the loss
+  # would be one on the cancellation. Two compiles may round a tie apart (one token's int8 code one step off: seed
+  # 446630889 moved the loss by 9.6e-6, ~1e-5 of the terms' scale, where rtol 1e-5 allowed 3e-8), so each comparison
+  # also allows 1e-4 of the terms' scale; a wrong shard, scale or gather moves the loss by about that scale itself.
+  tie = 1e-4 * float(np.mean(np.abs(np.asarray(x) * np.asarray(g))))
+  np.testing.assert_allclose(in_layer(sharded, None, batch), value, rtol=1e-3, atol=tie)  # a ternary tie too
   # The reference quantizes with the same scales (BitNet's abs-sum rounds per sharding).
   unsharded, host_scales = fsdp.plan_for_model(model, params, x, mesh=None), jax.device_get(scales)
   ref_value, ref_grads = jax.jit(jax.value_and_grad(
@@ -452,10 +457,12 @@ def test_plan_shards_stacked_kernels_along_k_and_scan_runs(mesh):
                                                                     scales=host_scales) * xg[1]),
                                      (x.reshape(8, 8, 32), g.reshape(8, 8, 32))))
   ))(params)
-  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=tie)
+  # The gradients are exact up to sum order (7-9e-8 apart on 39 of 40 seeds) unless a tie rounds apart: seed 8 had
+  # one, 1.0e-3 / 6.3e-4 apart. A wrong shard or a missed reduction is O(1) apart.
   for path in (("ScanBlock_0", "down", "kernel"), ("ScanBlock_0", "up", "bias")):
     a, b = (flatten(t)[path] for t in (grads, ref_grads))
-    assert rel_err(a, b) < 1e-4, path
+    assert rel_err(a, b) < 1e-2, path
 
 
 def test_trainer_model_runs_under_fsdp(mesh):
