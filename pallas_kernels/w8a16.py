@@ -24,7 +24,8 @@ At M = 1 a small weight (up to :data:`GEMV_MAX_ELEMENTS`) is summed on CUDA core
 float32: a bf16 times an int8 value is exact in float32), its weights made float32 by bit operations
 (:func:`int8_to_float32`, exact), not the quarter-rate conversion instruction. A larger one takes a 16-row
 tensor-core tile, 15 rows of it masked (:data:`M1_TENSOR_CORE_TILING`): the int8 -> bf16 conversion and the mma cost
-fewer instructions per weight byte than the float32 products.
+fewer instructions per weight byte than the float32 products. Its K is split only where the column tiles leave SMs
+idle (:data:`M1_UNSPLIT_FILL`).
 
 Reference: :func:`w8a16_matmul_reference`.
 """
@@ -70,6 +71,13 @@ GEMV_SPLIT_TILING = (16, 512)
 # at batch 1, same process: 1,591 tokens/s against 1,480 with every M = 1 linear on that GEMV
 # (decode_1b_h200_f59842f.json). Weights of up to GEMV_MAX_ELEMENTS stay on CUDA cores (GEMV_TILING).
 M1_TENSOR_CORE_TILING = (64, 128, 4, 4)
+# K unsplit on that tiling where its column tiles alone fill this share of the SMs, as on the GEMV: the split's add
+# cost more than the idle SMs. One H200 (2026-11-29, w8a16_convert_h200_47916ea.json, device time, the 1B gate_up
+# 2048 x 16384 (256 tiles): 11.6 us unsplit against 13.4 split in two with XLA's add; 4096 x 14336 (224 tiles): 19.6
+# against 21.5; 14336 x 4096 (64 tiles) unsplit: 39.3 against 19.7 split. Same shapes, in one later run
+# (w8a16_m1_unsplit_h200_47916ea.json): 11.3 against 12.7 and 19.0 against 20.0. The 1B decode at batch 1 did not
+# move (1,655 tokens/s against 1,661): there XLA fuses the add into the SwiGLU pass that runs either way.
+M1_UNSPLIT_FILL = 1.0
 GEMV_MAX_ELEMENTS = 2048 * 3072  # the largest weight measured faster on the GEMV (GEMV_TILING)
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
@@ -177,8 +185,8 @@ def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
     base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // base.block_m)) * max(n // block_n, 1)
-  if gemv:
-    split = split_where_idle(tiles, k, block_k, sms)
+  if m == GEMV_BLOCK_M:
+    split = split_where_idle(tiles, k, block_k, sms, fill=1.0 if gemv else M1_UNSPLIT_FILL)
   else:
     split = choose_split_k(tiles, k, block_k, sms) if m <= 64 else 1
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)

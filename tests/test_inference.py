@@ -183,6 +183,12 @@ def test_gemv_configs_fill_the_gpu():
     assert config.block_m == w8a16.GEMV_BLOCK_M and config.split_k == 1 and not config.reduce_per_step
     assert n // config.block_n >= 132
   assert w8a16.config_for(1, 1024, 4096, sms=132).split_k > 1
+  # M = 1 on tensor cores: K unsplit where the column tiles fill the SMs (the 1B gate_up, 256 tiles: no split-K add),
+  # split where they do not (the 1B down projection, 32 tiles).
+  gate_up = w8a16.config_for(1, 16384, 2048, sms=132)
+  assert gate_up.block_m == w8a16.MIN_BLOCK_M and gate_up.split_k == 1 and 16384 // gate_up.block_n >= 132
+  down = w8a16.config_for(1, 2048, 8192, sms=132)
+  assert down.block_m == w8a16.MIN_BLOCK_M and down.split_k > 1 and w8a16.supports(2048, 8192, down)
   config = int8_gemv.config_for(1, 4096, 14336 // 4, int8_gemv.A8W2_BASE, sms=132)
   assert int8_gemv.supports(4096, 14336 // 4, config) and config.split_k > 1
   # A8W2 at M = 8: K unsplit where the tiles fill half the SMs (the 1B gate_up: no split-K add after it), else split
