@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxlowbit_numerics import fp8, int8
 from pallas_kernels import policy
 from pallas_kernels.reference import quantize_rows_reference
 
@@ -61,6 +62,56 @@ def bf16_values_close(got, want, max_fraction=0.01, steps=1):
   bad = differ & ~(np.abs(got - want) <= steps * 2.0**-7 * np.abs(want))
   assert not bad.any(), (f"{bad.sum()} values over {steps} bf16 step(s), first at {np.argwhere(bad)[0]}: "
                          f"{got[bad][0]} against {want[bad][0]}")
+
+
+def codes_close(got, want, spec, max_fraction=0.01):
+  """Equal codes except where a rounding boundary moved (the norm's sum order, exp's ulps): one step."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  differ = got != want
+  assert differ.mean() <= max_fraction, differ.mean()
+  if spec.is_int8:
+    assert np.all(np.abs(got - want)[differ] <= 1)
+  else:  # one fp8 step: within the format's relative spacing
+    assert np.all(np.abs(got - want)[differ] <= 0.13 * np.abs(want)[differ] + 1e-6)
+
+
+def _scale_of(amax, spec):
+  """The dequant scale ``formats.quantize`` gives a group whose amax is ``amax`` (float32, any shape)."""
+  if spec.is_int8:
+    return int8.int8_scale(amax, spec.eps)
+  return 1.0 / fp8.fp8_scale(amax, spec.jnp_dtype, spec.power_of_two)
+
+
+def _codes_at(y, scale, spec):
+  """``y`` quantized with a given dequant ``scale`` (broadcast over ``y``'s groups)."""
+  if spec.is_int8:
+    return int8.quantize_int8_with_scale(y, scale)
+  return fp8.cast_to_fp8(y, 1.0 / scale, spec.jnp_dtype)
+
+
+def quantized_close(got, want, y, spec, max_fraction=0.01):
+  """Codes and scales of one layout against the reference, in lockstep where a group's amax moved.
+
+  ``y`` is the prologue's output in the layout's orientation (groups along axis 1 for per-row scales
+  ``[G, 1]``, along axis 0 for ``[1, G]``). The prologue rounds to bfloat16, so an ulp of float32 in the
+  norm's sum or ``exp`` can move the rounding of a group's amax element by one bfloat16 step (2**-8 to 2**-7
+  relative). Each scale must be within ``rtol=1e-5`` of the scale of an amax within one step of the
+  reference amax (a power-of-two scale can then double); where it differs from the reference's, that
+  group's codes are compared with the reference's ``y`` quantized at the kernel's scale
+  (:func:`codes_close`).
+  """
+  q, s = got
+  want_q, want_s = want
+  assert q.shape == want_q.shape and q.dtype == want_q.dtype and s.shape == want_s.shape
+  y = np.asarray(y, np.float32)
+  size = np.abs(y)
+  amax = size.max() if spec.per_tensor else size.max(axis=1 if s.shape[1] == 1 else 0).reshape(s.shape)
+  low, high = (np.asarray(_scale_of(jnp.float32(amax * f), spec)) for f in (1 - 2.0**-7, 1 + 2.0**-7))
+  s, want_s = np.asarray(s), np.asarray(want_s)
+  assert np.all((s >= low * (1 - 1e-5)) & (s <= high * (1 + 1e-5))), (s, want_s)
+  moved = ~np.isclose(s, want_s, rtol=1e-5, atol=0)
+  lockstep = np.where(moved, np.asarray(_codes_at(y, s, spec), np.float32), 0)
+  codes_close(q, np.where(moved, lockstep, np.asarray(want_q, np.float32)), spec, max_fraction)
 
 
 def needs_devices(n: int):
