@@ -44,6 +44,12 @@ def _norm_inputs(key, name: str, rows: int, width: int, dtype):
   return inputs, gamma
 
 
+def _steps(source) -> int:
+  """bf16 steps between the kernel's normalized value and XLA's: one rounding; a gated source's own rounding of
+  ``act(gate) * up`` (float32 products in another order, ``exp``'s ulps) may land on the other neighbour and carry."""
+  return 2 if isinstance(source, SwiGLU) else 1
+
+
 def _float64_norm(values, gamma, eps):
   v = np.asarray(values, np.float64)
   return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * np.asarray(gamma, np.float64)
@@ -62,7 +68,7 @@ def test_norm_rows_kernel_equals_the_xla_norm(name, rows, width):
     np.testing.assert_array_equal(want[1], inputs[0] + inputs[1])
     got, want = got[0], want[0]
   assert got.shape == (rows, width) and got.dtype == jnp.bfloat16
-  bf16_values_close(got, want, max_fraction=0.05, steps=1)
+  bf16_values_close(got, want, max_fraction=0.05, steps=_steps(source))
   exact = _float64_norm(source.reference(inputs), gamma, 1e-5)
   # One bf16 rounding (half a step, 2^-8 relative) plus the float32 mean square's error (a sum of up to 16384
   # squares: ~1e-5 relative, bounded by 1e-4); a gated source's own rounding of act(gate) * up may land on the
@@ -419,7 +425,7 @@ def test_norm_rows_kernel_on_gpu(name, rows, width):
   if write_source:
     np.testing.assert_array_equal(got[1], want[1])
     got, want = got[0], want[0]
-  bf16_values_close(got, want, max_fraction=0.05, steps=1)
+  bf16_values_close(got, want, max_fraction=0.05, steps=_steps(source))
 
 
 # (batch, cache length, position): the 1B model's short decode; a cache split over programs, 2 per SM on 132 SMs

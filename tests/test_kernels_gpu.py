@@ -235,7 +235,7 @@ def test_swiglu_norm_grad_kernel_matches_reference_at_1b_shapes():
   inputs = (dy, h, gate_up, gamma, rstd, row_mean)
   got, partials = jax.jit(lambda a: qk.prologue_kernel(a, qk.SwiGLUNormGrad()))(inputs)
   want, dgamma = jax.jit(qk.SwiGLUNormGrad().reference)(inputs)
-  bf16_values_close(got, want)
+  bf16_values_close(got, want, steps=2)  # dh is rounded to bf16, then d gate_up: a moved first rounding carries
   atol = 1e-4 * float(jnp.max(jnp.abs(dgamma)))
   np.testing.assert_allclose(jnp.sum(partials, axis=0), dgamma[0], rtol=1e-4, atol=atol)
   # With its maxima (the gate_up linear's measured gradient): d gate_up as the plain kernel writes it up to a moved

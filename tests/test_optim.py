@@ -174,13 +174,17 @@ def test_apply_step_is_the_unfused_step(name):
     p1, s1 = fused(grads, s1, p1)
     p2, s2 = unfused(grads, s2, p2)
   assert jax.tree.structure(s1) == jax.tree.structure(s2)
+  flipped = False
   for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
     assert a.dtype == b.dtype and np.mean(np.asarray(a) != np.asarray(b)) <= 1e-3
+    flipped |= not np.array_equal(np.asarray(a), np.asarray(b))
   for leaf in params:
     moved = np.max(np.abs(np.asarray(p2[leaf]) - np.asarray(params[leaf])))
     assert moved > 0
-    # A moment code that flips at a tie moves its element's update by one code step (~1%).
-    np.testing.assert_allclose(p1[leaf], p2[leaf], rtol=0, atol=0.02 * moved)
+    # Float32 rounding, where every moment code agrees; a code that flipped at a tie moves its element's update by
+    # one code step (~1% of the update at 8 bits, up to ~30% at 4): then the few elements it touched may differ by
+    # up to that, and the next line bounds how many.
+    np.testing.assert_allclose(p1[leaf], p2[leaf], rtol=0, atol=(0.5 if flipped else 0.02) * moved)
     assert np.mean(np.abs(np.asarray(p1[leaf]) - np.asarray(p2[leaf])) > 1e-6 * moved) <= 1e-3, leaf
 
 
