@@ -293,17 +293,16 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
           if kernel == "ternary_gemv":
             config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m, codes=True), block_n=block_n,
                                          block_k=block_k, split_k=1)
-            if split is None:
-              config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k // 4, block_k,
-                                                                                 w8a16.num_sms()))
+            if split is None:  # the shipped rule for this tiling (w8a16.SplitRule)
+              config = dataclasses.replace(config, split_k=config.split_rule.split_k(n // block_n, k // 4, block_k))
             fn = chain(lambda a, w, c=config: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c))
             args, nbytes = (xq, wp), n * k // 4
           elif kernel == "w8a16":
             auto = w8a16.config_for(m, n, k)
             config = dataclasses.replace(auto, block_n=block_n, block_k=block_k, split_k=1)
             if split is None:
-              config = dataclasses.replace(config, split_k=w8a16.choose_split_k(n // block_n, k, block_k,
-                                                                                 w8a16.num_sms()))
+              tiles = -(-m // config.block_m) * (n // block_n)
+              config = dataclasses.replace(config, split_k=config.split_rule.split_k(tiles, k, block_k))
             fn = chain(lambda a, w, c=config: w8a16.w8a16_matmul_kernel(a, w, sw, config=c))
             args, nbytes = (x, wq), n * k
           else:
@@ -312,9 +311,9 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
             base = int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE
             config = dataclasses.replace(int8_gemv.config_for(m, n, k_bytes, base), block_n=block_n, block_k=block_k,
                                          split_k=1)
-            if split is None:  # the shipped rule for this kernel (int8_gemv.split_for)
+            if split is None:
               tiles = -(-m // config.block_m) * (n // block_n)
-              config = dataclasses.replace(config, split_k=int8_gemv.split_for(config, tiles, k_bytes))
+              config = dataclasses.replace(config, split_k=config.split_rule.split_k(tiles, k_bytes, block_k))
             call = int8_gemv.a8w2_matmul_kernel if packed else int8_gemv.a8w8_matmul_kernel
             fn = chain(lambda a, w, c=config, f=call: f(a, sx, w, sw, config=c))
             args, nbytes = (xq, wp if packed else wq), n * k_bytes

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +41,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import (MIN_BLOCK_M, PROGRAMS_PER_SM, fit_block, load_rows, num_sms, split_where_idle,
-                                  store_rows, tile_rows)
+from pallas_kernels.w8a16 import MIN_BLOCK_M, SplitRule, fit_block, load_rows, store_rows, tile_rows
 
 # int8 mma is m16n8k32: the K step must be at least 32 bytes.
 MIN_BLOCK_K = 32
@@ -64,8 +62,7 @@ class GemvConfig:
       A8W8, packed bytes = 4 values for A8W2).
     split_k: programs that share an output tile, each summing ``1 / split_k`` of K.
     num_warps, num_stages: Triton launch parameters.
-    programs_per_sm, unsplit_fill: how :func:`config_for` splits K (:func:`split_for`): up to ``programs_per_sm``
-      programs an SM, none where the output tiles fill ``unsplit_fill`` of the SMs (``inf``: always split).
+    split_rule: how :func:`config_for` splits K for this tiling (``w8a16.SplitRule``).
   """
 
   block_m: int = 16
@@ -74,8 +71,7 @@ class GemvConfig:
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
-  programs_per_sm: int = PROGRAMS_PER_SM
-  unsplit_fill: float = math.inf
+  split_rule: SplitRule = SplitRule()
 
 
 # A8W8: x and w tiles are both int8, so a [16, 256] x tile costs a quarter of a [64, 256] w tile.
@@ -87,25 +83,18 @@ A8W8_BASE = GemvConfig(block_m=16, block_n=64, block_k=256)
 # the SMs (gate_up, 128 tiles: 7.4 us against 8.2 split in four; 4096 x 14336 even), else split up to
 # A8W2_PROGRAMS_PER_SM programs an SM (the down projection's 16 tiles split 16: 5.2 us against 6.7 split 32).
 A8W2_PROGRAMS_PER_SM, A8W2_UNSPLIT_FILL = 2, 0.5
-A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64, num_stages=4, programs_per_sm=A8W2_PROGRAMS_PER_SM,
-                       unsplit_fill=A8W2_UNSPLIT_FILL)
+A8W2_BASE = GemvConfig(block_m=16, block_n=128, block_k=64, num_stages=4,
+                       split_rule=SplitRule(A8W2_PROGRAMS_PER_SM, A8W2_UNSPLIT_FILL))
 
 
 def config_for(m: int, n: int, k_bytes: int, base: GemvConfig, sms: int | None = None) -> GemvConfig:
   """Tiling for M rows, an ``[N, k_bytes]`` weight: ``block_m`` a power of two (16..64; a tile's rows past M are
-  masked), ``base``'s block sizes fitted to the weight, and K split by :func:`split_for`."""
+  masked), ``base``'s block sizes fitted to the weight, and K split by ``base.split_rule``."""
   block_m = max(MIN_BLOCK_M, min(1 << max(m - 1, 0).bit_length(), 64))
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // block_m)) * max(n // block_n, 1)
-  config = dataclasses.replace(base, block_m=block_m, block_n=block_n, block_k=block_k)
-  return dataclasses.replace(config, split_k=split_for(config, tiles, k_bytes, sms))
-
-
-def split_for(config: GemvConfig, tiles: int, k_bytes: int, sms: int | None = None) -> int:
-  """The split of K for ``tiles`` output tiles of ``config`` over ``k_bytes`` weight bytes: none where the tiles fill
-  ``config.unsplit_fill`` of the SMs, else up to ``config.programs_per_sm`` programs an SM (``w8a16.split_where_idle``).
-  """
-  return split_where_idle(tiles, k_bytes, config.block_k, sms or num_sms(), config.programs_per_sm, config.unsplit_fill)
+  return dataclasses.replace(base, block_m=block_m, block_n=block_n, block_k=block_k,
+                             split_k=base.split_rule.split_k(tiles, k_bytes, block_k, sms))
 
 
 def supports(n: int, k_bytes: int, config: GemvConfig) -> bool:

@@ -43,7 +43,7 @@ from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
 from pallas_kernels.int8_gemv import check_a8w2
 from pallas_kernels.vma import out_struct
-from pallas_kernels.w8a16 import PROGRAMS_PER_SM, choose_split_k, fit_block, num_sms, split_where_idle
+from pallas_kernels.w8a16 import SplitRule, fit_block
 
 # Rows of x a program keeps partial sums for: each adds block_n x block_k int32 registers per thread block
 # (block_n with reduce_per_step) and, per step, the quantization and packing of its activations. Tried to 16 on an
@@ -58,7 +58,8 @@ class TernaryGemvConfig:
   """Tiling (powers of two): ``block_n`` weight rows and ``block_k`` packed bytes per step; ``split_k``
   programs share a row block; Triton's ``num_warps`` and ``num_stages``. ``reduce_per_step`` sums each step's
   products across K at once (``[block_n]`` partial sums per row of x instead of ``[block_n, block_k]``): fewer
-  registers for M > 1, one cross-lane reduction per step."""
+  registers for M > 1, one cross-lane reduction per step. ``split_rule``: how :func:`config_for` splits K for this
+  tiling (``w8a16.SplitRule``)."""
 
   block_n: int = 32
   block_k: int = 128
@@ -66,21 +67,7 @@ class TernaryGemvConfig:
   num_warps: int = 4
   num_stages: int = 3
   reduce_per_step: bool = False
-
-
-# Tilings from the H100 sweep of the dp4a kernel (2026-11-27, benchmarks/results/ternary_gemv_dp4a_sweep_h100.json,
-# quantizer inside, 8 Llama and 1B shapes): M = 1: 16 rows x 512 bytes, summed across K once at the end (4096 x
-# 14336: 10.7 us; one reduction per step: 17.6); M = 2..4: 16 rows x 256 bytes, one reduction per step (the lowest
-# total over the shapes at M = 4; 64 x 128 on 8 warps, the old kernel's best, was 2-7x slower here).
-DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4)
-BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
-# M = 1 on pre-quantized codes (a decode norm's: no amax pass for a program to repeat): 8 rows x 512 bytes was the
-# fastest or within 8% of it on 7 of 8 Llama 1B / 8B shapes and 3-15% under 16 x 512 (H200, device time, 16 weights
-# per call; benchmarks/results/ternary_gemv_codes_sweep_h200_48e3989.json). The one K of 2048 bytes or more that a
-# 1024-byte step divides (the 1B down projection, 8192 x 2048: 256 row blocks, so unsplit) took 3.3 us with such
-# steps on 8 warps against 4.1 with 512 on 4 and 4.1 split in four; 14336 x 4096 (3584 bytes) keeps 512-byte steps.
-CODES_TILING = TernaryGemvConfig(block_n=8, block_k=512, num_warps=4)
-CODES_LONG_K, CODES_LONG_K_TILING = 2048, TernaryGemvConfig(block_n=8, block_k=1024, num_warps=8)
+  split_rule: SplitRule = SplitRule()
 
 
 # Split-K costs an XLA kernel after the GEMV (the partial sums' add and the epilogue). At M = 1 it pays only where
@@ -92,6 +79,22 @@ CODES_LONG_K, CODES_LONG_K_TILING = 2048, TernaryGemvConfig(block_n=8, block_k=1
 # 8-row blocks fill the SMs and it runs unsplit (CODES_TILING). At M = 4 the split up to four programs per SM stays:
 # 14336 x 4096 34.8 us split against 42.6 (4096 x 4096 went the other way, 20.3 against 12.9).
 DECODE_PROGRAMS_PER_SM = 4
+DECODE_SPLIT = SplitRule(DECODE_PROGRAMS_PER_SM, unsplit_fill=1.0)
+
+# Tilings from the H100 sweep of the dp4a kernel (2026-11-27, benchmarks/results/ternary_gemv_dp4a_sweep_h100.json,
+# quantizer inside, 8 Llama and 1B shapes): M = 1: 16 rows x 512 bytes, summed across K once at the end (4096 x
+# 14336: 10.7 us; one reduction per step: 17.6); M = 2..4: 16 rows x 256 bytes, one reduction per step (the lowest
+# total over the shapes at M = 4; 64 x 128 on 8 warps, the old kernel's best, was 2-7x slower here).
+DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4, split_rule=DECODE_SPLIT)
+BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
+# M = 1 on pre-quantized codes (a decode norm's: no amax pass for a program to repeat): 8 rows x 512 bytes was the
+# fastest or within 8% of it on 7 of 8 Llama 1B / 8B shapes and 3-15% under 16 x 512 (H200, device time, 16 weights
+# per call; benchmarks/results/ternary_gemv_codes_sweep_h200_48e3989.json). The one K of 2048 bytes or more that a
+# 1024-byte step divides (the 1B down projection, 8192 x 2048: 256 row blocks, so unsplit) took 3.3 us with such
+# steps on 8 warps against 4.1 with 512 on 4 and 4.1 split in four; 14336 x 4096 (3584 bytes) keeps 512-byte steps.
+CODES_TILING = TernaryGemvConfig(block_n=8, block_k=512, num_warps=4, split_rule=DECODE_SPLIT)
+CODES_LONG_K, CODES_LONG_K_TILING = 2048, TernaryGemvConfig(block_n=8, block_k=1024, num_warps=8,
+                                                           split_rule=DECODE_SPLIT)
 
 
 def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, codes: bool = False) -> TernaryGemvConfig:
@@ -106,12 +109,7 @@ def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, codes: 
     long_k = k_bytes >= CODES_LONG_K and k_bytes % CODES_LONG_K_TILING.block_k == 0
     base = CODES_LONG_K_TILING if long_k else CODES_TILING
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
-  sms = sms or num_sms()
-  row_blocks = max(n // block_n, 1)
-  if m > 1:
-    split = choose_split_k(row_blocks, k_bytes, block_k, sms, PROGRAMS_PER_SM)
-  else:
-    split = split_where_idle(row_blocks, k_bytes, block_k, sms, DECODE_PROGRAMS_PER_SM)
+  split = base.split_rule.split_k(max(n // block_n, 1), k_bytes, block_k, sms)
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,28 +85,6 @@ MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-@dataclasses.dataclass(frozen=True)
-class W8A16Config:
-  """Tiling of one kernel instance (all powers of two, as Triton requires).
-
-  Attributes:
-    block_m, block_n, block_k: tile of the output rows, output columns and the K step; ``block_m = 1``
-      sums on CUDA cores (:data:`GEMV_BLOCK_M`), larger ones on tensor cores.
-    split_k: programs that share one output tile, each summing ``K / split_k`` of K.
-    num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the K loop).
-    reduce_per_step: ``block_m = 1`` only: sum each step's products across K at once (``[block_n]`` partial sums);
-      False keeps ``[block_n, block_k]`` partial sums and reduces them once after the loop.
-  """
-
-  block_m: int = 16
-  block_n: int = 64
-  block_k: int = 256
-  split_k: int = 1
-  num_warps: int = 4
-  num_stages: int = 3
-  reduce_per_step: bool = True
-
-
 def _next_pow2(x: int) -> int:
   return 1 << max(x - 1, 0).bit_length()
 
@@ -130,6 +109,54 @@ def split_where_idle(row_blocks: int, k: int, block_k: int, sms: int, programs_p
   """A decode GEMV's split of K: none where its row blocks alone fill ``fill`` of the SMs (a split costs XLA's add
   after the kernel, ~1.4 us at decode), else :func:`choose_split_k`."""
   return 1 if row_blocks >= fill * sms else choose_split_k(row_blocks, k, block_k, sms, programs_per_sm)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRule:
+  """How a kernel's ``config_for`` splits K over programs that share an output tile (split-K; XLA adds their
+  float32 partial sums after the kernel). The one policy of the W8A16, A8W8 / A8W2 and ternary GEMV kernels; each
+  tiling carries its own rule, measured where it is defined.
+
+  Attributes:
+    programs_per_sm: K is halved (each part a multiple of ``block_k``) while the grid holds at most this many
+      programs an SM (:func:`choose_split_k`); 0 never splits.
+    unsplit_fill: K stays whole where the output tiles alone fill this share of the SMs (:func:`split_where_idle`);
+      ``inf``: split wherever ``programs_per_sm`` allows.
+  """
+
+  programs_per_sm: int = PROGRAMS_PER_SM
+  unsplit_fill: float = math.inf
+
+  def split_k(self, tiles: int, k: int, block_k: int, sms: int | None = None) -> int:
+    """The split of ``k`` (weight elements or bytes) for ``tiles`` output tiles, ``block_k`` a step."""
+    return split_where_idle(tiles, k, block_k, sms or num_sms(), self.programs_per_sm, self.unsplit_fill)
+
+
+NEVER_SPLIT = SplitRule(programs_per_sm=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A16Config:
+  """Tiling of one kernel instance (all powers of two, as Triton requires).
+
+  Attributes:
+    block_m, block_n, block_k: tile of the output rows, output columns and the K step; ``block_m = 1``
+      sums on CUDA cores (:data:`GEMV_BLOCK_M`), larger ones on tensor cores.
+    split_k: programs that share one output tile, each summing ``K / split_k`` of K.
+    num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the K loop).
+    reduce_per_step: ``block_m = 1`` only: sum each step's products across K at once (``[block_n]`` partial sums);
+      False keeps ``[block_n, block_k]`` partial sums and reduces them once after the loop.
+    split_rule: how :func:`config_for` chose ``split_k`` for this tiling (:class:`SplitRule`).
+  """
+
+  block_m: int = 16
+  block_n: int = 64
+  block_k: int = 256
+  split_k: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+  reduce_per_step: bool = True
+  split_rule: SplitRule = SplitRule()
 
 
 def tile_rows(m: int, block_m: int, interpret: bool) -> tuple[bool, int]:
@@ -166,30 +193,28 @@ def fit_block(dim: int, block: int, minimum: int) -> int:
 
 
 def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
-  """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M."""
-  sms = sms or num_sms()
+  """The tiling for an ``[M, K] x [N, K]`` problem: GEMV-style for small M, tiles for large M; K split by the
+  tiling's :class:`SplitRule`."""
   gemv = m == GEMV_BLOCK_M and n * k <= GEMV_MAX_ELEMENTS
   if gemv:  # GEMV_TILING where its row blocks fill the SMs (then unsplit), else GEMV_SPLIT_TILING
-    fills = n // GEMV_TILING[0] >= sms
+    fills = n // GEMV_TILING[0] >= (sms or num_sms())
     block_n, block_k = GEMV_TILING if fills else GEMV_SPLIT_TILING
     base = W8A16Config(block_m=GEMV_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
-                       reduce_per_step=not fills)
+                       reduce_per_step=not fills, split_rule=SplitRule(unsplit_fill=1.0))
   elif m == GEMV_BLOCK_M:
     block_n, block_k, warps, stages = M1_TENSOR_CORE_TILING
-    base = W8A16Config(block_m=MIN_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    base = W8A16Config(block_m=MIN_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                       split_rule=SplitRule(unsplit_fill=M1_UNSPLIT_FILL))
   elif m <= MIN_BLOCK_M:
     base = W8A16Config(block_m=MIN_BLOCK_M, block_n=64, block_k=256, num_warps=4, num_stages=3)
   elif m <= 64:
     base = W8A16Config(block_m=_next_pow2(m), block_n=64, block_k=128, num_warps=4, num_stages=3)
-  else:
-    base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+  else:  # large M: the row tiles fill the GPU
+    base = W8A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, split_rule=NEVER_SPLIT)
   block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k, base.block_k, MIN_BLOCK_K)
   tiles = (-(-m // base.block_m)) * max(n // block_n, 1)
-  if m == GEMV_BLOCK_M:
-    split = split_where_idle(tiles, k, block_k, sms, fill=1.0 if gemv else M1_UNSPLIT_FILL)
-  else:
-    split = choose_split_k(tiles, k, block_k, sms) if m <= 64 else 1
-  return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
+  return dataclasses.replace(base, block_n=block_n, block_k=block_k,
+                             split_k=base.split_rule.split_k(tiles, k, block_k, sms))
 
 
 def supports(n: int, k: int, config: W8A16Config) -> bool:

@@ -30,7 +30,7 @@ from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.int8 import quantize_int8
 from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
-from pallas_kernels import inference_dispatch, int8_gemv, policy, w8a16
+from pallas_kernels import inference_dispatch, int8_gemv, policy, ternary_gemv, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
@@ -199,6 +199,22 @@ def test_gemv_configs_fill_the_gpu():
   assert 1 < down.split_k and (2048 // down.block_n) * down.split_k <= int8_gemv.A8W2_PROGRAMS_PER_SM * 132
   assert int8_gemv.supports(2048, 8192 // 4, down)
   assert w8a16.config_for(4096, 4096, 4096).split_k == 1  # large M: no split
+
+
+def test_one_split_rule_for_every_gemv():
+  """w8a16.SplitRule: K halved while the grid stays within programs_per_sm programs an SM and each part a whole
+  number of K steps; whole where the tiles fill unsplit_fill of the SMs; NEVER_SPLIT never. Each kernel's
+  config_for splits by the rule its tiling carries."""
+  rule = w8a16.SplitRule(programs_per_sm=4)
+  assert rule.split_k(32, 14336, 128, sms=132) == 16 and rule.split_k(32, 14336, 1024, sms=132) == 2
+  assert rule.split_k(200, 4096, 128, sms=132) == 2  # 400 programs <= 528 < 800
+  assert w8a16.SplitRule(4, unsplit_fill=1.0).split_k(132, 4096, 128, sms=132) == 1
+  assert w8a16.SplitRule(4, unsplit_fill=1.0).split_k(131, 4096, 128, sms=132) == 4  # 524 programs
+  assert w8a16.NEVER_SPLIT.split_k(1, 1 << 20, 32, sms=132) == 1
+  for config, tiles, k in ((w8a16.config_for(1, 2048, 8192, sms=132), 2048 // 64, 8192),
+                           (int8_gemv.config_for(8, 2048, 2048, int8_gemv.A8W2_BASE, sms=132), 2048 // 128, 2048),
+                           (ternary_gemv.config_for(2048, 2048, sms=132, m=1), 2048 // 16, 2048)):
+    assert config.split_k == config.split_rule.split_k(tiles, k, config.block_k, sms=132) > 1, config
 
 
 def test_dispatch_errors_and_reference_on_cpu(monkeypatch):

@@ -18,7 +18,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import inference_dispatch, int8_gemv, policy, ternary_gemv
+from pallas_kernels import inference_dispatch, int8_gemv, policy, ternary_gemv, w8a16
 from pallas_kernels.reference import quantize_rows_reference
 from helpers import fresh_key, tie_free_activations
 
@@ -142,7 +142,7 @@ def test_codes_tiling_at_m1_on_132_sms(n, k, tiling):
 def test_prequantized_gemv_default_codes_tiling_is_bit_identical(monkeypatch):
   """The pre-quantized GEMV on its default tiling (8-row blocks, unsplit, four 1024-byte steps of K) == the A8W2
   reference, bit for bit, with one weight scale and with one per output channel (loaded before the K loop)."""
-  monkeypatch.setattr(ternary_gemv, "num_sms", lambda: 8)  # 8 row blocks fill 8 SMs: no split-K
+  monkeypatch.setattr(w8a16, "num_sms", lambda: 8)  # 8 row blocks fill 8 SMs: no split-K (w8a16.SplitRule)
   key = fresh_key()
   m, n, k = 1, 64, 16384
   xq, x_scale, w_packed, w_scale = _operands(key, m, n, k)
