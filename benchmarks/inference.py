@@ -290,33 +290,28 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
       for block_n, block_k, split in SWEEP[kernel]:
         row = {"k": k, "n": n, "m": m, "kernel": kernel, "block_n": block_n, "block_k": block_k}
         try:
+          # Each kernel's shipped tiling, how it runs, its operands, its rows per tile and weight bytes per row; then
+          # the sweep's block shape and split (None: the tiling's shipped rule, w8a16.SplitRule).
           if kernel == "ternary_gemv":
-            config = dataclasses.replace(ternary_gemv.config_for(n, k // 4, m=m, codes=True), block_n=block_n,
-                                         block_k=block_k, split_k=1)
-            if split is None:  # the shipped rule for this tiling (w8a16.SplitRule)
-              config = dataclasses.replace(config, split_k=config.split_rule.split_k(n // block_n, k // 4, block_k))
-            fn = chain(lambda a, w, c=config: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c))
-            args, nbytes = (xq, wp), n * k // 4
+            config = ternary_gemv.config_for(n, k // 4, m=m, codes=True)
+            run = lambda a, w, c: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c)  # noqa: E731
+            args, block_m, k_bytes = (xq, wp), m, k // 4  # one program holds every row
           elif kernel == "w8a16":
-            auto = w8a16.config_for(m, n, k)
-            config = dataclasses.replace(auto, block_n=block_n, block_k=block_k, split_k=1)
-            if split is None:
-              tiles = -(-m // config.block_m) * (n // block_n)
-              config = dataclasses.replace(config, split_k=config.split_rule.split_k(tiles, k, block_k))
-            fn = chain(lambda a, w, c=config: w8a16.w8a16_matmul_kernel(a, w, sw, config=c))
-            args, nbytes = (x, wq), n * k
+            config = w8a16.config_for(m, n, k)
+            run = lambda a, w, c: w8a16.w8a16_matmul_kernel(a, w, sw, config=c)  # noqa: E731
+            args, block_m, k_bytes = (x, wq), config.block_m, k
           else:
             packed = kernel == "a8w2"
             k_bytes = k // 4 if packed else k
-            base = int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE
-            config = dataclasses.replace(int8_gemv.config_for(m, n, k_bytes, base), block_n=block_n, block_k=block_k,
-                                         split_k=1)
-            if split is None:
-              tiles = -(-m // config.block_m) * (n // block_n)
-              config = dataclasses.replace(config, split_k=config.split_rule.split_k(tiles, k_bytes, block_k))
+            config = int8_gemv.config_for(m, n, k_bytes, int8_gemv.A8W2_BASE if packed else int8_gemv.A8W8_BASE)
             call = int8_gemv.a8w2_matmul_kernel if packed else int8_gemv.a8w8_matmul_kernel
-            fn = chain(lambda a, w, c=config, f=call: f(a, sx, w, sw, config=c))
-            args, nbytes = (xq, wp if packed else wq), n * k_bytes
+            run = lambda a, w, c, f=call: f(a, sx, w, sw, config=c)  # noqa: E731
+            args, block_m = (xq, wp if packed else wq), config.block_m
+          tiles = -(-m // block_m) * (n // block_n)
+          split_k = config.split_rule.split_k(tiles, k_bytes, block_k) if split is None else split
+          config = dataclasses.replace(config, block_n=block_n, block_k=block_k, split_k=split_k)
+          fn = chain(lambda a, w, c=config, r=run: r(a, w, c))
+          nbytes = n * k_bytes
           row["split_k"] = config.split_k
           compiled = fn.lower(*args).compile()
           row.update(launched(time_runs(compiled, *args, iters=iters, runs=runs, per_call=layers)))
