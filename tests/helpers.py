@@ -110,8 +110,8 @@ def quantized_close(got, want, y, spec, max_fraction=0.01):
   s, want_s = np.asarray(s), np.asarray(want_s)
   assert np.all((s >= low * (1 - 1e-5)) & (s <= high * (1 + 1e-5))), (s, want_s)
   moved = ~np.isclose(s, want_s, rtol=1e-5, atol=0)
-  lockstep = np.where(moved, np.asarray(_codes_at(y, s, spec), np.float32), 0)
-  codes_close(q, np.where(moved, lockstep, np.asarray(want_q, np.float32)), spec, max_fraction)
+  lockstep = np.where(moved, np.asarray(_codes_at(y, s, spec), np.float32), np.asarray(want_q, np.float32))
+  codes_close(q, lockstep, spec, max_fraction)
 
 
 def needs_devices(n: int):
