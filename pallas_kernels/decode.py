@@ -81,15 +81,15 @@ class Add:
 
 
 def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool,
-                      quantize: QuantSpec | None, native: bool, row=None):
+                      quantize: QuantSpec | None, native: bool):
   """Inputs (the source prologue's), gamma; outputs: the normed row (``quantize``: its codes and their scale), and
-  the source's values with ``write_source``. ``row``: the row this program norms (default: its program id)."""
+  the source's values with ``write_source``."""
   inputs, gamma_ref = refs[:n_inputs], refs[n_inputs]
   outs = list(refs[n_inputs + 1:])
   y_ref = outs.pop(0)
   scale_ref = outs.pop(0) if quantize is not None else None
   source_ref = outs.pop(0) if write_source else None
-  rows = pl.ds(pl.program_id(0) if row is None else row, 1)
+  rows = pl.ds(pl.program_id(0), 1)
   n_chunks = width // chunk
   resident = source.values(inputs, rows, pl.ds(0, chunk), None) if n_chunks == 1 else None
   # A resident row's gamma is loaded with it, not after the mean square: its trip to memory overlaps the row's (1B
