@@ -99,20 +99,21 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype, split: Split = N
 
 
 def _norm_rows(inputs: tuple[jax.Array, ...], scale: jax.Array, source: Prologue, norm: RmsNorm,
-               options: DispatchOptions | None, write_source: bool = False, quantize: QuantSpec | None = None):
+               options: DispatchOptions | None, write_source: bool = False, quantize: QuantSpec | None = None,
+               keep_values: bool = False):
   """:func:`pallas_kernels.dispatch.norm_rows` of inputs ``[..., C_i]``, its outputs shaped ``[..., C]``; with
   ``quantize`` (:func:`decode_quantization`) the normed output is the :class:`LowBitOperand` ``[M, C]`` of its
-  per-row codes instead."""
+  per-row codes instead (``keep_values``: with the normed ``[M, C]`` as its ``values``)."""
   lead = inputs[0].shape[:-1]
   flat = tuple(a.reshape(-1, a.shape[-1]) for a in inputs)
-  out = dispatch.norm_rows(flat, scale, source, norm, write_source, options, quantize)
+  out = dispatch.norm_rows(flat, scale, source, norm, write_source, options, quantize, keep_values)
   y, values = out if write_source else (out, None)
   if quantize is None:
     y = y.reshape(*lead, y.shape[-1])
   else:
-    codes, code_scale = y
+    codes, code_scale, *kept = y
     carrier = carrier_like(codes.shape, norm.dtype, *inputs)
-    y = LowBitOperand(QuantizedMatrix(codes, code_scale, quantize), None, carrier)
+    y = LowBitOperand(QuantizedMatrix(codes, code_scale, quantize), None, carrier, kept[0] if kept else None)
   return (y, values.reshape(*lead, values.shape[-1])) if write_source else y
 
 
@@ -124,34 +125,49 @@ def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Rec
           and dispatch.norm_rows_on_kernel(x.size // x.shape[-1], resolve(options).dispatch()))
 
 
-def decode_quantization(recipe: Recipe | None, options: ExecutionOptions | None) -> QuantSpec | None:
+def decode_quantization(recipe: Recipe | None, options: ExecutionOptions | None,
+                        linears: bool = False) -> QuantSpec | None:
   """The per-row spec in which a decode step's norm (where :func:`decode_norm_runs`) hands the linear reading it its
   input, or None (the norm writes its output and the linear quantizes it).
 
   A model converted for inference says how its converted linears take a quantized input
-  (``ExecutionOptions.decode_inputs``: ternary's per-token int8); the norm quantizes for a linear whose ``recipe``
-  quantizes its input rows that way (BitNet's). The codes are those the linear's own quantizer makes of the norm's
-  output, so only the launch that makes them moves: the norm's kernel writes them (one more sweep over a row it
-  holds) and the GEMV reads int8 codes instead of quantizing bf16 rows.
+  (``ExecutionOptions.decode_inputs``: ternary's and W8A8's per-token int8). The norm quantizes for a linear whose
+  ``recipe`` quantizes its input rows that way (BitNet's), and, where the caller says that ``linears`` read its
+  output, for linears of no recipe (a high-precision model converted for W8A8): those may have been left out of
+  the conversion, so the norm then writes its output too (:func:`keeps_values`). The codes are those the linear's
+  own quantizer makes of the norm's output, so only the launch that makes them moves: the norm's kernel writes them
+  (one more sweep over a row it holds) and the linear reads int8 codes instead of quantizing bf16 rows.
   """
   spec = resolve(options).decode_inputs
-  how = None if recipe is None else recipe.input_quantization()
-  return spec if spec is not None and how is not None and how.rows == spec else None
+  if spec is None:
+    return None
+  if recipe is None:
+    return spec if linears else None
+  how = recipe.input_quantization()
+  return spec if how is not None and how.rows == spec else None
+
+
+def keeps_values(recipe: Recipe | None) -> bool:
+  """Whether a decode norm handing codes (:func:`decode_quantization`) writes its output beside them: for readers of
+  no recipe, which run in high precision where a conversion left them out."""
+  return recipe is None
 
 
 def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
-                     split: Split | None = None, *, options: ExecutionOptions | None = None):
+                     split: Split | None = None, *, options: ExecutionOptions | None = None, linears: bool = False):
   """``(rms_norm_for(x + delta, ...), x + delta)``: a pre-norm and the residual sum it reads.
 
   ``x``, ``delta [..., C]``: the residual stream and what a sublayer adds to it. Where the norm runs as the decode
   kernel (:func:`decode_norm_runs`) and both have one dtype, the sum is formed and normalized in the same launch
   (the sum in float32, rounded once to x's dtype, as XLA adds); else ``x + delta`` then :func:`rms_norm_for`.
+  ``linears``: as :func:`rms_norm_for`.
   """
   if x.dtype == delta.dtype and decode_norm_runs(x, options, recipe, split):
     return _norm_rows((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
-                      write_source=True, quantize=decode_quantization(recipe, options))
+                      write_source=True, quantize=decode_quantization(recipe, options, linears),
+                      keep_values=keeps_values(recipe))
   total = x + delta
-  return rms_norm_for(total, scale, eps, recipe, dtype, split, options=options), total
+  return rms_norm_for(total, scale, eps, recipe, dtype, split, options=options, linears=linears), total
 
 
 def _norm_row_mean(dy, x, scale, rstd, split: Split = NO_SPLIT) -> jax.Array:
@@ -208,13 +224,16 @@ _rms_norm_quantized.defvjp(_rms_norm_quantized_fwd, _rms_norm_quantized_bwd)
 
 
 def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | None, dtype,
-                 split: Split | None = None, *, options: ExecutionOptions | None = None) -> jax.Array | LowBitOperand:
+                 split: Split | None = None, *, options: ExecutionOptions | None = None,
+                 linears: bool = False) -> jax.Array | LowBitOperand:
   """RMSNorm of ``x [..., C]`` (``scale [C]``), quantized for the linear that reads it when ``recipe`` allows.
 
   ``split`` (tensor parallelism, inside ``shard_map``): how this device's x is split (module
   docstring); with ``Split(cols=...)``, x and scale hold this device's ``C / n`` features.
   ``options``: the kernels' backend, ``fused_quantizers`` (off: the normed array) and ``decode_inputs`` (a
   decode step's per-row codes for a converted linear: :func:`decode_quantization`).
+  ``linears``: only linear layers (Dense) read the output, none through a norm of its own: a decode step may then
+  hand codes to linears of no recipe too (:func:`decode_quantization`).
 
   Returns:
     a :class:`LowBitOperand` ``[M, C]`` when ``recipe.input_quantization()`` says how (the norm's
@@ -222,9 +241,10 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
-  if (spec := decode_quantization(recipe, options)) is not None and decode_norm_runs(x, options, recipe, split):
+  spec = decode_quantization(recipe, options, linears)
+  if spec is not None and decode_norm_runs(x, options, recipe, split):
     return _norm_rows((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
-                      quantize=spec)
+                      quantize=spec, keep_values=keeps_values(recipe))
   how = fused_quantization(recipe, options, split)
   if how is None:
     return rms_norm(x, scale, eps, dtype, split, resolve(options).dispatch())
@@ -411,5 +431,5 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
                                     jnp.dtype(dtype), resolve(options).dispatch(split), activation)
 
 
-__all__ = ["add_rms_norm_for", "decode_norm_runs", "decode_quantization", "fused_quantization", "measured_values",
-           "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "swiglu_rms_norm_for"]
+__all__ = ["add_rms_norm_for", "decode_norm_runs", "decode_quantization", "fused_quantization", "keeps_values",
+           "measured_values", "rms_norm", "rms_norm_for", "swiglu", "swiglu_for", "swiglu_rms_norm_for"]

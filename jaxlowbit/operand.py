@@ -99,11 +99,15 @@ class LowBitOperand:
     transposed: its transpose ``[C, R]`` quantized (x^T for grad_weight, W^T for the forward), or None.
     carrier: ``[R, C]`` array of the operand's dtype, never read; its cotangent is the operand's
       gradient (make it with :func:`carrier_like`).
+    values: ``[R, C]``, the operand itself in its dtype where its producer wrote it too, or None. A decode
+      norm writes it beside the codes for linears a conversion may have left in high precision
+      (``jaxlowbit.fused.decode_quantization``); no gradient reaches it.
   """
 
   rows: QuantizedMatrix | None
   transposed: QuantizedMatrix | None
   carrier: jax.Array
+  values: jax.Array | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:

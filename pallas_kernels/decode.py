@@ -81,13 +81,14 @@ class Add:
 
 
 def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool,
-                      quantize: QuantSpec | None, native: bool):
-  """Inputs (the source prologue's), gamma; outputs: the normed row (``quantize``: its codes and their scale), and
-  the source's values with ``write_source``."""
+                      quantize: QuantSpec | None, keep_values: bool, native: bool):
+  """Inputs (the source prologue's), gamma; outputs: the normed row (``quantize``: its codes and their scale, and
+  with ``keep_values`` the row too), and the source's values with ``write_source``."""
   inputs, gamma_ref = refs[:n_inputs], refs[n_inputs]
   outs = list(refs[n_inputs + 1:])
   y_ref = outs.pop(0)
   scale_ref = outs.pop(0) if quantize is not None else None
+  kept_ref = outs.pop(0) if keep_values else None
   source_ref = outs.pop(0) if write_source else None
   rows = pl.ds(pl.program_id(0), 1)
   n_chunks = width // chunk
@@ -118,8 +119,11 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   def write(j, _):
     cols = pl.ds(j * chunk, chunk)
     v = values(j)
-    out = y(j, v) if quantize is None else encode(y(j, v), param, quantize, native)
+    normed_v = y(j, v)
+    out = normed_v if quantize is None else encode(normed_v, param, quantize, native)
     y_ref[rows, cols] = out.astype(y_ref.dtype)
+    if kept_ref is not None:
+      kept_ref[rows, cols] = normed_v.astype(kept_ref.dtype)
     if source_ref is not None:
       source_ref[rows, cols] = v.astype(source_ref.dtype)
     return 0
@@ -133,14 +137,16 @@ def norm_warps(chunk: int) -> int:
 
 
 def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
-                     write_source: bool = False, quantize: QuantSpec | None = None, interpret: bool = False):
+                     write_source: bool = False, quantize: QuantSpec | None = None, interpret: bool = False,
+                     keep_values: bool = False):
   """RMSNorm of ``source``'s values in one launch: ``y [R, C]`` in ``norm.dtype`` (and the values ``[R, C]`` in
   the first input's dtype with ``write_source``).
 
   With ``quantize`` (a per-row int8 spec: the input quantization of the linear reading y), ``y`` is handed over
   quantized instead: ``(codes [R, C] int8, scale [R, 1] float32)``, the codes of y rounded to ``norm.dtype`` as
   ``pallas_kernels.reference.quantize_rows_reference`` makes them from that y (``quantize.encode``; one more sweep
-  over the row for its amax), so a decode linear skips its own quantizer.
+  over the row for its amax), so a decode linear skips its own quantizer. ``keep_values`` writes y as well:
+  ``(codes, scale, y)``, for a reader that may take the row in high precision instead.
 
   Args:
     inputs: the source prologue's inputs, 2-D with R rows: ``x [R, C]`` (:class:`~pallas_kernels.quantize.Identity`),
@@ -153,22 +159,27 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
-    ``y``, or ``(codes, scale)`` with ``quantize``; then the values with ``write_source``.
+    ``y``, or ``(codes, scale)`` with ``quantize`` (``(codes, scale, y)`` with ``keep_values`` too); then the
+    values with ``write_source``.
   """
   r, c = inputs[0].shape[0], source.width(inputs)
   if gamma.shape != (c,):
     raise ValueError(f"norm_rows_kernel: gamma {gamma.shape} does not match the normed width {c}")
   if quantize is not None:
     check_row_int8(quantize, "norm_rows_kernel", "quantize")
+  keep_values = keep_values and quantize is not None
   chunk = _col_chunk(c, NORM_CHUNK)
   if quantize is None:
     outs = [out_struct((r, c), norm.dtype, *inputs)]
   else:
     outs = [out_struct((r, c), quantize.jnp_dtype, *inputs), out_struct((r, 1), jnp.float32, *inputs)]
+  if keep_values:
+    outs.append(out_struct((r, c), norm.dtype, *inputs))
   if write_source:
     outs.append(out_struct((r, c), inputs[0].dtype, *inputs))
   kernel = functools.partial(_norm_rows_kernel, source=source, n_inputs=len(inputs), norm=norm, width=c, chunk=chunk,
-                             write_source=write_source, quantize=quantize, native=not interpret)
+                             write_source=write_source, quantize=quantize, keep_values=keep_values,
+                             native=not interpret)
   out = pl.pallas_call(
       kernel,
       out_shape=tuple(outs),
@@ -177,12 +188,12 @@ def norm_rows_kernel(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, no
       interpret=interpret,
       name="jaxlowbit_norm_rows",
   )(*inputs, gamma)
-  y = out[0] if quantize is None else tuple(out[:2])
+  y = out[0] if quantize is None else tuple(out[:3 if keep_values else 2])
   return (y, out[-1]) if write_source else y
 
 
 def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source, norm: RmsNorm,
-                        write_source: bool = False, quantize: QuantSpec | None = None):
+                        write_source: bool = False, quantize: QuantSpec | None = None, keep_values: bool = False):
   """What :func:`norm_rows_kernel` computes, by XLA (the model's unfused path: the norm, then the linear's
   quantizer)."""
   if quantize is not None:
@@ -190,7 +201,7 @@ def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source,
   values = source.reference(inputs)
   y = norm.reference((values, gamma))
   if quantize is not None:
-    y = quantize_rows_reference(y, quantize)
+    y = (*quantize_rows_reference(y, quantize), y) if keep_values else quantize_rows_reference(y, quantize)
   return (y, values) if write_source else y
 
 

@@ -230,10 +230,11 @@ def norm_rows_on_kernel(rows: int, options: DispatchOptions | None = None) -> bo
 
 
 def norm_rows(inputs: tuple[jax.Array, ...], gamma: jax.Array, source: Prologue, norm: quantize_kernels.RmsNorm,
-              write_source: bool = False, options: DispatchOptions | None = None, quantize: QuantSpec | None = None):
+              write_source: bool = False, options: DispatchOptions | None = None, quantize: QuantSpec | None = None,
+              keep_values: bool = False):
   """RMSNorm ``norm`` of ``source``'s values (``pallas_kernels.decode.norm_rows_kernel``'s arguments): ``y [R, C]``
-  (``quantize``: its per-row codes and scales ``(int8 [R, C], float32 [R, 1])``), and the values ``[R, C]`` with
-  ``write_source``.
+  (``quantize``: its per-row codes and scales ``(int8 [R, C], float32 [R, 1])``, and y after them with
+  ``keep_values``), and the values ``[R, C]`` with ``write_source``.
 
   One kernel where :func:`norm_rows_on_kernel` says so, XLA elsewhere; equal up to the order of the mean square's
   sum. Differentiable without ``quantize``: the backward is the XLA path's (decode never takes it; a training
@@ -242,7 +243,7 @@ def norm_rows(inputs: tuple[jax.Array, ...], gamma: jax.Array, source: Prologue,
   on_kernel = norm_rows_on_kernel(inputs[0].shape[0], options)
   if quantize is not None:
     run = _norm_rows_kernel if on_kernel else decode_kernels.norm_rows_reference
-    return run(inputs, gamma, source, norm, write_source, quantize)
+    return run(inputs, gamma, source, norm, write_source, quantize, keep_values=keep_values)
   if on_kernel:
     return _norm_rows(inputs, gamma, source, norm, write_source)
   return decode_kernels.norm_rows_reference(inputs, gamma, source, norm, write_source)
@@ -250,7 +251,7 @@ def norm_rows(inputs: tuple[jax.Array, ...], gamma: jax.Array, source: Prologue,
 
 # Through jax.jit, as :func:`_kernel` (a bare pallas_call inside nn.scan's loop-invariant check).
 _norm_rows_kernel = jax.jit(decode_kernels.norm_rows_kernel, static_argnames=("source", "norm", "write_source",
-                                                                              "quantize"))
+                                                                              "quantize", "keep_values"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

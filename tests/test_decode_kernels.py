@@ -371,11 +371,97 @@ def test_a_bitnet_linear_left_unconverted_reads_the_codes(grad_weight, interpret
   config = ModelConfig(**TINY, recipe=BitNet(grad_weight=grad_weight), bitnet_norm_placement="sub")
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
-  kept = ("lm_head", "layers_0.mlp")
+  kept = ("lm_head", "layers.mlp")  # stacked layers (scan_layers): every layer's MLP
   got = _decode_logits(config, params, tokens, prefill=5, scheme="ternary", filter_fqns=kept)
   monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
   want = _decode_logits(config, params, tokens, prefill=5, scheme="ternary", filter_fqns=kept)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _recording_norm_kernel(monkeypatch) -> list[tuple[bool, bool]]:
+  """Route the dispatch's (interpreted, counted) norm kernel through a recorder: ``(quantized, kept values)`` a call."""
+  calls = []
+  kernel = dispatch._norm_rows_kernel
+
+  def recording(*args, **kwargs):
+    calls.append(((args + (None,) * 6)[5] is not None, bool(kwargs.get("keep_values"))))
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(dispatch, "_norm_rows_kernel", recording)
+  return calls
+
+
+@pytest.mark.parametrize("kept", [(), ("layers.attn.qkv",)], ids=["all", "qkv_unconverted"])
+def test_a_w8a8_model_decodes_from_the_codes_its_pre_norms_make(kept, interpreted_kernels, monkeypatch):
+  """Converted for W8A8, a high-precision model's decode pre-norms hand the projections they feed (qkv, gate_up)
+  int8 codes in Int8MixedPrecision's per-token spec, with their bf16 output beside them: the logits are those of the
+  model whose linears quantize the norms' outputs themselves, bit for bit, also where some of those linears were
+  left in high precision (they read the values). The final norm, before the unconverted lm_head, hands none."""
+  from jaxlowbit.inference import linen as inference_linen
+
+  calls = _recording_norm_kernel(monkeypatch)
+  config = ModelConfig(**TINY)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
+  filter_fqns = ("lm_head", *kept)
+  got = _decode_logits(config, params, tokens, prefill=5, scheme="w8a8", filter_fqns=filter_fqns)
+  # each trace: attn_norm and mlp_norm a layer, with codes and values, then the final norm with neither (the
+  # cache's initialization traces the norms without codes: nothing is converted yet)
+  per_trace = 2 * TINY["n_layers"] + 1
+  handing = [(True, True)] * (per_trace - 1) + [(False, False)]
+  traces = [calls[i : i + per_trace] for i in range(0, len(calls), per_trace)]
+  assert len(calls) % per_trace == 0 and traces.count(handing) >= 2, calls
+  assert all(trace in (handing, [(False, False)] * per_trace) for trace in traces), calls
+  monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
+  del calls[:]
+  want = _decode_logits(config, params, tokens, prefill=5, scheme="w8a8", filter_fqns=filter_fqns)
+  assert not any(quantized for quantized, _ in calls)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_smoothed_w8a8_linear_reads_the_norms_values_not_its_codes(interpreted_kernels, monkeypatch):
+  """A SmoothQuant-smoothed W8A8 linear quantizes ``x / smooth``, so a decode norm's codes are not its codes: it reads
+  the values the norm kept, and the logits are those of the decode without codes, bit for bit."""
+  from jaxlowbit.inference import linen as inference_linen
+  from jaxlowbit.inference.weights import SMOOTH
+
+  config = ModelConfig(**TINY)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
+  smooth_key = fresh_key()
+
+  def logits():
+    model, inference_params = generate.prepare(config, params, "w8a8")
+    qkv = inference_params["layers_0"]["attn"]["qkv"]
+    qkv[SMOOTH] = jax.random.uniform(smooth_key, (TINY["d_model"],), jnp.float32, 0.5, 2.0)
+    step = jax.jit(lambda c, t: model.apply({"params": inference_params, "cache": c}, t, mutable=["cache"]))
+    out, state = step(generate.init_cache(model, 2, 8), tokens[:, :5])
+    rows = []
+    for t in range(5, 8):
+      out, state = step(state["cache"], tokens[:, t : t + 1])
+      rows.append(out)
+    return jnp.concatenate(rows, axis=1)
+
+  got = logits()
+  monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(logits()))
+
+
+def test_a_norm_that_keeps_its_values_writes_the_unquantized_output_too():
+  """``keep_values``: the codes and scales as without it, and the row the norm writes unquantized, bit for bit (the
+  kernel in interpret mode against itself and against the XLA reference)."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
+  x, delta = (jax.random.normal(fresh_key(), (3, 256), jnp.float32).astype(jnp.bfloat16) for _ in range(2))
+  gamma = (1 + 0.1 * jax.random.normal(fresh_key(), (256,), jnp.float32)).astype(jnp.bfloat16)
+  for run in (functools.partial(decode.norm_rows_kernel, interpret=True), decode.norm_rows_reference):
+    (codes, scale, values), total = run((x, delta), gamma, decode.Add(), norm, True, INT8_TOKENS, keep_values=True)
+    (codes_alone, scale_alone), total_alone = run((x, delta), gamma, decode.Add(), norm, True, INT8_TOKENS)
+    plain, _ = run((x, delta), gamma, decode.Add(), norm, True)
+    for a, b in ((codes, codes_alone), (scale, scale_alone), (values, plain), (total, total_alone)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert values.dtype == jnp.bfloat16 and codes.dtype == jnp.int8
 
 
 def test_an_unconverted_layer_takes_the_codes_as_they_are_where_its_recipe_reads_them():
@@ -497,20 +583,23 @@ def test_decode_with_the_kernels_equals_decode_without_on_gpu(scheme, kv_cache_d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["ternary", "w8a8"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_a_ternary_model_decodes_from_its_norms_codes_as_from_its_gemvs_quantizer_on_gpu(batch, monkeypatch):
-  """On the GPU the norm kernel's codes feed the pre-quantized GEMV; without them the GEMV quantizes the norm's bf16
-  output itself. The same codes and the same epilogue: the logits are bit-identical."""
+def test_a_model_decodes_from_its_norms_codes_as_from_its_linears_quantizer_on_gpu(batch, scheme, monkeypatch):
+  """On the GPU the norm kernel's codes feed the converted linears (ternary: a BitNet model's pre-quantized GEMV;
+  W8A8: a bf16 model's int8 matmul after its pre-norms); without them each linear quantizes the norm's bf16 output
+  itself. The same codes and the same epilogue: the logits are bit-identical."""
   from jaxlowbit import BitNet
   from jaxlowbit.inference import linen as inference_linen
 
+  recipe = dict(recipe=BitNet(), bitnet_norm_placement="sub") if scheme == "ternary" else {}
   config = ModelConfig(vocab_size=384, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=2048, init_std=0.1,
-                       recipe=BitNet(), bitnet_norm_placement="sub")
+                       **recipe)
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (batch, 16), 0, config.vocab_size)
-  got = _decode_logits(config, params, tokens, 6, "ternary")
+  got = _decode_logits(config, params, tokens, 6, scheme)
   monkeypatch.setattr(inference_linen, "DECODE_INPUTS", {})
-  want = _decode_logits(config, params, tokens, 6, "ternary")
+  want = _decode_logits(config, params, tokens, 6, scheme)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -229,6 +229,11 @@ class ModelConfig:
     recipe = recipes.pop()
     return recipe if recipe is not None and recipe.input_quantization() is not None else None
 
+  def linears_read(self, paths, execution: ExecutionOptions | None = None) -> bool:
+    """Whether the projections at ``paths`` read their input as given: no norm of their own before them and no
+    tensor-parallel gather (``jaxlowbit.fused.rms_norm_for``'s ``linears``: a decode norm may then hand them codes)."""
+    return _tensor_parallel(execution) is None and not any(self.norm_before(path) for path in paths)
+
   def own_norm_recipe(self, path: str):
     """What the projection's own norm (:meth:`norm_before`) quantizes its output for: the projection's
     recipe when the model fuses quantizers, else None (the norm writes ``dtype``, the Dense quantizes)."""
@@ -421,7 +426,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, quantize_for=None, split=None, gated: str | None = None,
-               residual: jax.Array | None = None):
+               residual: jax.Array | None = None, linears: bool = False):
     """``x [..., C]`` -> ``[..., C]`` of ``dtype``, or a ``[M, C]`` low-bit operand for ``quantize_for``.
 
     ``split``: how this device's x is split under tensor parallelism (``jaxlowbit.fused``); with
@@ -431,6 +436,8 @@ class RMSNorm(nn.Module):
     then runs as one pass with the activation's).
     ``residual``: a pre-norm of the residual sum ``x + residual``; returns ``(normed, x + residual)``
     (``jaxlowbit.fused.add_rms_norm_for``: one launch at decode).
+    ``linears``: projections read the output directly (``jaxlowbit.fused.rms_norm_for``): a decode step of a
+    model converted for W8A8 hands them int8 codes.
     """
     width = x.shape[-1] // 2 if gated else x.shape[-1]
     if split is not None and split.cols:  # the stored scale is this device's share: no init shape to check
@@ -442,9 +449,9 @@ class RMSNorm(nn.Module):
                                                  options=self.execution)
     if residual is not None:
       return jaxlowbit.fused.add_rms_norm_for(x, residual, scale, self.epsilon, quantize_for, self.dtype, split,
-                                              options=self.execution)
+                                              options=self.execution, linears=linears)
     return jaxlowbit.fused.rms_norm_for(x, scale, self.epsilon, quantize_for, self.dtype, split,
-                                        options=self.execution)
+                                        options=self.execution, linears=linears)
 
 
 def rms_norm(config: ModelConfig, name: str, execution: ExecutionOptions | None = None) -> RMSNorm:
@@ -683,10 +690,11 @@ class Block(nn.Module):
     e = self.execution
     # The pre-norms produce (and may quantize) the input of a column-parallel group: this device's tokens.
     h, x = pre_norm(rms_norm(c, "attn_norm", e), x, quantize_for=c.fused_input_recipe(*attn_paths),
-                    split=ProjectionLayout.of(attn_paths[0], e).input_split)
+                    split=ProjectionLayout.of(attn_paths[0], e).input_split, linears=c.linears_read(attn_paths, e))
     attn = dropout(Attention(c, self.decode, e, self.kv_cache_dtype, name="attn")(h, positions).reshape(x.shape))
     h, x = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
-                                      split=ProjectionLayout.of(mlp_paths[0], e).input_split, residual=attn)
+                                      split=ProjectionLayout.of(mlp_paths[0], e).input_split, residual=attn,
+                                      linears=c.linears_read(mlp_paths, e))
     mlp = dropout(Mlp(c, e, name="mlp")(h).reshape(x.shape))
     return ((x, mlp) if self.defer_residual else x + mlp), None
 
@@ -754,6 +762,7 @@ class Transformer(nn.Module):
         x, _ = block(c, self.decode, e, self.kv_cache_dtype, self.decode, name=f"layers_{i}")(x, positions)
 
     quantize_for = None if c.tie_embeddings else c.fused_input_recipe("lm_head")
+    # No decode codes for a high-precision lm_head (linears=False): conversions leave it unconverted by default.
     h, x = pre_norm(rms_norm(c, "final_norm", e), x, quantize_for=quantize_for)
     if c.tie_embeddings:
       logits = embed.attend(h)

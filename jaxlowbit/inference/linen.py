@@ -90,11 +90,12 @@ def _handler(scheme: str, execution: ExecutionOptions | None):
 def unconverted_input(x: LowBitOperand, recipe) -> LowBitOperand | jax.Array:
   """What a Dense left unconverted reads of a decode norm's codes ``x [M, K]``: the operand itself where its
   ``recipe`` quantizes its input rows that way, so its forward multiplies those very codes (with ``x^T`` quantized
-  from their values where the recipe asks for a layout of its own: only its backward reads it); else their values
-  in float32."""
+  from their values where the recipe asks for a layout of its own: only its backward reads it); else the norm's
+  output where the norm kept it (``x.values``: exactly what it reads unconverted), else the codes' values in
+  float32."""
   how = None if recipe is None else recipe.input_quantization()
   if how is None or how.rows != x.rows.spec:
-    return x.rows.dequantize(jnp.float32)
+    return x.values if x.values is not None else x.rows.dequantize(jnp.float32)
   if how.transposed is None or how.transposed_from_rows:
     return x
   transposed = QuantizedMatrix(*quantize_cols_t_reference(x.rows.dequantize(jnp.float32), how.transposed),
@@ -106,8 +107,8 @@ def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | 
   """See :func:`jaxlowbit.inference.convert_for_inference` (Linen branch)."""
   check_scheme(scheme, "convert_for_inference")
   # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
-  # execution options say so, for a model that takes them); ternary's take the per-token codes a decode step's
-  # norm makes for them (ExecutionOptions.decode_inputs, jaxlowbit.fused.decode_quantization).
+  # execution options say so, for a model that takes them); ternary's and W8A8's take the per-token codes a decode
+  # step's norm makes for them (ExecutionOptions.decode_inputs, jaxlowbit.fused.decode_quantization).
   module = with_execution(module, fused_quantizers=False, decode_inputs=DECODE_INPUTS.get(scheme))
   if execution is None:  # the model's own options, for a model that takes them
     execution = getattr(module, EXECUTION_FIELD, None)

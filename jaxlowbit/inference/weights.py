@@ -163,19 +163,33 @@ def _check_leaves(leaves: Mapping[str, jax.Array], scheme: str, k: int, who: str
 
 # What a converted linear's input may arrive as, already quantized (a decode step's norm quantizes it:
 # ``ExecutionOptions.decode_inputs``, set by ``convert_for_inference``): scheme -> its per-row spec.
-DECODE_INPUTS = {"ternary": BITNET_TOKENS}
+DECODE_INPUTS = {"ternary": BITNET_TOKENS, "w8a8": INT8_TOKENS}
 
 
 def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str,
                          options: ExecutionOptions | None) -> jax.Array:
-  """``quantized_linear`` of an input its producer quantized: ``x [M, K]`` -> ``[M, N]`` in x's dtype."""
+  """``quantized_linear`` of an input its producer quantized: ``x [M, K]`` -> ``[M, N]`` in x's dtype.
+
+  The codes where they are this scheme's (:data:`DECODE_INPUTS`; a SmoothQuant-smoothed W8A8 linear quantizes
+  ``x / smooth``, other codes); else the operand's values, where its producer kept them, as a float x.
+  """
   spec = DECODE_INPUTS.get(scheme)
-  if spec is None or x.rows is None or x.rows.spec != spec or not x.rows.per_row:
+  rows = x.rows
+  takes_codes = (spec is not None and rows is not None and rows.spec == spec and rows.per_row
+                 and SMOOTH not in leaves)
+  if not takes_codes:
+    if x.values is not None:
+      return quantized_linear(x.values, leaves, scheme, options=options)
     raise TypeError(f"quantized_linear: scheme {scheme} takes a float x{f' or {spec} rows' if spec else ''}; got a "
-                    f"low-bit operand of {None if x.rows is None else x.rows.spec}")
+                    f"low-bit operand of {None if rows is None else rows.spec}"
+                    f"{' (smoothed: it quantizes x / smooth)' if SMOOTH in leaves else ''}")
   _check_leaves(leaves, scheme, x.shape[-1], "quantized_linear")
-  return inference_dispatch.ternary_matmul(x.rows.data, x.rows.scale, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE],
-                                           x.dtype, options=resolve(options).dispatch())
+  kernels = resolve(options).dispatch()
+  if scheme == "w8a8":
+    return inference_dispatch.w8a8_matmul(rows.data, rows.scale, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype,
+                                          options=kernels)
+  return inference_dispatch.ternary_matmul(rows.data, rows.scale, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE],
+                                           x.dtype, options=kernels)
 
 
 def quantized_linear(x: jax.Array | LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str, *,
@@ -183,8 +197,9 @@ def quantized_linear(x: jax.Array | LowBitOperand, leaves: Mapping[str, jax.Arra
   """``x @ W`` from converted leaves: ``x [..., K]`` floating -> ``[..., N]`` in x's dtype.
 
   ``x`` may also arrive quantized, as the :class:`~jaxlowbit.operand.LowBitOperand` ``[M, K]`` of its per-row codes
-  in :data:`DECODE_INPUTS`'s spec for the scheme (ternary: BitNet's per-token int8, from a decode step's norm);
-  the result is then ``[M, N]``, what the float x the codes came from gives.
+  in :data:`DECODE_INPUTS`'s spec for the scheme (ternary: BitNet's per-token int8; W8A8: Int8MixedPrecision's;
+  from a decode step's norm), or with its float values beside them; the result is then ``[M, N]``, what the float
+  x the codes came from gives.
 
   The matmul runs through :mod:`pallas_kernels.inference_dispatch` (GEMV/GEMM kernels on
   GPU, XLA elsewhere) on the backend of ``options`` (:class:`jaxlowbit.ExecutionOptions`; None, or
