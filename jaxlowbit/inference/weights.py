@@ -40,7 +40,8 @@ from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
 from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
-from pallas_kernels import dispatch, inference_dispatch
+from jaxlowbit_numerics.formats import QuantSpec
+from pallas_kernels import dispatch, inference_dispatch, policy
 
 SCHEMES = ("w8a16", "w8a8", "ternary")
 KERNEL_Q = "kernel_q"
@@ -162,8 +163,18 @@ def _check_leaves(leaves: Mapping[str, jax.Array], scheme: str, k: int, who: str
 
 
 # What a converted linear's input may arrive as, already quantized (a decode step's norm quantizes it:
-# ``ExecutionOptions.decode_inputs``, set by ``convert_for_inference``): scheme -> its per-row spec.
+# ``ExecutionOptions.decode_inputs``, set by ``convert_for_inference`` from :func:`decode_input_spec`): scheme -> its
+# per-row spec.
 DECODE_INPUTS = {"ternary": BITNET_TOKENS, "w8a8": INT8_TOKENS}
+
+
+def decode_input_spec(scheme: str) -> QuantSpec | None:
+  """The per-row spec in which a model converted for ``scheme`` has its decode norms hand its linears their input
+  (``ExecutionOptions.decode_inputs``), or None: ternary's always; W8A8's where
+  ``pallas_kernels.policy.W8A8_DECODE_CODES`` says so (off: see there)."""
+  if scheme == "w8a8" and not policy.W8A8_DECODE_CODES:
+    return None
+  return DECODE_INPUTS.get(scheme)
 
 
 def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str,
