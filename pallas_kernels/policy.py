@@ -206,6 +206,16 @@ def ternary_weights_on_kernel(backend: str) -> bool:
   return quantize_on_kernel(backend) and (backend == "pallas" or TERNARY_WEIGHTS_ON_KERNEL)
 
 
+# How a Pallas quantizer divides by an int8 scale (pallas_kernels.quantize.encode): "reciprocal" multiplies by
+# Triton's float32 1 / scale (shipped); "rcp_rn" multiplies by PTX's correctly rounded reciprocal (what LLVM emits
+# for an IEEE 1 / scale); "div_rn" divides each element correctly rounded (div.rn.f32). XLA's codes on the GPU differ
+# from the shipped form's in a few elements (tests/test_kernels_gpu.py allows < 1e-4; a W8A8 decode fed the
+# kernel's codes moved its logits, see W8A8_DECODE_CODES): benchmarks/quantizer_agreement.py counts each form's
+# mismatches against XLA on a GPU, to find the form that is XLA's bit for bit. Not measured yet.
+INT8_DIVISION = "reciprocal"
+INT8_DIVISIONS = ("reciprocal", "rcp_rn", "div_rn")
+
+
 # W8A8 decode: whether the pre-norms of a high-precision model converted for w8a8 hand qkv and gate_up their int8
 # codes (jaxlowbit.inference.weights.decode_input_spec), as ternary's norms do, instead of XLA quantizing each
 # linear's input. One H200, 1B, one process, rounds A B A (w8a8_norm_codes_ab_h200_c1d4ce9.json): batch 1 1,454 and

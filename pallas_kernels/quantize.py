@@ -62,7 +62,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics import fp8, int8, ternary
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.stats import NO_SPLIT, Split, absmax
-from pallas_kernels import tuning
+from pallas_kernels import policy, tuning
 from pallas_kernels.reference import quantize_cols_t_reference, quantize_rows_reference
 from pallas_kernels.vma import out_struct
 
@@ -429,14 +429,40 @@ def _rint(y: jax.Array, native: bool) -> jax.Array:
                                     result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
 
 
+def _ptx_f32(instruction: str, *args: jax.Array) -> jax.Array:
+  """One float32 PTX instruction ``instruction $0, $1[, $2]`` per element of the (broadcast) args."""
+  shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+  args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
+  operands = ", ".join(f"${i + 1}" for i in range(len(args)))
+  return plt.elementwise_inline_asm(f"{instruction} $0, {operands};", args=args,
+                                    constraints=",".join(["=r"] + ["r"] * len(args)), pack=1,
+                                    result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
+def _divide_by_scale(x: jax.Array, scale: jax.Array, native: bool) -> jax.Array:
+  """``x / scale`` in the form ``policy.INT8_DIVISION`` names (float32; on the GPU the PTX forms, in interpret mode
+  XLA's division, which is the reference's)."""
+  form = policy.INT8_DIVISION
+  if form not in policy.INT8_DIVISIONS:
+    raise ValueError(f"policy.INT8_DIVISION must be one of {policy.INT8_DIVISIONS}, got {form!r}")
+  if form == "reciprocal" or not native:
+    return x * (1.0 / scale)
+  if jnp.ndim(scale) == 0:  # a program's one scale: a [1, ...] block for the inline PTX
+    scale = jnp.reshape(scale, (1,) * jnp.ndim(x))
+  if form == "rcp_rn":
+    return x * _ptx_f32("rcp.rn.f32", scale)
+  return _ptx_f32("div.rn.f32", x, scale)
+
+
 def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax.Array:
   """Float32 ``x`` -> ``spec``'s codes with ``param`` from :func:`code_scales` (inside a kernel; ``native``:
   PTX rounding on the GPU, the exact floor-based form in interpret mode).
 
   int8 multiplies by the scale's reciprocal, ``x * (1 / scale)``, which is what XLA computes for the
   reference's ``x / scale`` (its algebraic simplifier turns a division by a broadcast into a multiplication by
-  the reciprocal; the reciprocal is ``div.full.f32`` on the GPU in XLA and in Triton alike): the same codes as the
-  reference, and one multiply per element instead of a division.
+  the reciprocal), one multiply per element instead of a division. On the GPU the codes still differ from XLA's
+  in a few elements (how Triton and XLA round the reciprocal or the quotient); ``policy.INT8_DIVISION`` selects
+  the other forms to find XLA's (:func:`_divide_by_scale`).
   """
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.
@@ -444,7 +470,7 @@ def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax
   if spec.ternary:  # param: the weight's abs-mean scale (a NaN weight made it NaN: every code is then 0)
     return jnp.clip(_rint(x * (1.0 / param), native), -1.0, 1.0).astype(jnp.int8)
   if spec.is_int8:
-    y = _rint(x * (1.0 / param), native)
+    y = _rint(_divide_by_scale(x, param, native), native)
     return jnp.clip(y, -int8.INT8_MAX, int8.INT8_MAX).astype(jnp.int8)
   fmax = fp8.fp8_max(spec.jnp_dtype)
   return jnp.clip(x * param, -fmax, fmax).astype(spec.jnp_dtype)

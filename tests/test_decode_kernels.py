@@ -652,3 +652,55 @@ def test_the_attention_kernel_takes_the_heads_it_tiles(monkeypatch):
   assert not dispatch.decode_attention_on_kernel(4, 2, 16)  # head_dim / 2 = 8: under tl.dot's 16
   monkeypatch.setattr(policy, "DECODE_ATTENTION_KERNEL", False)
   assert not dispatch.decode_attention_on_kernel(32, 8, 64)
+
+
+@pytest.mark.parametrize("form", policy.INT8_DIVISIONS)
+def test_every_int8_division_form_lowers_for_cuda_and_matches_the_reference_interpreted(form, monkeypatch):
+  """``policy.INT8_DIVISION`` (the forms ``benchmarks/quantizer_agreement.py`` compares on a GPU): each lowers to
+  Triton for sm90 in the decode norm (one scale a program) and the rows quantizer (a scale a row); interpreted, each
+  gives the reference's codes (there the division is XLA's)."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+  from pallas_kernels import quantize as quantize_kernels
+  from test_inference import H100
+
+  monkeypatch.setattr(policy, "INT8_DIVISION", form)
+  f = jax.ShapeDtypeStruct
+  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
+  cases = {
+      "norm": (functools.partial(decode.norm_rows_kernel, source=Identity(), norm=norm, quantize=INT8_TOKENS),
+               (f((1, 2048), jnp.bfloat16),), f((2048,), jnp.bfloat16)),
+      "rows": (functools.partial(quantize_kernels.quantize_rows_kernel, spec=INT8_TOKENS),
+               f((256, 1536), jnp.bfloat16)),
+  }
+  with jax.sharding.use_abstract_mesh(H100):
+    for name, (fn, *shapes) in cases.items():
+      text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+      assert "__gpu$xla.gpu.triton" in text, name
+  x = jax.random.normal(fresh_key(), (4, 512), jnp.float32).astype(jnp.bfloat16)
+  gamma = jnp.ones((512,), jnp.bfloat16)
+  got = decode.norm_rows_kernel((x,), gamma, Identity(), norm, quantize=INT8_TOKENS, interpret=True)
+  want = decode.norm_rows_reference((x,), gamma, Identity(), norm, quantize=INT8_TOKENS)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_an_unknown_int8_division_form_is_refused(monkeypatch):
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  monkeypatch.setattr(policy, "INT8_DIVISION", "approx")
+  x = jnp.ones((1, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="INT8_DIVISION"):
+    decode.norm_rows_kernel((x,), jnp.ones((256,), jnp.bfloat16), Identity(), RmsNorm(1e-5, jnp.dtype(jnp.bfloat16)),
+                            quantize=INT8_TOKENS, interpret=True)
+
+
+def test_the_quantizer_agreement_benchmark_finds_every_form_exact_when_interpreted(tmp_path):
+  """``benchmarks/quantizer_agreement.py --smoke``: a row per form and case, each counting its codes against XLA's
+  (interpreted, every form is XLA's division: none differs), and the shipped form restored after."""
+  from benchmarks import quantizer_agreement
+
+  shipped = policy.INT8_DIVISION
+  rows = quantizer_agreement.main(["--smoke", "--out", str(tmp_path / "agreement.json")])
+  assert {row["form"] for row in rows} == set(policy.INT8_DIVISIONS)
+  assert all(row["elements"] > 0 and row["differing"] == 0 for row in rows), rows
+  assert policy.INT8_DIVISION == shipped and (tmp_path / "agreement.json").exists()
