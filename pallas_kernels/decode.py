@@ -201,7 +201,8 @@ def norm_rows_reference(inputs: tuple[jax.Array, ...], gamma: jax.Array, source,
   values = source.reference(inputs)
   y = norm.reference((values, gamma))
   if quantize is not None:
-    y = (*quantize_rows_reference(y, quantize), y) if keep_values else quantize_rows_reference(y, quantize)
+    codes = quantize_rows_reference(y, quantize)
+    y = (*codes, y) if keep_values else codes
   return (y, values) if write_source else y
 
 

@@ -419,16 +419,6 @@ def _round_half_even(y: jax.Array) -> jax.Array:
   return low + jnp.where((frac > 0.5) | ((frac == 0.5) & low_is_odd), 1.0, 0.0)
 
 
-def _rint(y: jax.Array, native: bool) -> jax.Array:
-  """``y`` (float32) rounded half to even: one PTX ``cvt.rni`` on the GPU (the floor-based form costs
-  ~8 ALU operations per element, which made the int8 quantizers slower than the FP8 ones), the
-  floor-based :func:`_round_half_even` in interpret mode. Both are exact."""
-  if not native:
-    return _round_half_even(y)
-  return plt.elementwise_inline_asm("cvt.rni.f32.f32 $0, $1;", args=[y], constraints="=r,r", pack=1,
-                                    result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
-
-
 def _ptx_f32(instruction: str, *args: jax.Array) -> jax.Array:
   """One float32 PTX instruction ``instruction $0, $1[, $2]`` per element of the (broadcast) args."""
   shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
@@ -437,6 +427,15 @@ def _ptx_f32(instruction: str, *args: jax.Array) -> jax.Array:
   return plt.elementwise_inline_asm(f"{instruction} $0, {operands};", args=args,
                                     constraints=",".join(["=r"] + ["r"] * len(args)), pack=1,
                                     result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
+def _rint(y: jax.Array, native: bool) -> jax.Array:
+  """``y`` (float32) rounded half to even: one PTX ``cvt.rni`` on the GPU (the floor-based form costs
+  ~8 ALU operations per element, which made the int8 quantizers slower than the FP8 ones), the
+  floor-based :func:`_round_half_even` in interpret mode. Both are exact."""
+  if not native:
+    return _round_half_even(y)
+  return _ptx_f32("cvt.rni.f32.f32", y)
 
 
 def _divide_by_scale(x: jax.Array, scale: jax.Array, native: bool) -> jax.Array:
