@@ -392,10 +392,12 @@ def _recording_norm_kernel(monkeypatch) -> list[tuple[bool, bool]]:
   return calls
 
 
+@pytest.mark.parametrize("scheme", ["w8a8", "ternary"])
 @pytest.mark.parametrize("kept", [(), ("layers.attn.qkv",)], ids=["all", "qkv_unconverted"])
-def test_a_w8a8_model_decodes_from_the_codes_its_pre_norms_make(kept, interpreted_kernels, monkeypatch):
-  """Converted for W8A8 with ``policy.W8A8_DECODE_CODES`` on (off by default: none are handed), a high-precision
-  model's decode pre-norms hand the projections they feed (qkv, gate_up) int8 codes in Int8MixedPrecision's
+def test_a_high_precision_model_decodes_from_the_codes_its_pre_norms_make(scheme, kept, interpreted_kernels,
+                                                                           monkeypatch):
+  """Converted for W8A8 (with ``policy.W8A8_DECODE_CODES`` on; off by default: none are handed) or ternary, a
+  high-precision model's decode pre-norms hand the projections they feed (qkv, gate_up) int8 codes in the scheme's
   per-token spec, with their bf16 output beside them: the logits are those of the model whose linears quantize the
   norms' outputs themselves, bit for bit in interpret mode, also where some of those linears were left in high
   precision (they read the values). The final norm, before the unconverted lm_head, hands none."""
@@ -406,11 +408,12 @@ def test_a_w8a8_model_decodes_from_the_codes_its_pre_norms_make(kept, interprete
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (2, 8), 0, TINY["vocab_size"])
   filter_fqns = ("lm_head", *kept)
-  _decode_logits(config, params, tokens, prefill=5, scheme="w8a8", filter_fqns=filter_fqns)
-  assert calls and not any(quantized for quantized, _ in calls)  # off by default (policy.W8A8_DECODE_CODES)
-  del calls[:]
-  monkeypatch.setattr(policy, "W8A8_DECODE_CODES", True)
-  got = _decode_logits(config, params, tokens, prefill=5, scheme="w8a8", filter_fqns=filter_fqns)
+  if scheme == "w8a8":
+    _decode_logits(config, params, tokens, prefill=5, scheme=scheme, filter_fqns=filter_fqns)
+    assert calls and not any(quantized for quantized, _ in calls)  # off by default (policy.W8A8_DECODE_CODES)
+    del calls[:]
+    monkeypatch.setattr(policy, "W8A8_DECODE_CODES", True)
+  got = _decode_logits(config, params, tokens, prefill=5, scheme=scheme, filter_fqns=filter_fqns)
   # each trace: attn_norm and mlp_norm a layer, with codes and values, then the final norm with neither (the
   # cache's initialization traces the norms without codes: nothing is converted yet)
   per_trace = 2 * TINY["n_layers"] + 1
@@ -420,7 +423,7 @@ def test_a_w8a8_model_decodes_from_the_codes_its_pre_norms_make(kept, interprete
   assert all(trace in (handing, [(False, False)] * per_trace) for trace in traces), calls
   monkeypatch.setattr(inference_weights, "DECODE_INPUTS", {})
   del calls[:]
-  want = _decode_logits(config, params, tokens, prefill=5, scheme="w8a8", filter_fqns=filter_fqns)
+  want = _decode_logits(config, params, tokens, prefill=5, scheme=scheme, filter_fqns=filter_fqns)
   assert not any(quantized for quantized, _ in calls)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
