@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import table, time_samples, write_json  # noqa: E402
 from jaxlowbit import inference  # noqa: E402
-from pallas_kernels import policy, ternary_gemv  # noqa: E402
+from pallas_kernels import dp4a_gemv, policy  # noqa: E402
 from pallas_kernels.policy import BACKEND_ENV  # noqa: E402
 
 # (K, N): Llama-3-8B's MLP up/gate and down, its fused q/k/v (4096 + 2 x 1024 outputs) and attention output.
@@ -82,7 +82,7 @@ VARIANTS = {
     "w8a8_xla": ("w8a8", "xla"),
     "ternary": ("ternary", None),
     "ternary_xla": ("ternary", "xla"),
-    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.ternary_gemv forced (M <= its MAX_M), whatever the dispatch says
+    "ternary_gemv": ("ternary", "gemv"),  # pallas_kernels.dp4a_gemv forced (M <= its MAX_M), whatever the dispatch says
 }
 # Issue 28 targets per linear (speed-up over bf16): (largest M it applies to, target), the first that applies.
 TARGETS = {"ternary": ((1, 3.0), (16, 2.0)), "w8a16": ((1, 1.8), (16, 1.5)), "w8a8": ((1, 1.8), (16, 1.5))}
@@ -175,7 +175,7 @@ class Backend:
 
 def ternary_gemv_linear(x, leaves):
   """``quantized_linear(x, leaves, "ternary")`` with the CUDA-core GEMV forced (quantizer inside): x ``[M <= 4, K]``."""
-  return ternary_gemv.quantize_a8w2_gemv_kernel(x, leaves[inference.weights.KERNEL_PACKED],
+  return dp4a_gemv.quantize_a8w2_gemv_kernel(x, leaves[inference.weights.KERNEL_PACKED],
                                                 leaves[inference.weights.KERNEL_SCALE], inference.weights.BITNET_TOKENS)
 
 
@@ -219,7 +219,7 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
         try:
           fn = (lambda x, w: x @ w) if scheme is None else (lambda x, w, s=scheme: inference.quantized_linear(x, w, s))
           if backend == "gemv":
-            if m > ternary_gemv.MAX_M:
+            if m > dp4a_gemv.MAX_M:
               continue
             fn, backend = ternary_gemv_linear, None
           with Backend(backend):
@@ -251,8 +251,8 @@ def bench_linears(shapes, ms, variants, iters: int, runs: int, layers: int) -> l
 
 
 # Kernel tilings tried by --sweep at each --sweep-m (a tile takes 16 rows, those past M masked, so M <= 16 runs the
-# same tiles; the ternary GEMV only M <= 4): (block_n, block_k, split_k); split_k None = the automatic split. block_k
-# counts weight bytes.
+# same tiles; the dp4a GEMVs only M <= 4): (block_n, block_k, split_k[, num_warps]); split_k None = the automatic
+# split, no num_warps = the shipped tiling's. block_k counts weight bytes (the a8w8 dp4a GEMV: int32 words of four).
 SWEEP = {
     "w8a16": [(16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1), (16, 256, None), (32, 256, None),
               (64, 256, None), (128, 128, None)],
@@ -261,6 +261,8 @@ SWEEP = {
              (128, 32, None)],
     "ternary_gemv": [(32, 128, None), (16, 256, None), (8, 512, None), (16, 512, None), (32, 256, None),
                      (64, 64, None), (8, 1024, 1), (16, 256, 1)],
+    "a8w8_gemv": [(8, 256, None), (8, 128, None), (8, 512, None), (4, 256, None), (16, 128, None), (16, 256, None),
+                  (8, 256, None, 8), (8, 512, None, 8), (16, 256, None, 8)],
 }
 
 
@@ -285,18 +287,21 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
     wp = [w[:, : k // 4] for w in wq]
     sw = jnp.ones((n,), jnp.float32)
     for kernel in kernels:
-      if kernel == "ternary_gemv" and m > ternary_gemv.MAX_M:
+      if kernel in ("ternary_gemv", "a8w8_gemv") and m > dp4a_gemv.MAX_M:
         continue
-      for block_n, block_k, split in SWEEP[kernel]:
+      for block_n, block_k, split, *warps in SWEEP[kernel]:
         row = {"k": k, "n": n, "m": m, "kernel": kernel, "block_n": block_n, "block_k": block_k}
         try:
           # Each kernel's shipped tiling, how it runs, its operands, its rows per tile and weight bytes per row; then
           # the sweep's block shape and split (None: the tiling's shipped rule, w8a16.SplitRule).
           if kernel == "ternary_gemv":
-            config = ternary_gemv.config_for(n, k // 4, m=m, codes=True)
-            run = lambda a, w, c: ternary_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c)  # noqa: E731
+            config = dp4a_gemv.config_for(n, k // 4, m=m, codes=True)
+            run = lambda a, w, c: dp4a_gemv.a8w2_gemv_kernel(a, sx, w, sw, config=c)  # noqa: E731
             args, block_m, k_bytes = (xq, wp), m, k // 4  # one program holds every row
-          elif kernel == "w8a16":
+          elif kernel == "a8w8_gemv":
+            config = dp4a_gemv.config_for(n, k // 4, m=m, codes=True, packed=False)
+            run = lambda a, w, c: dp4a_gemv.a8w8_gemv_kernel(a, sx, w, sw, config=c)  # noqa: E731
+            args, block_m, k_bytes = (xq, wq), m, k // 4  # int32 words of four          elif kernel == "w8a16":
             config = w8a16.config_for(m, n, k)
             run = lambda a, w, c: w8a16.w8a16_matmul_kernel(a, w, sw, config=c)  # noqa: E731
             args, block_m, k_bytes = (x, wq), config.block_m, k
@@ -309,10 +314,11 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
             args, block_m = (xq, wp if packed else wq), config.block_m
           tiles = -(-m // block_m) * (n // block_n)
           split_k = config.split_rule.split_k(tiles, k_bytes, block_k) if split is None else split
-          config = dataclasses.replace(config, block_n=block_n, block_k=block_k, split_k=split_k)
+          config = dataclasses.replace(config, block_n=block_n, block_k=block_k, split_k=split_k,
+                                       num_warps=warps[0] if warps else config.num_warps)
           fn = chain(lambda a, w, c=config, r=run: r(a, w, c))
-          nbytes = n * k_bytes
-          row["split_k"] = config.split_k
+          nbytes = n * k if kernel == "a8w8_gemv" else n * k_bytes
+          row.update(split_k=config.split_k, num_warps=config.num_warps)
           compiled = fn.lower(*args).compile()
           row.update(launched(time_runs(compiled, *args, iters=iters, runs=runs, per_call=layers)))
           row.update(gpu_times(compiled, *args, calls=runs, per_call=layers))

@@ -4,8 +4,10 @@
 
 - :func:`w8a16_matmul`  bf16 ``x [M, K]`` x int8 ``wq [N, K]`` (+ per-channel scale)
 - :func:`w8a8_matmul`   int8 ``xq [M, K]`` x int8 ``wq [N, K]`` (+ per-token and per-channel scales)
-- :func:`ternary_matmul` int8 ``xq [M, K]`` x packed 2-bit ``[N, K/4]`` (+ per-token scales, one weight scale),
-  and :func:`ternary_linear`, which takes the float activations (at decode M the quantizer runs inside the GEMV)
+- :func:`ternary_matmul` int8 ``xq [M, K]`` x packed 2-bit ``[N, K/4]`` (+ per-token scales, one weight scale)
+
+and :func:`w8a8_linear` and :func:`ternary_linear`, which take the float activations (at decode M the quantizer
+can run inside the GEMV)
 
 Implementations under ``auto``, by M (the thresholds and the H200 measurements behind them are in
 :mod:`pallas_kernels.policy`):
@@ -15,11 +17,12 @@ scheme        decode-sized M                               larger M
 ============  ===========================================  ==========================================
 w8a16         ``pallas_kernels.w8a16`` (Triton, split-K)   XLA: its GEMM fusion converts int8 -> bf16
               at M = 1 and 16..32; XLA at M = 2..15        on the fly (no bf16 weight in memory)
-w8a8          XLA int8 dot (ties the A8W8 kernel)          Hopper wgmma (``dispatch.scaled_matmul``)
-                                                           once the output fills the GPU, else XLA
+w8a8          ``dp4a_gemv`` (int8 words, dp4a) at M <= 2   Hopper wgmma (``dispatch.scaled_matmul``)
+              (``policy.W8A8_GEMV_MAX_M``); XLA int8 dot   once the output fills the GPU, else XLA
+              above (it ties the A8W8 mma kernel)
 ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
               weights unpacked in registers), M <= 32;
-              ``ternary_gemv`` (quantizer inside, dp4a) at M <= 2
+              ``dp4a_gemv`` (quantizer inside, dp4a) at M <= 2
               (``policy.TERNARY_GEMV_MAX_M``)
 ============  ===========================================  ==========================================
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowbit_numerics.ternary import unpack_2bit
+from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
 from pallas_kernels import dispatch, policy
 from pallas_kernels.dispatch import DispatchOptions
 from pallas_kernels.int8_gemv import A8W2_BASE, A8W8_BASE, check_a8w2, check_a8w8
@@ -88,6 +91,10 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   """``(xq @ wq.T) * x_scale * w_scale``: int8 ``[M, K]`` x int8 ``[N, K]`` -> ``[M, N]`` (int32 exact)."""
   check_a8w8(xq, x_scale, wq, w_scale)
   backend = _backend(options)
+  if _dp4a_gemv_runs(xq.shape[0], wq, xq.shape[1], True, backend):
+    from pallas_kernels.dp4a_gemv import a8w8_gemv_kernel
+
+    return a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype)
   if _use_gemv("W8A8", xq.shape[0], *wq.shape, policy.W8A8_KERNEL_MAX_M, A8W8_BASE, backend):
     from pallas_kernels.int8_gemv import a8w8_matmul_kernel
 
@@ -95,31 +102,57 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   return _int8_gemm(xq, x_scale, wq, w_scale, out_dtype, backend)
 
 
-def ternary_gemv_wanted(m: int, n: int, k_bytes: int, codes: bool = False) -> bool:
-  """Whether the CUDA-core ternary GEMV (``pallas_kernels.ternary_gemv``) should take ``[M, K] x [N, k_bytes]``
-  (``codes``: x as int8 codes): M up to ``policy.TERNARY_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
-  from pallas_kernels import ternary_gemv
+def dp4a_gemv_wanted(m: int, n: int, k: int, codes: bool = False, packed: bool = True) -> bool:
+  """Whether the CUDA-core dp4a GEMV (``pallas_kernels.dp4a_gemv``) should take ``[M, K] x`` an ``[N, K]`` weight
+  (``packed``: ternary, else int8; ``codes``: x as int8 codes): M up to ``policy.TERNARY_GEMV_MAX_M`` or
+  ``policy.W8A8_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
+  from pallas_kernels import dp4a_gemv
 
-  return m <= policy.TERNARY_GEMV_MAX_M and ternary_gemv.supports(
-      m, n, k_bytes, ternary_gemv.config_for(n, k_bytes, m=m, codes=codes))
+  max_m = policy.TERNARY_GEMV_MAX_M if packed else policy.W8A8_GEMV_MAX_M
+  groups = k // VALUES_PER_BYTE
+  return m <= max_m and dp4a_gemv.supports(m, n, groups, dp4a_gemv.config_for(n, groups, m=m, codes=codes,
+                                                                                packed=packed))
+
+
+def _dp4a_gemv_runs(m: int, w: jax.Array, k: int, codes: bool, backend: str) -> bool:
+  """:func:`dp4a_gemv_wanted` for weight ``w`` (packed ``[N, K/4]`` or int8 ``[N, K]``) and K, where a kernel may
+  run under ``backend``."""
+  packed = w.shape[1] * VALUES_PER_BYTE == k
+  return (dp4a_gemv_wanted(m, w.shape[0], k, codes, packed)
+          and policy.use_inference_kernel("ternary GEMV" if packed else "W8A8 GEMV", True, True, backend))
+
+
+def _quantizing_linear(x, spec, w, w_scale, out_dtype, options: DispatchOptions | None, matmul, quantizes: bool):
+  """Float ``x [M, K]`` quantized per row by ``spec``, times ``w`` (packed ternary or int8): one dp4a GEMV with the
+  quantizer inside where it runs and ``quantizes`` allows, else :func:`dispatch.quantize_rows`, then ``matmul``."""
+  out_dtype = out_dtype or x.dtype
+  options = DispatchOptions.from_environment() if options is None else options
+  if x.ndim == 2 and quantizes and _dp4a_gemv_runs(x.shape[0], w, x.shape[1], False, options.backend):
+    from pallas_kernels import dp4a_gemv
+
+    kernel = dp4a_gemv.quantize_a8w2_gemv_kernel if w.shape[1] != x.shape[1] else dp4a_gemv.quantize_a8w8_gemv_kernel
+    return kernel(x, w, w_scale, spec, out_dtype)
+  xq, sx = dispatch.quantize_rows(x, spec, options=options)
+  return matmul(xq, sx, w, w_scale, out_dtype, options=options)
 
 
 def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
   """BitNet's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times packed ``[N, K/4]``.
 
-  M up to ``policy.TERNARY_GEMV_MAX_M`` runs one kernel (``ternary_gemv.quantize_a8w2_gemv_kernel``: the
+  M up to ``policy.TERNARY_GEMV_MAX_M`` runs one kernel (``dp4a_gemv.quantize_a8w2_gemv_kernel``: the
   quantizer inside the GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes
   are XLA's bit for bit (``pallas_kernels.quantize.encode``).
   """
-  out_dtype = out_dtype or x.dtype
-  options = DispatchOptions.from_environment() if options is None else options
-  if (x.ndim == 2 and ternary_gemv_wanted(x.shape[0], *w_packed.shape)
-      and policy.use_inference_kernel("ternary GEMV", True, True, options.backend)):
-    from pallas_kernels.ternary_gemv import quantize_a8w2_gemv_kernel
+  return _quantizing_linear(x, spec, w_packed, w_scale, out_dtype, options, ternary_matmul, True)
 
-    return quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec, out_dtype)
-  xq, sx = dispatch.quantize_rows(x, spec, options=options)
-  return ternary_matmul(xq, sx, w_packed, w_scale, out_dtype, options=options)
+
+def w8a8_linear(x, spec, wq, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
+  """W8A8's inference linear: float ``x [M, K]`` quantized per row by ``spec``, times int8 ``wq [N, K]``.
+
+  Where ``policy.W8A8_GEMV_QUANTIZES`` and M is up to ``policy.W8A8_GEMV_MAX_M``, one kernel
+  (``dp4a_gemv.quantize_a8w8_gemv_kernel``); otherwise :func:`dispatch.quantize_rows`, then :func:`w8a8_matmul`.
+  """
+  return _quantizing_linear(x, spec, wq, w_scale, out_dtype, options, w8a8_matmul, policy.W8A8_GEMV_QUANTIZES)
 
 
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
@@ -127,9 +160,8 @@ def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
   backend = _backend(options)
-  if ternary_gemv_wanted(xq.shape[0], *w_packed.shape, codes=True) and policy.use_inference_kernel(
-      "ternary GEMV", True, True, backend):
-    from pallas_kernels.ternary_gemv import a8w2_gemv_kernel
+  if _dp4a_gemv_runs(xq.shape[0], w_packed, xq.shape[1], True, backend):
+    from pallas_kernels.dp4a_gemv import a8w2_gemv_kernel
 
     return a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype)
   if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, policy.TERNARY_KERNEL_MAX_M, A8W2_BASE, backend):

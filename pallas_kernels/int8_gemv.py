@@ -229,7 +229,7 @@ def _call(xq, x_scale, w, w_scale, *, out_dtype, config: GemvConfig, packed: boo
   masked, m_out = tile_rows(m, config.block_m, interpret)
   sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
   # One scale per tensor (BitNet's) stays one element: broadcast to [N] it is a kernel of its own on every
-  # decode step (39 us per token of the 1B model at batch 8 on an H100), as in ternary_gemv.
+  # decode step (39 us per token of the 1B model at batch 8 on an H100), as in dp4a_gemv.
   sw = w_scale.astype(jnp.float32).reshape(-1)
   tensor_scale = sw.size == 1
   if m_out != m:

@@ -66,11 +66,17 @@ W8A16_KERNEL_M = ((1, 1), (16, 32))  # inclusive M ranges that take the kernel
 # W8A8: XLA's int8 dot matched or beat the A8W8 kernel at every M <= 64 (22-31 vs 25-36 us), so
 # auto never takes it (JAXLOWBIT_BACKEND=pallas does).
 W8A8_KERNEL_MAX_M = 0
+# W8A8 on CUDA cores (pallas_kernels.dp4a_gemv: the int8 weight read as int32 words, one dp4a per word and row of
+# x, exact int32 sums, the reference's epilogue): bit-identical to XLA's int8 dot. PROVISIONAL until its H200 sweep.
+W8A8_GEMV_MAX_M = 2
+# Whether W8A8's float-input linear quantizes x inside that GEMV (one launch) rather than in XLA's quantizer first:
+# only where the kernel's codes are XLA's bit for bit on the GPU (INT8_DIVISION below).
+W8A8_GEMV_QUANTIZES = False
 # Under JAXLOWBIT_BACKEND=pallas the GEMV kernels take M up to this; wgmma takes larger M.
 GEMV_MAX_M = 64
 # Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
 TERNARY_KERNEL_MAX_M = 32
-# Ternary on CUDA cores (pallas_kernels.ternary_gemv: quantizer inside, one dp4a per weight byte). One H100, the
+# Ternary on CUDA cores (pallas_kernels.dp4a_gemv: quantizer inside, one dp4a per weight byte). One H100, the
 # kernel alone against the old shift-and-multiply form of the same kernel (2026-11-27, gemv sweep in
 # benchmarks/results/ternary_gemv_dp4a_sweep_h100.json): 4096 x 14336 at M = 1 in 10.7 us (was 17.5; bf16 41.6),
 # at M = 4 in 23-28 us (was 181; the quantizer + A8W2 kernel took 37-39 in a8w2_sweep_m8_h100_128ffef.json), and

@@ -160,7 +160,8 @@ def inference_kernel_table(m: int) -> tuple[tuple[str, str, bool], ...]:
       ("w8a16", "jaxlowbit_w8a16_matmul", any(lo <= m <= hi for lo, hi in policy.W8A16_KERNEL_M)),
       ("ternary", "jaxlowbit_ternary_gemv", m <= policy.TERNARY_GEMV_MAX_M),
       ("ternary", "jaxlowbit_a8w2_matmul", policy.TERNARY_GEMV_MAX_M < m <= policy.TERNARY_KERNEL_MAX_M),
-      ("w8a8", "jaxlowbit_a8w8_matmul", m <= policy.W8A8_KERNEL_MAX_M),
+      ("w8a8", "jaxlowbit_a8w8_gemv", m <= policy.W8A8_GEMV_MAX_M),
+      ("w8a8", "jaxlowbit_a8w8_matmul", policy.W8A8_GEMV_MAX_M < m <= policy.W8A8_KERNEL_MAX_M),
   )
 
 

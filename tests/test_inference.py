@@ -30,7 +30,7 @@ from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.int8 import quantize_int8
 from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
-from pallas_kernels import inference_dispatch, int8_gemv, policy, ternary_gemv, w8a16
+from pallas_kernels import dp4a_gemv, inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
 from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
@@ -213,7 +213,7 @@ def test_one_split_rule_for_every_gemv():
   assert w8a16.NEVER_SPLIT.split_k(1, 1 << 20, 32, sms=132) == 1
   for config, tiles, k in ((w8a16.config_for(1, 2048, 8192, sms=132), 2048 // 64, 8192),
                            (int8_gemv.config_for(8, 2048, 2048, int8_gemv.A8W2_BASE, sms=132), 2048 // 128, 2048),
-                           (ternary_gemv.config_for(2048, 2048, sms=132, m=1), 2048 // 16, 2048)):
+                           (dp4a_gemv.config_for(2048, 2048, sms=132, m=1), 2048 // 16, 2048)):
     assert config.split_k == config.split_rule.split_k(tiles, k, config.block_k, sms=132) > 1, config
 
 

@@ -17,7 +17,7 @@ import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import int8_gemv, policy, ternary_gemv, w8a16
+from pallas_kernels import dp4a_gemv, int8_gemv, policy, w8a16
 from pallas_kernels.reference import quantize_rows_reference, scaled_matmul_reference
 from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
@@ -154,9 +154,30 @@ def test_quantizing_ternary_gemv_matches_the_reference_on_gpu(k, n, m):
   x = tie_free_activations(key, m, k, BITNET_TOKENS)
   wt = jax.random.randint(jax.random.fold_in(key, 1), (n, k), -1, 2, jnp.int32).astype(jnp.int8)
   w_packed, w_scale = pack_2bit(wt), jnp.float32(0.02)
-  fused = jax.jit(lambda x: ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS))(x)
+  fused = jax.jit(lambda x: dp4a_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS))(x)
   xq, sx = quantize_rows_reference(x, BITNET_TOKENS)
   want = int8_gemv.a8w2_matmul_reference(xq, sx, w_packed, w_scale)
   np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(want, np.float32))
-  prequantized = ternary_gemv.a8w2_gemv_kernel(xq, sx, w_packed, w_scale)
+  prequantized = dp4a_gemv.a8w2_gemv_kernel(xq, sx, w_packed, w_scale)
   np.testing.assert_array_equal(np.asarray(prequantized, np.float32), np.asarray(want, np.float32))
+
+
+@needs_sm80
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (8192, 2048), (2048, 3072), (2048, 16384)])
+def test_a8w8_dp4a_gemv_matches_the_reference_on_gpu(k, n, m):
+  """W8A8 on the dp4a GEMV (the int8 weight as int32 words) == the A8W8 reference (XLA's int8 dot), bit for bit,
+  on codes with per-channel scales; its quantizing form == XLA's quantizer, then the reference, on activations
+  without rounding ties."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  key = fresh_key()
+  x = tie_free_activations(key, m, k, INT8_TOKENS)
+  wq = jax.random.randint(jax.random.fold_in(key, 1), (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  w_scale = jax.random.uniform(jax.random.fold_in(key, 2), (n,), minval=1e-3, maxval=1e-2)
+  xq, sx = quantize_rows_reference(x, INT8_TOKENS)
+  want = np.asarray(int8_gemv.a8w8_matmul_reference(xq, sx, wq, w_scale), np.float32)
+  got = jax.jit(dp4a_gemv.a8w8_gemv_kernel)(xq, sx, wq, w_scale)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+  fused = jax.jit(lambda x: dp4a_gemv.quantize_a8w8_gemv_kernel(x, wq, w_scale, INT8_TOKENS))(x)
+  np.testing.assert_array_equal(np.asarray(fused, np.float32), want)

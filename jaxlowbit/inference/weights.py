@@ -41,7 +41,7 @@ from jaxlowbit.recipes.bitnet import ACTIVATIONS as BITNET_ACTIVATIONS
 from jaxlowbit.recipes.int8_mixed_precision import INT8_ROWS
 from jaxlowbit_numerics import int8, ternary
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels import dispatch, inference_dispatch, policy
+from pallas_kernels import inference_dispatch, policy
 
 SCHEMES = ("w8a16", "w8a8", "ternary")
 KERNEL_Q = "kernel_q"
@@ -234,8 +234,8 @@ def quantized_linear(x: jax.Array | LowBitOperand, leaves: Mapping[str, jax.Arra
   elif scheme == "w8a8":
     if SMOOTH in leaves:
       x2 = x2.astype(jnp.float32) / leaves[SMOOTH]  # quantized straight from float32
-    xq, sx = dispatch.quantize_rows(x2, INT8_TOKENS, options=kernels)
-    y = inference_dispatch.w8a8_matmul(xq, sx, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
+    y = inference_dispatch.w8a8_linear(x2, INT8_TOKENS, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype,
+                                       options=kernels)
   else:
     y = inference_dispatch.ternary_linear(x2, BITNET_TOKENS, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
                                           options=kernels)

@@ -1,8 +1,9 @@
-"""The CUDA-core ternary GEMV (pallas_kernels/ternary_gemv.py) on CPU: Pallas interpreter and CUDA lowering.
+"""The CUDA-core dp4a GEMV (pallas_kernels/dp4a_gemv.py) on CPU: Pallas interpreter and CUDA lowering.
 
 Numerics: int32 sums are exact and the float32 epilogue runs the reference's operations in its order, so the
-kernel is bit-identical to ``int8_gemv.a8w2_matmul_reference`` on fresh random operands, with and without
-split-K, for every M it takes (1..4). The kernel's dp4a step is checked alone here too (its interpreter form
+kernel is bit-identical to ``int8_gemv.a8w2_matmul_reference`` (ternary weights) and
+``int8_gemv.a8w8_matmul_reference`` (int8 weights) on fresh random operands, with and without split-K, for every M
+it takes (1..4). The kernel's dp4a step is checked alone here too (its interpreter form
 against plain integer arithmetic); the GPU instruction is checked through the kernel on the GPU
 (tests/test_inference_gpu.py).
 """
@@ -18,7 +19,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import inference_dispatch, int8_gemv, policy, ternary_gemv, w8a16
+from pallas_kernels import dp4a_gemv, inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import quantize_rows_reference
 from helpers import fresh_key, tie_free_activations
 
@@ -34,9 +35,9 @@ def _operands(key, m, n, k):
   return xq, x_scale, pack_2bit(w, axis=-1), jnp.float32(0.037)
 
 
-def _tiling(m, n, k, split, reduce_per_step):
+def _tiling(m, n, k, split, reduce_per_step, packed=True):
   """The default tiling for M rows, with ``split`` K parts (block_k shrunk to fit) and the reduction asked for."""
-  config = ternary_gemv.config_for(n, k // 4, sms=4, m=m)
+  config = dp4a_gemv.config_for(n, k // 4, sms=4, m=m, packed=packed)
   return dataclasses.replace(config, split_k=split, block_k=min(config.block_k, k // 4 // split),
                              reduce_per_step=reduce_per_step)
 
@@ -51,14 +52,14 @@ def test_spread_codes_and_dp4a_are_the_byte_products():
   key = fresh_key()
   weights = np.stack(np.meshgrid(*[np.array([-1, 0, 1])] * 4, indexing="ij"), -1).reshape(-1, 4)  # all 81 bytes
   packed = pack_2bit(jnp.asarray(weights, jnp.int8), axis=-1)[:, 0]
-  spread = np.asarray(ternary_gemv.spread_codes(packed)).astype(np.uint32)
+  spread = np.asarray(dp4a_gemv.spread_codes(packed)).astype(np.uint32)
   got = np.stack([(spread >> (8 * j) & 0xFF).astype(np.uint8).view(np.int8) for j in range(4)], -1)
   np.testing.assert_array_equal(got, 64 * weights)
   a, b = (jax.random.randint(jax.random.fold_in(key, i), (4096, 4), -128, 128, jnp.int32) for i in range(2))
   a, b = (jnp.concatenate([v, jnp.array([[-128] * 4, [127] * 4])]) for v in (a, b))
   word = lambda v: jax.lax.bitcast_convert_type(v.astype(jnp.int8), jnp.int32)  # noqa: E731  [R, 4] -> [R]
   c = jax.random.randint(jax.random.fold_in(key, 2), (a.shape[0],), -2**20, 2**20, jnp.int32)
-  out = ternary_gemv.dp4a(word(a), word(b), c, native=False)
+  out = dp4a_gemv.dp4a(word(a), word(b), c, native=False)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(c) + np.sum(np.asarray(a) * np.asarray(b), axis=-1))
 
 
@@ -70,7 +71,7 @@ def test_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce
   config = _tiling(m, n, k, split, reduce_per_step)
   # One scale per tensor (BitNet's, kept one element in the kernel) and one per output channel.
   for out_dtype, w_scale in ((jnp.bfloat16, tensor_scale), (jnp.float32, tensor_scale), (jnp.float32, channel_scales)):
-    got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, config=config, interpret=True)
+    got = dp4a_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, config=config, interpret=True)
     want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
     assert got.dtype == want.dtype and got.shape == (m, n)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -84,27 +85,32 @@ def test_gemv_lowers_for_cuda(m, k, n):
   f = jax.ShapeDtypeStruct
   shapes = (f((m, k), jnp.int8), f((m, 1), jnp.float32), f((n, k // 4), jnp.int8), f((), jnp.float32))
   with jax.sharding.use_abstract_mesh(H100):
-    text = jax.jit(ternary_gemv.a8w2_gemv_kernel).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(dp4a_gemv.a8w2_gemv_kernel).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
 
 
 def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
-  xq, x_scale, w_packed, w_scale = _operands(fresh_key(), ternary_gemv.MAX_M + 1, 64, 512)
-  with pytest.raises(ValueError, match=f"at most {ternary_gemv.MAX_M}"):
-    ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, interpret=True)
+  xq, x_scale, w_packed, w_scale = _operands(fresh_key(), dp4a_gemv.MAX_M + 1, 64, 512)
+  with pytest.raises(ValueError, match=f"at most {dp4a_gemv.MAX_M}"):
+    dp4a_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, interpret=True)
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
   """M = 1..2 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 2); M = 3 and a weight it cannot
-  tile do not, and 0 turns it off."""
+  tile do not, and 0 turns it off; int8 weights follow policy.W8A8_GEMV_MAX_M."""
   assert policy.TERNARY_GEMV_MAX_M == 2
-  assert inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
-  assert inference_dispatch.ternary_gemv_wanted(1, 4096, 3584)
-  assert inference_dispatch.ternary_gemv_wanted(2, 4096, 3584)
-  assert not inference_dispatch.ternary_gemv_wanted(3, 14336, 1024)
-  assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024)
+  assert inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096)
+  assert inference_dispatch.dp4a_gemv_wanted(1, 4096, 14336)
+  assert inference_dispatch.dp4a_gemv_wanted(2, 4096, 14336)
+  assert not inference_dispatch.dp4a_gemv_wanted(3, 14336, 4096)
+  assert not inference_dispatch.dp4a_gemv_wanted(1, 12, 4096)
   monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 0)
-  assert not inference_dispatch.ternary_gemv_wanted(1, 14336, 1024)
+  assert not inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096)
+  # W8A8's int8 weights: the same rule under W8A8_GEMV_MAX_M.
+  assert inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096, codes=True, packed=False)
+  assert not inference_dispatch.dp4a_gemv_wanted(policy.W8A8_GEMV_MAX_M + 1, 14336, 4096, packed=False)
+  monkeypatch.setattr(policy, "W8A8_GEMV_MAX_M", 0)
+  assert not inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096, codes=True, packed=False)
 
 
 
@@ -117,9 +123,9 @@ def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
 ])
 def test_split_k_policy_on_132_sms(n, k, m, split):
   """Split-K at M = 1 only where the row blocks leave SMs idle (an H100's 132), as measured; the split divides K."""
-  config = ternary_gemv.config_for(n, k // 4, sms=132, m=m)
+  config = dp4a_gemv.config_for(n, k // 4, sms=132, m=m)
   assert config.split_k == split
-  assert ternary_gemv.supports(m, n, k // 4, config)
+  assert dp4a_gemv.supports(m, n, k // 4, config)
 
 
 @pytest.mark.parametrize("n,k,tiling", [
@@ -131,12 +137,12 @@ def test_split_k_policy_on_132_sms(n, k, m, split):
 def test_codes_tiling_at_m1_on_132_sms(n, k, tiling):
   """At M = 1 on int8 codes the GEMV takes 8-row blocks (1024-byte steps on 8 warps where K has >= 2048 bytes that
   they divide), unsplit where the row blocks fill the SMs; the quantizing kernel keeps its 16-row blocks."""
-  config = ternary_gemv.config_for(n, k // 4, sms=132, m=1, codes=True)
+  config = dp4a_gemv.config_for(n, k // 4, sms=132, m=1, codes=True)
   assert (config.block_n, config.block_k, config.num_warps, config.split_k) == (*tiling, 1)
-  assert ternary_gemv.supports(1, n, k // 4, config)
-  assert inference_dispatch.ternary_gemv_wanted(1, n, k // 4, codes=True)
-  assert ternary_gemv.config_for(n, k // 4, sms=132, m=1).block_n == 16
-  assert not inference_dispatch.ternary_gemv_wanted(1, 12, 1024, codes=True)
+  assert dp4a_gemv.supports(1, n, k // 4, config)
+  assert inference_dispatch.dp4a_gemv_wanted(1, n, k, codes=True)
+  assert dp4a_gemv.config_for(n, k // 4, sms=132, m=1).block_n == 16
+  assert not inference_dispatch.dp4a_gemv_wanted(1, 12, 4096, codes=True)
 
 
 def test_prequantized_gemv_default_codes_tiling_is_bit_identical(monkeypatch):
@@ -146,11 +152,11 @@ def test_prequantized_gemv_default_codes_tiling_is_bit_identical(monkeypatch):
   key = fresh_key()
   m, n, k = 1, 64, 16384
   xq, x_scale, w_packed, w_scale = _operands(key, m, n, k)
-  config = ternary_gemv.config_for(n, k // 4, m=m, codes=True)
+  config = dp4a_gemv.config_for(n, k // 4, m=m, codes=True)
   assert (config.block_n, config.block_k, config.num_warps, config.split_k) == (8, 1024, 8, 1)
   per_channel = jax.random.uniform(jax.random.fold_in(key, 7), (n,), minval=0.01, maxval=0.05)
   for scale in (w_scale, per_channel):
-    got = ternary_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, scale, jnp.float32, interpret=True)
+    got = dp4a_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, scale, jnp.float32, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(
         int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, scale, jnp.float32)))
 
@@ -164,7 +170,7 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
   config = _tiling(m, n, k, split, reduce_per_step)
   xq, x_scale = quantize_rows_reference(x, BITNET_TOKENS)
   for out_dtype in (jnp.bfloat16, jnp.float32):
-    got = ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, out_dtype, config=config,
+    got = dp4a_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, out_dtype, config=config,
                                                  interpret=True)
     want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
     assert got.dtype == want.dtype and got.shape == (m, n)
@@ -176,7 +182,7 @@ def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there():
   key = fresh_key()
   x = tie_free_activations(key, 2, 512, BITNET_TOKENS).at[1, 7].set(jnp.nan)
   _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), 2, 64, 512)
-  got = np.asarray(ternary_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, jnp.float32,
+  got = np.asarray(dp4a_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, jnp.float32,
                                                           interpret=True))
   want = np.asarray(int8_gemv.a8w2_matmul_reference(*quantize_rows_reference(x, BITNET_TOKENS), w_packed, w_scale,
                                                     jnp.float32))
@@ -190,7 +196,7 @@ def test_quantizing_gemv_lowers_for_cuda(m, k, n):
   f = jax.ShapeDtypeStruct
   shapes = (f((m, k), jnp.bfloat16), f((n, k // 4), jnp.int8), f((), jnp.float32))
   with jax.sharding.use_abstract_mesh(H100):
-    fn = jax.jit(lambda x, w, s: ternary_gemv.quantize_a8w2_gemv_kernel(x, w, s, BITNET_TOKENS))
+    fn = jax.jit(lambda x, w, s: dp4a_gemv.quantize_a8w2_gemv_kernel(x, w, s, BITNET_TOKENS))
     text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
 
@@ -198,8 +204,79 @@ def test_quantizing_gemv_lowers_for_cuda(m, k, n):
 def test_quantizing_gemv_refuses_codes_and_other_specs():
   _, _, w_packed, w_scale = _operands(fresh_key(), 1, 64, 512)
   with pytest.raises(ValueError, match="float"):
-    ternary_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.int8), w_packed, w_scale, BITNET_TOKENS,
+    dp4a_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.int8), w_packed, w_scale, BITNET_TOKENS,
                                            interpret=True)
   with pytest.raises(ValueError, match="rows to int8"):
-    ternary_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.bfloat16), w_packed, w_scale,
+    dp4a_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.bfloat16), w_packed, w_scale,
                                            QuantSpec("int8", per_tensor=True), interpret=True)
+
+
+def _int8_weight(key, n, k):
+  """W8A8's ``[N, K]`` int8 weight over the whole int8 range (-128 included) and per-channel scales."""
+  wq = jax.random.randint(key, (n, k), -128, 128, jnp.int32).astype(jnp.int8)
+  return wq, jax.random.uniform(jax.random.fold_in(key, 1), (n,), minval=1e-3, maxval=1e-2)
+
+
+@pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
+def test_a8w8_gemv_interpret_is_bit_identical_to_the_reference(m, n, k, split, reduce_per_step):
+  """int8 weights read as int32 words of four: == a8w8_matmul_reference bit for bit, per-channel and per-tensor
+  weight scales, bf16 and float32 outputs, with and without split-K."""
+  key = fresh_key()
+  xq, x_scale, _, _ = _operands(key, m, n, k)
+  wq, channel_scales = _int8_weight(jax.random.fold_in(key, 1), n, k)
+  config = _tiling(m, n, k, split, reduce_per_step, packed=False)
+  for out_dtype, w_scale in ((jnp.bfloat16, channel_scales), (jnp.float32, channel_scales),
+                             (jnp.float32, jnp.float32(0.004))):
+    got = dp4a_gemv.a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype, config=config, interpret=True)
+    want = int8_gemv.a8w8_matmul_reference(xq, x_scale, wq, w_scale, out_dtype)
+    assert got.dtype == want.dtype and got.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("m,n,k,split,reduce_per_step", CASES)
+def test_quantizing_a8w8_gemv_interpret_is_bit_identical_to_quantize_then_reference(m, n, k, split,
+                                                                                    reduce_per_step):
+  """x quantized inside the kernel (W8A8's per-token int8) == quantize_rows_reference, then the A8W8 reference."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  key = fresh_key()
+  x = tie_free_activations(key, m, k, INT8_TOKENS)
+  wq, w_scale = _int8_weight(jax.random.fold_in(key, 1), n, k)
+  config = _tiling(m, n, k, split, reduce_per_step, packed=False)
+  xq, x_scale = quantize_rows_reference(x, INT8_TOKENS)
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    got = dp4a_gemv.quantize_a8w8_gemv_kernel(x, wq, w_scale, INT8_TOKENS, out_dtype, config=config, interpret=True)
+    want = int8_gemv.a8w8_matmul_reference(xq, x_scale, wq, w_scale, out_dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (8192, 2048), (2048, 3072)])
+def test_a8w8_gemv_lowers_for_cuda(m, k, n):
+  """Pallas -> Triton IR for an H100, on codes and quantizing, at the Llama-3-8B MLP and 1B shapes."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  f = jax.ShapeDtypeStruct
+  with jax.sharding.use_abstract_mesh(H100):
+    codes = jax.jit(dp4a_gemv.a8w8_gemv_kernel).trace(
+        f((m, k), jnp.int8), f((m, 1), jnp.float32), f((n, k), jnp.int8), f((n,), jnp.float32))
+    quantizing = jax.jit(lambda x, w, s: dp4a_gemv.quantize_a8w8_gemv_kernel(x, w, s, INT8_TOKENS)).trace(
+        f((m, k), jnp.bfloat16), f((n, k), jnp.int8), f((n,), jnp.float32))
+    for traced in (codes, quantizing):
+      assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_a8w8_gemv_refuses_what_it_cannot_take():
+  """A K that no tiling divides, more rows than it keeps sums for, and a weight whose K is not x's: one clear error
+  each."""
+  key = fresh_key()
+  xq, x_scale, _, _ = _operands(key, 1, 64, 512)
+  wq, w_scale = _int8_weight(key, 64, 512)
+  with pytest.raises(ValueError, match="K=512"):
+    dp4a_gemv.a8w8_gemv_kernel(xq[:, :256], x_scale, wq, w_scale, interpret=True)
+  many, many_scale, _, _ = _operands(key, dp4a_gemv.MAX_M + 1, 64, 512)
+  with pytest.raises(ValueError, match=f"at most {dp4a_gemv.MAX_M}"):
+    dp4a_gemv.a8w8_gemv_kernel(many, many_scale, wq, w_scale, interpret=True)
+  odd, _ = _int8_weight(key, 64, 40)
+  with pytest.raises(ValueError, match="groups of four"):
+    dp4a_gemv.a8w8_gemv_kernel(xq[:, :40], x_scale, odd, w_scale, interpret=True)

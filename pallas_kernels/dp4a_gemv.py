@@ -1,30 +1,40 @@
-"""Ternary GEMV on CUDA cores for M <= 4 (Pallas, Triton backend): packed 2-bit weights, no tensor cores.
+"""Int8-activation GEMV on CUDA cores for M <= 4 (Pallas, Triton backend): ternary or int8 weights, dp4a.
 
-``a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale)`` computes the same as
-:func:`pallas_kernels.int8_gemv.a8w2_matmul_kernel`, ``out[m, n] = (sum_k xq[m, k] w[n, k]) * x_scale[m] *
-w_scale[n]`` with exact int32 sums and the float32 epilogue in the reference's order (bit-identical to
-:func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`), for decode-sized M.
-``quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec)`` takes the float activations instead and quantizes them
-in the same launch (BitNet's per-token int8), as ``pallas_kernels.quantize`` would.
+Two weight formats, one kernel body; every K value of a row belongs to a *group* of four (``x[4 i .. 4 i + 3]``):
 
-Why another kernel: the A8W2 GEMM feeds int8 mma 16-row tiles. At M = 1 it moved 14 MiB in ~30 us (H200, ~0.5 TB/s,
-before 6d76cc2; ~12 us since, against ~6 here on int8 codes): every decoded weight tile is converted from the load's
-register layout to the mma operand layout (through shared memory) four times, once per 2-bit position, for 15 masked
-rows. Here each program streams
-``[block_n, block_k]`` packed bytes (rows of W are K-major, so a row's bytes are contiguous) and does one ``dp4a``
-per byte and row of x: a multiply and a mask spread the byte's four 2-bit weights over the four bytes of an int32
-(:func:`spread_codes`), and ``dp4a`` multiplies them with the four int8 activation codes they meet, ``x[4 i + j]``,
-packed into one int32 per byte, and adds the sum. Float rows are read in four strided loads (the row sits in L2; no
-interleaved copy) and quantized on the way; pre-quantized codes (a decode norm's, ``jaxlowbit.fused``) arrive as
-those int32 words already, a bitcast view of the int8 row: one load.
-Decoding each weight with shifts and an int32 multiply-add instead cost ~13 integer instructions per byte, which
-bound the kernel by the SM's integer throughput at a quarter of HBM bandwidth; this is ~4. K is split across programs
-(split-K) where N alone gives the SMs too little work; the int32 partials are then added by XLA (exact).
+=========  ==================================================  ===================================================
+weights    a group is                                          reference (bit-identical)
+=========  ==================================================  ===================================================
+ternary    a packed byte, ``pack_2bit(w [N, K], axis=-1)``     :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`
+           ``[N, K/4]`` int8 (BitNet b1.58, 2 bits a weight)
+int8       an int32 word of four int8, a bitcast view of the   :func:`pallas_kernels.int8_gemv.a8w8_matmul_reference`
+           ``[N, K]`` int8 weight (W8A8)
+=========  ==================================================  ===================================================
+
+Each computes ``out[m, n] = (sum_k xq[m, k] w[n, k]) * x_scale[m] * w_scale[n]`` with exact int32 sums and the
+float32 epilogue in the reference's order, for decode-sized M: :func:`a8w2_gemv_kernel` and
+:func:`a8w8_gemv_kernel` take int8 codes (a decode norm's, ``jaxlowbit.fused``; XLA's quantizer's);
+:func:`quantize_a8w2_gemv_kernel` and :func:`quantize_a8w8_gemv_kernel` take the float activations instead and
+quantize them per row in the same launch, as ``pallas_kernels.quantize`` would.
+
+Why another kernel: the int8-mma GEMVs (``pallas_kernels.int8_gemv``) feed 16-row tensor-core tiles. At M = 1 the
+A8W2 one moved 14 MiB in ~30 us (H200, ~0.5 TB/s, before 6d76cc2; ~12 us since, against ~6 here on int8 codes):
+every decoded weight tile is converted from the load's register layout to the mma operand layout (through shared
+memory) four times, once per 2-bit position, for 15 masked rows. Here each program streams ``[block_n, block_k]``
+groups (rows of W are K-major, so a row's groups are contiguous) and does one ``dp4a`` per group and row of x: it
+multiplies the group's four weights, as the four signed bytes of an int32, with the four int8 activation codes they
+meet, ``x[4 i + j]``, packed into one int32, and adds the sum. An int8 group is such an int32 already; a packed
+byte's four 2-bit weights are spread over an int32's bytes by a multiply and a mask first (:func:`spread_codes`).
+Float rows are read in four strided loads (the row sits in L2; no interleaved copy) and quantized on the way;
+pre-quantized codes arrive as those int32 words already, a bitcast view of the int8 row: one load.
+Decoding each ternary weight with shifts and an int32 multiply-add instead cost ~13 integer instructions per byte,
+which bound the kernel by the SM's integer throughput at a quarter of HBM bandwidth; this is ~4. K is split across
+programs (split-K) where N alone gives the SMs too little work; the int32 partials are then added by XLA (exact).
 
 Decode at M = 1 pays per launch as much as per byte (a 4096 x 4096 ternary weight is 4 MiB, ~2 us of HBM), so
-the activation quantizer runs inside the GEMV: one launch per linear. Tilings and the M the dispatch sends here
-come from the H100 sweeps recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``), the tiling on codes
-at M = 1 from an H200 sweep (:data:`CODES_TILING`).
+the activation quantizer can run inside the GEMV: one launch per linear. Tilings and the M the dispatch sends here
+come from the sweeps recorded in ``benchmarks/results`` (``policy.TERNARY_GEMV_MAX_M``, ``policy.W8A8_GEMV_MAX_M``;
+the tilings below name theirs).
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
-from pallas_kernels.int8_gemv import check_a8w2
+from pallas_kernels.int8_gemv import check_a8w2, check_a8w8
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import SplitRule, fit_block
 
@@ -54,8 +64,9 @@ MIN_BLOCK_N, MIN_BLOCK_K = 8, 16
 
 
 @dataclasses.dataclass(frozen=True)
-class TernaryGemvConfig:
-  """Tiling (powers of two): ``block_n`` weight rows and ``block_k`` packed bytes per step; ``split_k``
+class Dp4aGemvConfig:
+  """Tiling (powers of two): ``block_n`` weight rows and ``block_k`` groups of four K values per step (packed bytes
+  of a ternary weight, int32 words of an int8 one); ``split_k``
   programs share a row block; Triton's ``num_warps`` and ``num_stages``. ``reduce_per_step`` sums each step's
   products across K at once (``[block_n]`` partial sums per row of x instead of ``[block_n, block_k]``): fewer
   registers for M > 1, one cross-lane reduction per step. ``split_rule``: how :func:`config_for` splits K for this
@@ -85,37 +96,47 @@ DECODE_SPLIT = SplitRule(DECODE_PROGRAMS_PER_SM, unsplit_fill=1.0)
 # quantizer inside, 8 Llama and 1B shapes): M = 1: 16 rows x 512 bytes, summed across K once at the end (4096 x
 # 14336: 10.7 us; one reduction per step: 17.6); M = 2..4: 16 rows x 256 bytes, one reduction per step (the lowest
 # total over the shapes at M = 4; 64 x 128 on 8 warps, the old kernel's best, was 2-7x slower here).
-DECODE_TILING = TernaryGemvConfig(block_n=16, block_k=512, num_warps=4, split_rule=DECODE_SPLIT)
-BATCH_TILING = TernaryGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
+DECODE_TILING = Dp4aGemvConfig(block_n=16, block_k=512, num_warps=4, split_rule=DECODE_SPLIT)
+BATCH_TILING = Dp4aGemvConfig(block_n=16, block_k=256, num_warps=4, reduce_per_step=True)
 # M = 1 on pre-quantized codes (a decode norm's: no amax pass for a program to repeat): 8 rows x 512 bytes was the
 # fastest or within 8% of it on 7 of 8 Llama 1B / 8B shapes and 3-15% under 16 x 512 (H200, device time, 16 weights
 # per call; benchmarks/results/ternary_gemv_codes_sweep_h200_48e3989.json). The one K of 2048 bytes or more that a
 # 1024-byte step divides (the 1B down projection, 8192 x 2048: 256 row blocks, so unsplit) took 3.3 us with such
 # steps on 8 warps against 4.1 with 512 on 4 and 4.1 split in four; 14336 x 4096 (3584 bytes) keeps 512-byte steps.
-CODES_TILING = TernaryGemvConfig(block_n=8, block_k=512, num_warps=4, split_rule=DECODE_SPLIT)
-CODES_LONG_K, CODES_LONG_K_TILING = 2048, TernaryGemvConfig(block_n=8, block_k=1024, num_warps=8,
+CODES_TILING = Dp4aGemvConfig(block_n=8, block_k=512, num_warps=4, split_rule=DECODE_SPLIT)
+CODES_LONG_K, CODES_LONG_K_TILING = 2048, Dp4aGemvConfig(block_n=8, block_k=1024, num_warps=8,
                                                            split_rule=DECODE_SPLIT)
 
 
-def config_for(n: int, k_bytes: int, sms: int | None = None, m: int = 1, codes: bool = False) -> TernaryGemvConfig:
-  """The tiling for ``m`` rows and an ``[N, k_bytes]`` packed weight (``codes``: x arrives as int8 codes): at
-  M = 1, split-K only where the row blocks are fewer than the SMs (then up to :data:`DECODE_PROGRAMS_PER_SM`
-  programs per SM); ~4 per SM above."""
-  if m > 1:
+# W8A8 (int8 weights: an int32 word a group, four times a packed byte's bytes). Placeholders until the H200 sweep
+# of this kernel on int8 weights: 8 rows x 256 words on codes, 16 x 256 quantizing.
+INT8_CODES_TILING = Dp4aGemvConfig(block_n=8, block_k=256, num_warps=4, split_rule=DECODE_SPLIT)
+INT8_DECODE_TILING = Dp4aGemvConfig(block_n=16, block_k=256, num_warps=4, split_rule=DECODE_SPLIT)
+INT8_BATCH_TILING = Dp4aGemvConfig(block_n=16, block_k=128, num_warps=4, reduce_per_step=True)
+
+
+def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes: bool = False,
+               packed: bool = True) -> Dp4aGemvConfig:
+  """The tiling for ``m`` rows and a weight of ``[N, k_groups]`` groups (``packed``: ternary bytes, else int8
+  words; ``codes``: x arrives as int8 codes): at M = 1, split-K only where the row blocks are fewer than the SMs
+  (then up to :data:`DECODE_PROGRAMS_PER_SM` programs per SM); ~4 per SM above."""
+  if not packed:
+    base = INT8_BATCH_TILING if m > 1 else INT8_CODES_TILING if codes else INT8_DECODE_TILING
+  elif m > 1:
     base = BATCH_TILING
   elif not codes:
     base = DECODE_TILING
   else:
-    long_k = k_bytes >= CODES_LONG_K and k_bytes % CODES_LONG_K_TILING.block_k == 0
+    long_k = k_groups >= CODES_LONG_K and k_groups % CODES_LONG_K_TILING.block_k == 0
     base = CODES_LONG_K_TILING if long_k else CODES_TILING
-  block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_bytes, base.block_k, MIN_BLOCK_K)
-  split = base.split_rule.split_k(max(n // block_n, 1), k_bytes, block_k, sms)
+  block_n, block_k = fit_block(n, base.block_n, MIN_BLOCK_N), fit_block(k_groups, base.block_k, MIN_BLOCK_K)
+  split = base.split_rule.split_k(max(n // block_n, 1), k_groups, block_k, sms)
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
-def supports(m: int, n: int, k_bytes: int, config: TernaryGemvConfig) -> bool:
-  """Whether the kernel takes M rows and an ``[N, k_bytes]`` weight with this tiling (never padded)."""
-  return (1 <= m <= MAX_M and n % config.block_n == 0 and k_bytes % (config.block_k * config.split_k) == 0
+def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig) -> bool:
+  """Whether the kernel takes M rows and a weight of ``[N, k_groups]`` groups with this tiling (never padded)."""
+  return (1 <= m <= MAX_M and n % config.block_n == 0 and k_groups % (config.block_k * config.split_k) == 0
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
 
 
@@ -146,14 +167,15 @@ def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
   return c + sum(byte(a, j) * byte(b, j) for j in range(VALUES_PER_BYTE))
 
 
-def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, native: bool,
-            tensor_scale: bool):
+def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, packed: bool,
+            native: bool, tensor_scale: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
   Refs: ``x`` (rows flattened: the int8 codes as ``[m * K / 4]`` int32 words of four, or ``[m * K]`` float
-  activations when ``spec`` quantizes them here), the
-  packed weight ``[N, K/4]``, the codes' scales ``[m]`` (pre-quantized only), the weight scales ``[N]`` (``[1]``
-  when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales ``[m]``.
+  activations when ``spec`` quantizes them here), the weight's ``[N, K/4]`` groups (``packed``: int8 bytes of four
+  2-bit weights; else int32 words of four int8 weights), the codes' scales ``[m]`` (pre-quantized only), the
+  weight scales ``[N]`` (``[1]`` when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales
+  ``[m]``. ``k_per_split`` counts groups.
   """
   if spec is None:
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
@@ -166,7 +188,7 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
 
   def load(t):
     start = pl.multiple_of(k0 + t * bk, bk)
-    return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] packed bytes
+    return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] groups
 
   first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
   if config.split_k == 1:  # the epilogue's weight scale, loaded now rather than after the loop
@@ -185,8 +207,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
 
   def x_words(r, start):
-    # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight byte i of the step: the four
-    # activations that byte's weights meet. Pre-quantized codes arrive as those words (little-endian int32 of
+    # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight group i of the step: the four
+    # activations that group's weights meet. Pre-quantized codes arrive as those words (little-endian int32 of
     # four consecutive codes: one load); float rows are read in four strided loads (from L2) and quantized.
     if spec is None:
       return x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start, bk)]
@@ -198,7 +220,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
     return words
 
   def step(p, start, accs):
-    weights = spread_codes(p)  # [bn, bk]: byte j of each = 64 x weight j of the packed byte
+    # [bn, bk] int32, byte j of each = weight j of the group (64 x it, for a packed byte)
+    weights = spread_codes(p) if packed else p
     new = []
     for r in range(m):
       xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
@@ -213,7 +236,8 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
   accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
     total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)
-    total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)  # [bn] int32, exact: each product was 64 x its value
+    if packed:  # [bn] int32, exact: each product was 64 x its value
+      total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)
     if config.split_k == 1:  # the reference's epilogue, same order
       o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
     else:
@@ -227,11 +251,12 @@ def _kernel(*refs, config: TernaryGemvConfig, k: int, k_per_split: int, m: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
-def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig, spec: QuantSpec | None,
-          interpret: bool):
-  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel."""
+def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: QuantSpec | None, interpret: bool):
+  """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel. ``w``: packed ternary ``[N, K/4]``
+  or int8 ``[N, K]`` (:func:`_groups` tells them apart)."""
   m = x.shape[0]
-  n, k_bytes = w_packed.shape
+  packed, w = _groups(w, x.shape[1])
+  n, k_groups = w.shape
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
   # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
   sw = w_scale.astype(jnp.float32).reshape(-1)
@@ -240,21 +265,21 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
     words = lax.bitcast_convert_type(x.reshape(m, -1, VALUES_PER_BYTE), jnp.int32)  # a view: no copy
-    operands = (words.reshape(-1), w_packed, sx, sw)
+    operands = (words.reshape(-1), w, sx, sw)
   else:
-    operands = (x.reshape(-1), w_packed, sw)
+    operands = (x.reshape(-1), w, sw)
   out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
                else out_struct((split * m, n), jnp.int32, *operands))
   if spec is not None and split > 1:
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
-      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_bytes // split, m=m, spec=spec,
-                        native=not interpret, tensor_scale=tensor_scale),
+      functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_groups // split, m=m, spec=spec,
+                        packed=packed, native=not interpret, tensor_scale=tensor_scale),
       out_shape=out_shape,
       grid=(n // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
-      name="jaxlowbit_ternary_gemv",
+      name="jaxlowbit_ternary_gemv" if packed else "jaxlowbit_a8w8_gemv",
   )(*operands)
   if split > 1:
     out, sx = out if spec is not None else (out, sx)
@@ -263,18 +288,28 @@ def _call(x, x_scale, w_packed, w_scale, *, out_dtype, config: TernaryGemvConfig
   return out
 
 
-def _tiling(who: str, m: int, w_packed, config: TernaryGemvConfig | None, codes: bool) -> TernaryGemvConfig:
-  """``config`` (default :func:`config_for`) after checking it takes M rows and the ``[N, K/4]`` packed weight."""
-  n, k_bytes = w_packed.shape
-  config = config or config_for(n, k_bytes, m=m, codes=codes)
-  if not supports(m, n, k_bytes, config):
-    raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, {k_bytes} bytes of K] do not "
-                     f"fit the tiling {config} (N a multiple of {config.block_n}, K bytes of "
-                     f"{config.block_k * config.split_k}); use a8w2_matmul_kernel or the reference")
+def _groups(w: jax.Array, k: int) -> tuple[bool, jax.Array]:
+  """``(packed, [N, K/4] groups)`` of a weight for K values a row: packed ternary bytes as they are, an int8
+  ``[N, K]`` weight as int32 words of four (little-endian, as x's codes: a bitcast view, no copy)."""
+  if w.shape[1] * VALUES_PER_BYTE == k:
+    return True, w
+  return False, lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
+
+
+def _tiling(who: str, m: int, w, k: int, config: Dp4aGemvConfig | None, codes: bool) -> Dp4aGemvConfig:
+  """``config`` (default :func:`config_for`) after checking it takes M rows and the weight's ``[N, K/4]`` groups."""
+  n, k_groups = w.shape[0], k // VALUES_PER_BYTE
+  packed = w.shape[1] == k_groups
+  config = config or config_for(n, k_groups, m=m, codes=codes, packed=packed)
+  if not supports(m, n, k_groups, config):
+    raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, K={k}] ({k_groups} groups of four) do not "
+                     f"fit the tiling {config} (N a multiple of {config.block_n}, K groups of "
+                     f"{config.block_k * config.split_k}); use {'a8w2' if packed else 'a8w8'}_matmul_kernel or the "
+                     "reference")
   return config
 
 
-def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, config: TernaryGemvConfig | None = None,
+def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, config: Dp4aGemvConfig | None = None,
                      interpret: bool = False) -> jax.Array:
   """Int8 x packed-ternary GEMV for M <= :data:`MAX_M` on CUDA cores.
 
@@ -288,13 +323,13 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`.
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, config, codes=True)
+  config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, xq.shape[1], config, codes=True)
   return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
                interpret=interpret)
 
 
 def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
-                              config: TernaryGemvConfig | None = None, interpret: bool = False) -> jax.Array:
+                              config: Dp4aGemvConfig | None = None, interpret: bool = False) -> jax.Array:
   """Float activations x packed-ternary weights for M <= :data:`MAX_M`, the activations quantized in the kernel.
 
   One launch instead of a quantizer and a GEMV: each program finds the amax of the whole ``x`` row (a few KiB,
@@ -309,11 +344,55 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
     ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)`` bit for bit (the
     codes are computed as XLA computes them: ``quantize.encode``).
   """
-  if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"quantize_a8w2_gemv_kernel: x must be float [M, K], got {x.dtype} {x.shape}")
-  quantize.check_row_int8(spec, "quantize_a8w2_gemv_kernel")
-  check_a8w2(jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32), w_packed,
-             w_scale)
-  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, config, codes=False)
+  check_a8w2(*_float_rows(x, spec, "quantize_a8w2_gemv_kernel"), w_packed, w_scale)
+  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, x.shape[1], config, codes=False)
   return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
                interpret=interpret)
+
+
+def a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: Dp4aGemvConfig | None = None,
+                     interpret: bool = False) -> jax.Array:
+  """Int8 x int8 GEMV (W8A8) for M <= :data:`MAX_M` on CUDA cores.
+
+  Args:
+    xq: ``[M, K]`` int8 activations, x_scale: float32 ``[M]``/``[M, 1]`` (or one).
+    wq: ``[N, K]`` int8 weight (K-major); w_scale: float32 ``[N]``/``[N, 1]`` (or one).
+    out_dtype: result dtype. config: tiling (default :func:`config_for`; ``block_k`` in int32 words of four).
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w8_matmul_reference`.
+  """
+  check_a8w8(xq, x_scale, wq, w_scale)
+  config = _tiling("a8w8_gemv_kernel", xq.shape[0], wq, xq.shape[1], config, codes=True)
+  return _call(xq, x_scale, wq, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
+               interpret=interpret)
+
+
+def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, config: Dp4aGemvConfig | None = None,
+                              interpret: bool = False) -> jax.Array:
+  """Float activations x int8 weights (W8A8) for M <= :data:`MAX_M`, the activations quantized per row in the kernel,
+  as :func:`quantize_a8w2_gemv_kernel` does.
+
+  Args:
+    x: ``[M, K]`` float activations (bf16/f16/f32). spec: per-row int8 :class:`QuantSpec`.
+    wq: ``[N, K]`` int8 weight; w_scale: float32 ``[N]`` or one. out_dtype: default ``x.dtype``.
+    config, interpret: as :func:`a8w8_gemv_kernel`.
+
+  Returns:
+    ``[M, N]``: ``a8w8_matmul_reference(*quantize_rows_reference(x, spec), wq, w_scale)`` where the kernel's codes
+    are XLA's (``quantize.encode``; on a GPU its division is ``policy.INT8_DIVISION``'s).
+  """
+  check_a8w8(*_float_rows(x, spec, "quantize_a8w8_gemv_kernel"), wq, w_scale)
+  config = _tiling("quantize_a8w8_gemv_kernel", x.shape[0], wq, x.shape[1], config, codes=False)
+  return _call(x, None, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
+               interpret=interpret)
+
+
+def _float_rows(x, spec: QuantSpec, who: str) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+  """The int8 codes and scales ``spec`` makes of float ``x [M, K]``, as shapes for the operand checks; a
+  ValueError for anything else."""
+  if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{who}: x must be float [M, K], got {x.dtype} {x.shape}")
+  quantize.check_row_int8(spec, who)
+  return jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32)
