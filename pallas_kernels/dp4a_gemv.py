@@ -108,11 +108,14 @@ CODES_LONG_K, CODES_LONG_K_TILING = 2048, Dp4aGemvConfig(block_n=8, block_k=1024
                                                            split_rule=DECODE_SPLIT)
 
 
-# W8A8 (int8 weights: an int32 word a group, four times a packed byte's bytes). Placeholders until the H200 sweep
-# of this kernel on int8 weights: 8 rows x 256 words on codes, 16 x 256 quantizing.
-INT8_CODES_TILING = Dp4aGemvConfig(block_n=8, block_k=256, num_warps=4, split_rule=DECODE_SPLIT)
-INT8_DECODE_TILING = Dp4aGemvConfig(block_n=16, block_k=256, num_warps=4, split_rule=DECODE_SPLIT)
-INT8_BATCH_TILING = Dp4aGemvConfig(block_n=16, block_k=128, num_warps=4, reduce_per_step=True)
+# W8A8 (int8 weights: an int32 word a group, four times a packed byte's bytes). One H200 at M = 1, through
+# quantized_linear on six 1B / 8B shapes, 8 weights a call, six tilings (benchmarks/results/
+# w8a8_dp4a_tilings_h200_0c42e16.json): 8 rows x 512 words on 8 warps was the fastest on codes on all six and quantizing
+# on five, the sixth (2048 x 16384) within 2% of the best (11.71 against 11.45 us); 16 x 256 on 4 warps split K where
+# its row blocks were fewer than the SMs and took 11.1 against 9.1 us on the 1B down projection, 27.2 against 20.6
+# on 14336 x 4096.
+# M = 2..4 (the dispatch sends M = 1: policy.W8A8_GEMV_MAX_M) take the same tiling, untimed.
+INT8_TILING = Dp4aGemvConfig(block_n=8, block_k=512, num_warps=8, split_rule=DECODE_SPLIT)
 
 
 def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes: bool = False,
@@ -121,7 +124,7 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
   words; ``codes``: x arrives as int8 codes): at M = 1, split-K only where the row blocks are fewer than the SMs
   (then up to :data:`DECODE_PROGRAMS_PER_SM` programs per SM); ~4 per SM above."""
   if not packed:
-    base = INT8_BATCH_TILING if m > 1 else INT8_CODES_TILING if codes else INT8_DECODE_TILING
+    base = INT8_TILING
   elif m > 1:
     base = BATCH_TILING
   elif not codes:

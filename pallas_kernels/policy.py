@@ -67,11 +67,18 @@ W8A16_KERNEL_M = ((1, 1), (16, 32))  # inclusive M ranges that take the kernel
 # auto never takes it (JAXLOWBIT_BACKEND=pallas does).
 W8A8_KERNEL_MAX_M = 0
 # W8A8 on CUDA cores (pallas_kernels.dp4a_gemv: the int8 weight read as int32 words, one dp4a per word and row of
-# x, exact int32 sums, the reference's epilogue): bit-identical to XLA's int8 dot. PROVISIONAL until its H200 sweep.
-W8A8_GEMV_MAX_M = 2
-# Whether W8A8's float-input linear quantizes x inside that GEMV (one launch) rather than in XLA's quantizer first:
-# only where the kernel's codes are XLA's bit for bit on the GPU (INT8_DIVISION below).
-W8A8_GEMV_QUANTIZES = False
+# x, exact int32 sums, the reference's epilogue): bit-identical to XLA's int8 dot (tests/test_inference_gpu.py). One
+# H200 at M = 1 (device time per linear, 8 weights a call; w8a8_dp4a_tilings_h200_0c42e16.json), x quantized inside the
+# GEMV against XLA's quantizer and int8 dot: 1B qkv 3.6 against 6.8 us, out 2.8 / 5.5, gate_up 11.7 / 14.6, down 9.1 /
+# 10.5, 4096 x 14336 19.3 / 20.1, 14336 x 4096 20.6 / 24.9. M = 2 was not timed (its outputs were: bit-identical).
+W8A8_GEMV_MAX_M = 1
+# Whether W8A8's float-input linear quantizes x inside that GEMV (one launch) rather than in XLA's quantizer first.
+# The kernels' int8 codes are XLA's on the GPU: 0 of 3.1M rows-quantizer codes and 0 of 213K decode-norm codes
+# differed (quantizer_agreement_h200_7477bf2.json, INT8_DIVISION "reciprocal"), and a 4-layer W8A8 decode through it
+# gave XLA's logits bit for bit at batch 1 and 2 (w8a8_dp4a_tilings_h200_0c42e16.json). 1B decode at batch 1 on one
+# H200, one process: 1,540 tokens/s against 1,421 with XLA's quantizer before the GEMV and 1,360-1,376 with XLA's int8
+# dot (w8a8_dp4a_h200_0c42e16.json).
+W8A8_GEMV_QUANTIZES = True
 # Under JAXLOWBIT_BACKEND=pallas the GEMV kernels take M up to this; wgmma takes larger M.
 GEMV_MAX_M = 64
 # Ternary: the A8W2 kernel reads a quarter of the int8 bytes: 30-34 us vs 35-58 for unpack + XLA at M <= 32.
