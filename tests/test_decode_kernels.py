@@ -599,9 +599,9 @@ def test_a_model_decodes_from_its_norms_codes_as_from_its_linears_quantizer_on_g
   """On the GPU the norm kernel's codes feed the converted linears; without them each linear quantizes the norm's
   bf16 output itself. Ternary (a BitNet model's pre-quantized GEMV against the GEMV's own quantizer, both Triton's
   encode): the logits are bit-identical. W8A8 (a bf16 model's int8 matmul after its pre-norms, with
-  ``policy.W8A8_DECODE_CODES`` on) against XLA's quantizer: on an H200 they were not (the two quantizers' codes
-  differ in a few elements there, and a flipped code spreads through the KV cache), so each is held to the float32
-  model's decode as the kernels-against-XLA test above is."""
+  ``policy.W8A8_DECODE_CODES`` on) against XLA's quantizer: on an H200 they were not, from the first step, though
+  the norm kernel's codes and scales are XLA's there (see the policy), so each is held to the float32 model's decode
+  as the kernels-against-XLA test above is."""
   from jaxlowbit import BitNet
   from jaxlowbit.inference import weights as inference_weights
 
