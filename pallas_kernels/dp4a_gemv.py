@@ -299,6 +299,13 @@ def _groups(w: jax.Array, k: int) -> tuple[bool, jax.Array]:
   return False, lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
 
 
+def _run(who: str, x, x_scale, w, w_scale, out_dtype, config: Dp4aGemvConfig | None, spec: QuantSpec | None,
+         interpret: bool) -> jax.Array:
+  """Every public GEMV after its operand checks: the tiling (:func:`_tiling`), then the kernel (:func:`_call`)."""
+  config = _tiling(who, x.shape[0], w, x.shape[1], config, codes=spec is None)
+  return _call(x, x_scale, w, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=spec, interpret=interpret)
+
+
 def _tiling(who: str, m: int, w, k: int, config: Dp4aGemvConfig | None, codes: bool) -> Dp4aGemvConfig:
   """``config`` (default :func:`config_for`) after checking it takes M rows and the weight's ``[N, K/4]`` groups."""
   n, k_groups = w.shape[0], k // VALUES_PER_BYTE
@@ -326,9 +333,7 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`.
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  config = _tiling("a8w2_gemv_kernel", xq.shape[0], w_packed, xq.shape[1], config, codes=True)
-  return _call(xq, x_scale, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
-               interpret=interpret)
+  return _run("a8w2_gemv_kernel", xq, x_scale, w_packed, w_scale, out_dtype, config, None, interpret)
 
 
 def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
@@ -348,9 +353,7 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
     codes are computed as XLA computes them: ``quantize.encode``).
   """
   check_a8w2(*_float_rows(x, spec, "quantize_a8w2_gemv_kernel"), w_packed, w_scale)
-  config = _tiling("quantize_a8w2_gemv_kernel", x.shape[0], w_packed, x.shape[1], config, codes=False)
-  return _call(x, None, w_packed, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
-               interpret=interpret)
+  return _run("quantize_a8w2_gemv_kernel", x, None, w_packed, w_scale, out_dtype or x.dtype, config, spec, interpret)
 
 
 def a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: Dp4aGemvConfig | None = None,
@@ -367,9 +370,7 @@ def a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: D
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w8_matmul_reference`.
   """
   check_a8w8(xq, x_scale, wq, w_scale)
-  config = _tiling("a8w8_gemv_kernel", xq.shape[0], wq, xq.shape[1], config, codes=True)
-  return _call(xq, x_scale, wq, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=None,
-               interpret=interpret)
+  return _run("a8w8_gemv_kernel", xq, x_scale, wq, w_scale, out_dtype, config, None, interpret)
 
 
 def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, config: Dp4aGemvConfig | None = None,
@@ -387,9 +388,7 @@ def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, c
     are XLA's (``quantize.encode``; on a GPU its division is ``policy.INT8_DIVISION``'s).
   """
   check_a8w8(*_float_rows(x, spec, "quantize_a8w8_gemv_kernel"), wq, w_scale)
-  config = _tiling("quantize_a8w8_gemv_kernel", x.shape[0], wq, x.shape[1], config, codes=False)
-  return _call(x, None, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, spec=spec,
-               interpret=interpret)
+  return _run("quantize_a8w8_gemv_kernel", x, None, wq, w_scale, out_dtype or x.dtype, config, spec, interpret)
 
 
 def _float_rows(x, spec: QuantSpec, who: str) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
