@@ -17,9 +17,10 @@ scheme        decode-sized M                               larger M
 ============  ===========================================  ==========================================
 w8a16         ``pallas_kernels.w8a16`` (Triton, split-K)   XLA: its GEMM fusion converts int8 -> bf16
               at M = 1 and 16..32; XLA at M = 2..15        on the fly (no bf16 weight in memory)
-w8a8          ``dp4a_gemv`` (int8 words, dp4a) at M <= 2   Hopper wgmma (``dispatch.scaled_matmul``)
-              (``policy.W8A8_GEMV_MAX_M``); XLA int8 dot   once the output fills the GPU, else XLA
-              above (it ties the A8W8 mma kernel)
+w8a8          ``dp4a_gemv`` (int8 words, quantizer         Hopper wgmma (``dispatch.scaled_matmul``)
+              inside) at M = 1                             once the output fills the GPU, else XLA
+              (``policy.W8A8_GEMV_MAX_M``); XLA int8 dot
+              above (it ties the A8W8 kernel)
 ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
               weights unpacked in registers), M <= 32;
               ``dp4a_gemv`` (quantizer inside, dp4a) at M <= 2
@@ -91,7 +92,7 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   """``(xq @ wq.T) * x_scale * w_scale``: int8 ``[M, K]`` x int8 ``[N, K]`` -> ``[M, N]`` (int32 exact)."""
   check_a8w8(xq, x_scale, wq, w_scale)
   backend = _backend(options)
-  if _dp4a_gemv_runs(xq.shape[0], wq, xq.shape[1], True, backend):
+  if _dp4a_gemv_runs(xq.shape[0], wq.shape[0], xq.shape[1], True, False, backend):
     from pallas_kernels.dp4a_gemv import a8w8_gemv_kernel
 
     return a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype)
@@ -114,23 +115,24 @@ def dp4a_gemv_wanted(m: int, n: int, k: int, codes: bool = False, packed: bool =
                                                                                 packed=packed))
 
 
-def _dp4a_gemv_runs(m: int, w: jax.Array, k: int, codes: bool, backend: str) -> bool:
-  """:func:`dp4a_gemv_wanted` for weight ``w`` (packed ``[N, K/4]`` or int8 ``[N, K]``) and K, where a kernel may
-  run under ``backend``."""
-  packed = w.shape[1] * VALUES_PER_BYTE == k
-  return (dp4a_gemv_wanted(m, w.shape[0], k, codes, packed)
+def _dp4a_gemv_runs(m: int, n: int, k: int, codes: bool, packed: bool, backend: str) -> bool:
+  """:func:`dp4a_gemv_wanted`, where a kernel may run under ``backend``."""
+  return (dp4a_gemv_wanted(m, n, k, codes, packed)
           and policy.use_inference_kernel("ternary GEMV" if packed else "W8A8 GEMV", True, True, backend))
 
 
-def _quantizing_linear(x, spec, w, w_scale, out_dtype, options: DispatchOptions | None, matmul, quantizes: bool):
-  """Float ``x [M, K]`` quantized per row by ``spec``, times ``w`` (packed ternary or int8): one dp4a GEMV with the
-  quantizer inside where it runs and ``quantizes`` allows, else :func:`dispatch.quantize_rows`, then ``matmul``."""
+def _quantizing_linear(x, spec, w, w_scale, out_dtype, options: DispatchOptions | None, matmul, packed: bool,
+                       quantizes: bool):
+  """Float ``x [M, K]`` quantized per row by ``spec``, times ``w`` (``packed``: ternary ``[N, K/4]``, else int8
+  ``[N, K]``): one dp4a GEMV with the quantizer inside where it runs and ``quantizes`` allows, else
+  :func:`dispatch.quantize_rows`, then ``matmul``."""
   out_dtype = out_dtype or x.dtype
   options = DispatchOptions.from_environment() if options is None else options
-  if x.ndim == 2 and quantizes and _dp4a_gemv_runs(x.shape[0], w, x.shape[1], False, options.backend):
+  if x.ndim == 2 and quantizes and _dp4a_gemv_runs(x.shape[0], w.shape[0], x.shape[1], False, packed,
+                                                   options.backend):
     from pallas_kernels import dp4a_gemv
 
-    kernel = dp4a_gemv.quantize_a8w2_gemv_kernel if w.shape[1] != x.shape[1] else dp4a_gemv.quantize_a8w8_gemv_kernel
+    kernel = dp4a_gemv.quantize_a8w2_gemv_kernel if packed else dp4a_gemv.quantize_a8w8_gemv_kernel
     return kernel(x, w, w_scale, spec, out_dtype)
   xq, sx = dispatch.quantize_rows(x, spec, options=options)
   return matmul(xq, sx, w, w_scale, out_dtype, options=options)
@@ -143,7 +145,7 @@ def ternary_linear(x, spec, w_packed, w_scale, out_dtype=None, options: Dispatch
   quantizer inside the GEMV); otherwise :func:`dispatch.quantize_rows`, then :func:`ternary_matmul`. The codes
   are XLA's bit for bit (``pallas_kernels.quantize.encode``).
   """
-  return _quantizing_linear(x, spec, w_packed, w_scale, out_dtype, options, ternary_matmul, True)
+  return _quantizing_linear(x, spec, w_packed, w_scale, out_dtype, options, ternary_matmul, True, True)
 
 
 def w8a8_linear(x, spec, wq, w_scale, out_dtype=None, options: DispatchOptions | None = None) -> jax.Array:
@@ -152,7 +154,8 @@ def w8a8_linear(x, spec, wq, w_scale, out_dtype=None, options: DispatchOptions |
   Where ``policy.W8A8_GEMV_QUANTIZES`` and M is up to ``policy.W8A8_GEMV_MAX_M``, one kernel
   (``dp4a_gemv.quantize_a8w8_gemv_kernel``); otherwise :func:`dispatch.quantize_rows`, then :func:`w8a8_matmul`.
   """
-  return _quantizing_linear(x, spec, wq, w_scale, out_dtype, options, w8a8_matmul, policy.W8A8_GEMV_QUANTIZES)
+  return _quantizing_linear(x, spec, wq, w_scale, out_dtype, options, w8a8_matmul, False,
+                            policy.W8A8_GEMV_QUANTIZES)
 
 
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
@@ -160,7 +163,7 @@ def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""
   check_a8w2(xq, x_scale, w_packed, w_scale)
   backend = _backend(options)
-  if _dp4a_gemv_runs(xq.shape[0], w_packed, xq.shape[1], True, backend):
+  if _dp4a_gemv_runs(xq.shape[0], w_packed.shape[0], xq.shape[1], True, True, backend):
     from pallas_kernels.dp4a_gemv import a8w2_gemv_kernel
 
     return a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype)
