@@ -176,7 +176,7 @@ class Backend:
 def ternary_gemv_linear(x, leaves):
   """``quantized_linear(x, leaves, "ternary")`` with the CUDA-core GEMV forced (quantizer inside): x ``[M <= 4, K]``."""
   return dp4a_gemv.quantize_a8w2_gemv_kernel(x, leaves[inference.weights.KERNEL_PACKED],
-                                                leaves[inference.weights.KERNEL_SCALE], inference.weights.BITNET_TOKENS)
+                                             leaves[inference.weights.KERNEL_SCALE], inference.weights.BITNET_TOKENS)
 
 
 def chain(fn):

@@ -253,12 +253,15 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
         scale_out[0][r] = scales[r]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "interpret"))
-def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: QuantSpec | None, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "packed", "interpret"))
+def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: QuantSpec | None, packed: bool,
+          interpret: bool):
   """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel. ``w``: packed ternary ``[N, K/4]``
-  or int8 ``[N, K]`` (:func:`_groups` tells them apart)."""
+  (``packed``) or int8 ``[N, K]``, read as int32 words of four (little-endian, as x's codes: a bitcast view, no
+  copy)."""
   m = x.shape[0]
-  packed, w = _groups(w, x.shape[1])
+  if not packed:
+    w = lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
   n, k_groups = w.shape
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
   # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
@@ -291,25 +294,18 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
   return out
 
 
-def _groups(w: jax.Array, k: int) -> tuple[bool, jax.Array]:
-  """``(packed, [N, K/4] groups)`` of a weight for K values a row: packed ternary bytes as they are, an int8
-  ``[N, K]`` weight as int32 words of four (little-endian, as x's codes: a bitcast view, no copy)."""
-  if w.shape[1] * VALUES_PER_BYTE == k:
-    return True, w
-  return False, lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
-
-
 def _run(who: str, x, x_scale, w, w_scale, out_dtype, config: Dp4aGemvConfig | None, spec: QuantSpec | None,
-         interpret: bool) -> jax.Array:
+         packed: bool, interpret: bool) -> jax.Array:
   """Every public GEMV after its operand checks: the tiling (:func:`_tiling`), then the kernel (:func:`_call`)."""
-  config = _tiling(who, x.shape[0], w, x.shape[1], config, codes=spec is None)
-  return _call(x, x_scale, w, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=spec, interpret=interpret)
+  config = _tiling(who, x.shape[0], w.shape[0], x.shape[1], config, spec is None, packed)
+  return _call(x, x_scale, w, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=spec, packed=packed,
+               interpret=interpret)
 
 
-def _tiling(who: str, m: int, w, k: int, config: Dp4aGemvConfig | None, codes: bool) -> Dp4aGemvConfig:
+def _tiling(who: str, m: int, n: int, k: int, config: Dp4aGemvConfig | None, codes: bool,
+            packed: bool) -> Dp4aGemvConfig:
   """``config`` (default :func:`config_for`) after checking it takes M rows and the weight's ``[N, K/4]`` groups."""
-  n, k_groups = w.shape[0], k // VALUES_PER_BYTE
-  packed = w.shape[1] == k_groups
+  k_groups = k // VALUES_PER_BYTE
   config = config or config_for(n, k_groups, m=m, codes=codes, packed=packed)
   if not supports(m, n, k_groups, config):
     raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, K={k}] ({k_groups} groups of four) do not "
@@ -333,7 +329,7 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`.
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  return _run("a8w2_gemv_kernel", xq, x_scale, w_packed, w_scale, out_dtype, config, None, interpret)
+  return _run("a8w2_gemv_kernel", xq, x_scale, w_packed, w_scale, out_dtype, config, None, True, interpret)
 
 
 def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
@@ -353,7 +349,8 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
     codes are computed as XLA computes them: ``quantize.encode``).
   """
   check_a8w2(*_float_rows(x, spec, "quantize_a8w2_gemv_kernel"), w_packed, w_scale)
-  return _run("quantize_a8w2_gemv_kernel", x, None, w_packed, w_scale, out_dtype or x.dtype, config, spec, interpret)
+  return _run("quantize_a8w2_gemv_kernel", x, None, w_packed, w_scale, out_dtype or x.dtype, config, spec, True,
+              interpret)
 
 
 def a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: Dp4aGemvConfig | None = None,
@@ -370,7 +367,7 @@ def a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: D
     ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w8_matmul_reference`.
   """
   check_a8w8(xq, x_scale, wq, w_scale)
-  return _run("a8w8_gemv_kernel", xq, x_scale, wq, w_scale, out_dtype, config, None, interpret)
+  return _run("a8w8_gemv_kernel", xq, x_scale, wq, w_scale, out_dtype, config, None, False, interpret)
 
 
 def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, config: Dp4aGemvConfig | None = None,
@@ -388,7 +385,8 @@ def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, c
     are XLA's (``quantize.encode``; on a GPU its division is ``policy.INT8_DIVISION``'s).
   """
   check_a8w8(*_float_rows(x, spec, "quantize_a8w8_gemv_kernel"), wq, w_scale)
-  return _run("quantize_a8w8_gemv_kernel", x, None, wq, w_scale, out_dtype or x.dtype, config, spec, interpret)
+  return _run("quantize_a8w8_gemv_kernel", x, None, wq, w_scale, out_dtype or x.dtype, config, spec, False,
+              interpret)
 
 
 def _float_rows(x, spec: QuantSpec, who: str) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:

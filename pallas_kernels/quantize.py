@@ -459,9 +459,8 @@ def encode(x: jax.Array, param: jax.Array, spec: QuantSpec, native: bool) -> jax
 
   int8 multiplies by the scale's reciprocal, ``x * (1 / scale)``, which is what XLA computes for the
   reference's ``x / scale`` (its algebraic simplifier turns a division by a broadcast into a multiplication by
-  the reciprocal), one multiply per element instead of a division. On the GPU the codes still differ from XLA's
-  in a few elements (how Triton and XLA round the reciprocal or the quotient); ``policy.INT8_DIVISION`` selects
-  the other forms to find XLA's (:func:`_divide_by_scale`).
+  the reciprocal), one multiply per element instead of a division. On an H200 these codes were XLA's in every
+  element measured (``policy.INT8_DIVISION``, whose other forms :func:`_divide_by_scale` keeps for that A/B).
   """
   # A NaN element becomes 0, so its slice (scale inf / multiplier 0) dequantizes to NaN
   # everywhere: Triton's clamp would otherwise turn it into a finite +-max code.

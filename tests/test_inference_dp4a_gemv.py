@@ -171,7 +171,7 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
   xq, x_scale = quantize_rows_reference(x, BITNET_TOKENS)
   for out_dtype in (jnp.bfloat16, jnp.float32):
     got = dp4a_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, out_dtype, config=config,
-                                                 interpret=True)
+                                              interpret=True)
     want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
     assert got.dtype == want.dtype and got.shape == (m, n)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -183,7 +183,7 @@ def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there():
   x = tie_free_activations(key, 2, 512, BITNET_TOKENS).at[1, 7].set(jnp.nan)
   _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), 2, 64, 512)
   got = np.asarray(dp4a_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, jnp.float32,
-                                                          interpret=True))
+                                                       interpret=True))
   want = np.asarray(int8_gemv.a8w2_matmul_reference(*quantize_rows_reference(x, BITNET_TOKENS), w_packed, w_scale,
                                                     jnp.float32))
   assert np.isnan(got[1]).all() and np.isnan(want[1]).all()
@@ -205,10 +205,10 @@ def test_quantizing_gemv_refuses_codes_and_other_specs():
   _, _, w_packed, w_scale = _operands(fresh_key(), 1, 64, 512)
   with pytest.raises(ValueError, match="float"):
     dp4a_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.int8), w_packed, w_scale, BITNET_TOKENS,
-                                           interpret=True)
+                                        interpret=True)
   with pytest.raises(ValueError, match="rows to int8"):
     dp4a_gemv.quantize_a8w2_gemv_kernel(jnp.ones((1, 512), jnp.bfloat16), w_packed, w_scale,
-                                           QuantSpec("int8", per_tensor=True), interpret=True)
+                                        QuantSpec("int8", per_tensor=True), interpret=True)
 
 
 def _int8_weight(key, n, k):
