@@ -16,7 +16,8 @@ field                  what reads it
 ``decode_inputs``      ``jaxlowbit.fused``: the per-row spec in which a decode step's norm hands
                        its output, as codes, to a converted linear whose recipe quantizes its
                        input that way; ``jaxlowbit.inference.convert_for_inference`` sets it
-                       (ternary)
+                       (ternary; W8A8 where the policy says so)
+``decode_input_rows``  ``jaxlowbit.fused``: the most rows at which it hands them
 =====================  ========================================================================
 
 Who passes it: ``quantized_matmul(..., options=)``, the Dense layers' ``execution`` field
@@ -55,6 +56,8 @@ class ExecutionOptions:
       ``shard_map`` (set by ``jaxlowbit.parallel.apply``), or None.
     decode_inputs: the per-row int8 ``QuantSpec`` in which a model's converted linears take their input from a
       decode step's norm (``jaxlowbit.fused.decode_quantization``), or None (they take it in high precision).
+    decode_input_rows: the most rows (tokens) at which a decode step's norm hands them its codes, or None (every
+      row count its kernel takes); beyond it the linears quantize the norm's output themselves.
 
   Example::
 
@@ -66,6 +69,7 @@ class ExecutionOptions:
   fused_quantizers: bool = True
   tensor_parallel: Any = None
   decode_inputs: QuantSpec | None = None
+  decode_input_rows: int | None = None
 
   def __post_init__(self):
     if self.backend is not None:
@@ -74,6 +78,9 @@ class ExecutionOptions:
       raise TypeError(f"ExecutionOptions.fused_quantizers must be a bool, got {self.fused_quantizers!r}")
     if self.decode_inputs is not None and not isinstance(self.decode_inputs, QuantSpec):
       raise TypeError(f"ExecutionOptions.decode_inputs must be a QuantSpec or None, got {self.decode_inputs!r}")
+    rows = self.decode_input_rows
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
+      raise ValueError(f"ExecutionOptions.decode_input_rows must be an integer >= 0 or None, got {rows!r}")
 
   def resolved(self) -> ExecutionOptions:
     """These options with the backend filled in from the environment where it is None."""

@@ -122,13 +122,18 @@ def decode_norm_runs(x: jax.Array, options: ExecutionOptions | None, recipe: Rec
   """Whether a norm of ``x [..., C]`` runs as the one-launch decode kernel: nothing quantized or split, few rows."""
   split = split or NO_SPLIT
   return (fused_quantization(recipe, options, split) is None and not split.cols
-          and dispatch.norm_rows_on_kernel(x.size // x.shape[-1], resolve(options).dispatch()))
+          and dispatch.norm_rows_on_kernel(_rows(x), resolve(options).dispatch()))
 
 
-def decode_quantization(recipe: Recipe | None, options: ExecutionOptions | None,
+def _rows(x: jax.Array) -> int:
+  """The rows of ``x [..., C]``: the product of its leading dims."""
+  return x.size // x.shape[-1]
+
+
+def decode_quantization(recipe: Recipe | None, options: ExecutionOptions | None, rows: int,
                         linears: bool = False) -> QuantSpec | None:
-  """The per-row spec in which a decode step's norm (where :func:`decode_norm_runs`) hands the linear reading it its
-  input, or None (the norm writes its output and the linear quantizes it).
+  """The per-row spec in which a decode step's norm (where :func:`decode_norm_runs`) of ``rows`` rows hands the
+  linear reading it its input, or None (the norm writes its output and the linear quantizes it).
 
   A model converted for inference says how its converted linears take a quantized input
   (``ExecutionOptions.decode_inputs``: ternary's and W8A8's per-token int8). The norm quantizes for a linear whose
@@ -136,10 +141,12 @@ def decode_quantization(recipe: Recipe | None, options: ExecutionOptions | None,
   output, for linears of no recipe (a high-precision model converted for W8A8): those may have been left out of
   the conversion, so the norm then writes its output too (:func:`keeps_values`). The codes are those the linear's
   own quantizer makes of the norm's output, so only the launch that makes them moves: the norm's kernel writes them
-  (one more sweep over a row it holds) and the linear reads int8 codes instead of quantizing bf16 rows.
+  (one more sweep over a row it holds) and the linear reads int8 codes instead of quantizing bf16 rows. Up to
+  ``ExecutionOptions.decode_input_rows`` rows, where the options set it.
   """
-  spec = resolve(options).decode_inputs
-  if spec is None:
+  options = resolve(options)
+  spec = options.decode_inputs
+  if spec is None or (options.decode_input_rows is not None and rows > options.decode_input_rows):
     return None
   if recipe is None:
     return spec if linears else None
@@ -164,7 +171,7 @@ def add_rms_norm_for(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
   """
   if x.dtype == delta.dtype and decode_norm_runs(x, options, recipe, split):
     return _norm_rows((x, delta), scale, Add(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
-                      write_source=True, quantize=decode_quantization(recipe, options, linears),
+                      write_source=True, quantize=decode_quantization(recipe, options, _rows(x), linears),
                       keep_values=keeps_values(recipe))
   total = x + delta
   return rms_norm_for(total, scale, eps, recipe, dtype, split, options=options, linears=linears), total
@@ -241,7 +248,7 @@ def rms_norm_for(x: jax.Array, scale: jax.Array, eps: float, recipe: Recipe | No
     of ``dtype`` (what ``flax.linen.RMSNorm(dtype=dtype)`` computes).
   """
   split = split or NO_SPLIT
-  spec = decode_quantization(recipe, options, linears)
+  spec = decode_quantization(recipe, options, _rows(x), linears)
   if spec is not None and decode_norm_runs(x, options, recipe, split):
     return _norm_rows((x,), scale, Identity(), RmsNorm(eps, jnp.dtype(dtype)), resolve(options).dispatch(),
                       quantize=spec, keep_values=keeps_values(recipe))
@@ -421,7 +428,7 @@ def swiglu_rms_norm_for(gate_up: jax.Array | MeasuredOutput, scale: jax.Array, e
   how = fused_quantization(recipe, options, split)
   if not is_measured(gate_up) and decode_norm_runs(gate_up, options, recipe, split):
     return _norm_rows((gate_up,), scale, SwiGLU(activation), RmsNorm(eps, jnp.dtype(dtype)),
-                      resolve(options).dispatch(), quantize=decode_quantization(recipe, options))
+                      resolve(options).dispatch(), quantize=decode_quantization(recipe, options, _rows(gate_up)))
   if how is None or split.cols:
     h = swiglu(measured_values(gate_up), activation, resolve(options).dispatch())
     return rms_norm_for(h, scale, eps, recipe, dtype, split, options=options)

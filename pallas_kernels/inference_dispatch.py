@@ -158,6 +158,11 @@ def w8a8_linear(x, spec, wq, w_scale, out_dtype=None, options: DispatchOptions |
                             policy.W8A8_GEMV_QUANTIZES)
 
 
+def w8a8_gemv_rows() -> int:
+  """The most rows at which :func:`w8a8_linear` quantizes its input inside the dp4a GEMV (0: nowhere)."""
+  return policy.W8A8_GEMV_MAX_M if policy.W8A8_GEMV_QUANTIZES else 0
+
+
 def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
                    options: DispatchOptions | None = None) -> jax.Array:
   """``(xq @ unpack(w_packed).T) * x_scale * w_scale``: int8 ``[M, K]`` x packed ``[N, K/4]`` -> ``[M, N]``."""

@@ -93,6 +93,9 @@ def test_options_are_checked():
     ExecutionOptions(fused_quantizers=1)
   with pytest.raises(TypeError, match="decode_inputs"):
     ExecutionOptions(decode_inputs="int8")
+  for rows in (-1, 1.0, True):
+    with pytest.raises(ValueError, match=r"decode_input_rows must be an integer >= 0 or None, got"):
+      ExecutionOptions(decode_input_rows=rows)
   with pytest.raises(TypeError, match="ExecutionOptions"):
     jaxlowbit.quantized_matmul(jnp.ones((M, K)), jnp.ones((K, N)), Int8MixedPrecision(), options="xla")
 

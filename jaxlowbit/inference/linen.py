@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions, with_execution
-from jaxlowbit.inference.weights import (CONVERTED_NAMES, check_scheme, decode_input_spec, quantized_linear,
-                                         scheme_of)
+from jaxlowbit.inference.weights import (CONVERTED_NAMES, check_scheme, decode_input_rows, decode_input_spec,
+                                         quantized_linear, scheme_of)
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
 from jaxlowbit.layers import DenseCall, dense_general
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, is_low_bit
@@ -111,7 +111,8 @@ def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | 
   # execution options say so, for a model that takes them); ternary's (and W8A8's, where the policy says so) take the
   # per-token codes a decode step's norm makes for them (ExecutionOptions.decode_inputs,
   # jaxlowbit.fused.decode_quantization).
-  module = with_execution(module, fused_quantizers=False, decode_inputs=decode_input_spec(scheme))
+  module = with_execution(module, fused_quantizers=False, decode_inputs=decode_input_spec(scheme),
+                          decode_input_rows=decode_input_rows(scheme))
   if execution is None:  # the model's own options, for a model that takes them
     execution = getattr(module, EXECUTION_FIELD, None)
   return intercepted_copy(module, dense_interceptor(_handler(scheme, execution)), "convert_for_inference",

@@ -177,6 +177,15 @@ def decode_input_spec(scheme: str) -> QuantSpec | None:
   return DECODE_INPUTS.get(scheme)
 
 
+def decode_input_rows(scheme: str) -> int | None:
+  """The most rows at which a decode norm hands a model converted for ``scheme`` its codes
+  (``ExecutionOptions.decode_input_rows``), or None (any). Ternary's linears quantize with the norm's encode at
+  every M. W8A8's do only where the dp4a GEMV quantizes inside (:func:`inference_dispatch.w8a8_gemv_rows`); at
+  more rows XLA quantizes, and on the GPU it may fuse that quantizer into its int8 dot, whose codes the norm's need
+  not be."""
+  return inference_dispatch.w8a8_gemv_rows() if scheme == "w8a8" else None
+
+
 def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str,
                          options: ExecutionOptions | None) -> jax.Array:
   """``quantized_linear`` of an input its producer quantized: ``x [M, K]`` -> ``[M, N]`` in x's dtype.
