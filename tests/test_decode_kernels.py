@@ -397,7 +397,7 @@ def _recording_norm_kernel(monkeypatch) -> list[tuple[int, bool, bool]]:
 @pytest.mark.parametrize("kept", [(), ("layers.attn.qkv",)], ids=["all", "qkv_unconverted"])
 def test_a_high_precision_model_decodes_from_the_codes_its_pre_norms_make(scheme, kept, interpreted_kernels,
                                                                            monkeypatch):
-  """Converted for W8A8 (with ``policy.W8A8_DECODE_CODES`` on; off by default: none are handed) or ternary, a
+  """Converted for W8A8 (with ``policy.W8A8_DECODE_CODES`` on, the default; off: none are handed) or ternary, a
   high-precision model's decode pre-norms hand the projections they feed (qkv, gate_up) int8 codes in the scheme's
   per-token spec, with their bf16 output beside them: the logits are those of the model whose linears quantize the
   norms' outputs themselves, bit for bit in interpret mode, also where some of those linears were left in high
@@ -412,8 +412,9 @@ def test_a_high_precision_model_decodes_from_the_codes_its_pre_norms_make(scheme
   tokens = jax.random.randint(fresh_key(), (1 if scheme == "w8a8" else 2, 8), 0, TINY["vocab_size"])
   filter_fqns = ("lm_head", *kept)
   if scheme == "w8a8":
+    monkeypatch.setattr(policy, "W8A8_DECODE_CODES", False)
     _decode_logits(config, params, tokens, prefill=5, scheme=scheme, filter_fqns=filter_fqns)
-    assert calls and not any(quantized for _, quantized, _ in calls)  # off by default (policy.W8A8_DECODE_CODES)
+    assert calls and not any(quantized for _, quantized, _ in calls)  # off: none handed
     monkeypatch.setattr(policy, "W8A8_DECODE_CODES", True)
     del calls[:]
     _decode_logits(config, params, jnp.concatenate([tokens, tokens]), prefill=5, scheme=scheme,
