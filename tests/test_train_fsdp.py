@@ -30,7 +30,7 @@ import pytest
 
 import test_train_loop
 from helpers import fresh_key, xla_flags_with_devices
-from test_train_loop import REPO, TINY, micro_config, train_losses, val_losses
+from test_train_loop import REPO, TINY, logged, micro_config, train_losses, val_losses
 from train import checkpoint, loop, metrics, steps
 from train import config as train_config
 from train.spec import resolve
@@ -264,13 +264,9 @@ def test_gradient_accumulation_under_fsdp(run):
   fsdp, one_device = (run("fp8_tensorwise", fsdp=4, grad_accum_steps=2),
                       run("fp8_tensorwise", fsdp=1, grad_accum_steps=8))
   assert_same_run(fsdp, one_device, validation=False, rtol=TIE_FLIP_RTOL)
-  norms, expected = grad_norms(fsdp), grad_norms(one_device)
+  norms, expected = logged(fsdp, "grad_norm"), logged(one_device, "grad_norm")
   np.testing.assert_allclose([norms[s] for s in range(1, STEPS + 1)], [expected[s] for s in range(1, STEPS + 1)],
                              rtol=1e-2)
-
-
-def grad_norms(run_dir) -> dict[int, float]:
-  return {r["step"]: r["grad_norm"] for r in metrics.read_metrics(run_dir) if "grad_norm" in r}
 
 
 def test_mesh_shape_resolves_and_rejects(corpus):

@@ -59,12 +59,17 @@ def micro_config(corpus: str, **overrides):
   return config
 
 
+def logged(run_dir, key: str) -> dict[int, float]:
+  """``{step: value}`` of every metrics record of the run that logs ``key``."""
+  return {r["step"]: r[key] for r in metrics.read_metrics(run_dir) if key in r}
+
+
 def train_losses(run_dir) -> dict[int, float]:
-  return {r["step"]: r["loss"] for r in metrics.read_metrics(run_dir) if "loss" in r}
+  return logged(run_dir, "loss")
 
 
 def val_losses(run_dir) -> dict[int, float]:
-  return {r["step"]: r["val_loss"] for r in metrics.read_metrics(run_dir) if "val_loss" in r}
+  return logged(run_dir, "val_loss")
 
 
 def restore(run_dir, config):
