@@ -73,6 +73,12 @@ TENSOR_VS_UNSHARDED = [
 # on (1, 4, 2) 1.05e-5 at step 4 in one CI run (one flip). Every low-bit recipe therefore gets the
 # tie-flip bound from step 2 on; step 1 and the bf16 runs keep LOSS_RTOL (a wrong gather, scale or
 # group split moves the loss by far more than 1e-3 from step 2).
+# BitNet with sub-norms drifts further: each sub-norm's mean square is summed over the tensor devices, and every
+# int8 code its projection reads rounds from it, so codes flip at every step, not on a rare tie (the step-1 grad
+# norms differed by 2e-5 to 8e-4 on every seed). Measured over 25 seeds on (1, 4, 2) against (4, 1): training losses
+# from step 2 up to 7.6e-4, validation up to 1.1e-3 (one CI run; the other 24 <= 3.7e-4). Its bound is 5e-3; step
+# 1 keeps LOSS_RTOL.
+SUB_NORM_TP_RTOL = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +123,10 @@ def run(corpus, seed, tmp_path_factory):
 def test_tensor_parallel_run_equals_unsharded_run(recipe, mesh, reference_mesh, run, corpus, seed):
   """Per-step training losses and the final validation loss as in test_train_fsdp; the run really split."""
   run_dir = run(recipe, *mesh)
-  rtol = LOSS_RTOL if recipe.partition("+")[0] == "bf16" else TIE_FLIP_RTOL
+  if recipe.partition("+")[0] == "bf16":
+    rtol = LOSS_RTOL
+  else:
+    rtol = SUB_NORM_TP_RTOL if recipe == "bitnet+sub" else TIE_FLIP_RTOL
   assert_same_run(run_dir, run(recipe, *reference_mesh), rtol=rtol)
 
   data, fsdp_size, tensor = mesh
