@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics.formats import QuantSpec
+from pallas_kernels.launch import early_launch
 from pallas_kernels.quantize import (RmsNorm, _col_chunk, check_row_int8, code_scales, encode, magnitude, normed,
                                      round_to)
 from pallas_kernels.reference import quantize_rows_reference
@@ -90,7 +91,7 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
   scale_ref = outs.pop(0) if quantize is not None else None
   kept_ref = outs.pop(0) if keep_values else None
   source_ref = outs.pop(0) if write_source else None
-  rows = pl.ds(pl.program_id(0), 1)
+  rows = pl.ds(early_launch(pl.program_id(0), native), 1)
   n_chunks = width // chunk
   resident = source.values(inputs, rows, pl.ds(0, chunk), None) if n_chunks == 1 else None
   # A resident row's gamma is loaded with it, not after the mean square: its trip to memory overlaps the row's (1B
@@ -285,7 +286,7 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
   n_cache = 4 if int8_cache else 2
   caches_in, outs, caches_out = refs[:n_cache], refs[n_cache:-n_cache], refs[-n_cache:]
   k_in, v_in = caches_in[:2]
-  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, h, split = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   group, half = n_heads // n_kv_heads, head_dim // 2
   dtype = qkv_ref.dtype
   pos = pos_ref[0]

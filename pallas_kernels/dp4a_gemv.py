@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plt
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
+from pallas_kernels.launch import early_launch
 from pallas_kernels.int8_gemv import check_a8w2, check_a8w8
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import SplitRule, fit_block
@@ -184,7 +185,7 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
   else:
     x_ref, w_ref, sw_ref, o_ref, *scale_out = refs
-  i_n, i_s = pl.program_id(0), pl.program_id(1)
+  i_n, i_s = early_launch(pl.program_id(0), native), pl.program_id(1)
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
   k0 = i_s * k_per_split

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE, unpack_2bit
+from pallas_kernels.launch import early_launch
 from pallas_kernels.reference import scaled_matmul_reference
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import MIN_BLOCK_M, SplitRule, fit_block, load_rows, store_rows, tile_rows
@@ -197,7 +198,7 @@ def _kernel(x_ref, w_ref, sx_ref, sw_ref, o_ref, *, config: GemvConfig, k_per_sp
   ``native``: decode the weight with inline PTX (a GPU; :func:`weight_planes`).
   Split-K partial sums of split s live at rows ``[s * m_out, (s + 1) * m_out)``.
   """
-  i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)

@@ -341,3 +341,10 @@ DECODE_NORM_KERNEL = True
 # (benchmarks/results/decode_long_attention_h200_e471c1d.json). False keeps XLA's (benchmarks/inference.py
 # --xla-decode-ops).
 DECODE_ATTENTION_KERNEL = True
+
+# Every Pallas kernel of ours opens with PTX's ``griddepcontrol.launch_dependents`` on a GPU
+# (pallas_kernels.launch.early_launch): under XLA's programmatic dependent launch (Hopper on, jax 0.11.2's XLA by
+# default) the next kernel may then be scheduled onto free SMs while this one runs, and it waits there, at the
+# ``griddepcontrol.wait`` XLA puts at its start, for this one to finish. Without the trigger the next kernel is
+# scheduled only once every program of this one has exited. Under test (issue 28); False until measured.
+PDL_EARLY_LAUNCH = False

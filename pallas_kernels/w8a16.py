@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.launch import early_launch
 from pallas_kernels.vma import out_struct
 
 # SMs of an H100 SXM / H200; only used to size split-K when no GPU is attached (tests).
@@ -270,11 +271,11 @@ def int8_to_float32(w: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m: int, m_out: int,
-            apply_scale: bool, masked: bool):
+            apply_scale: bool, masked: bool, native: bool):
   """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
   (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
-  rows). Split-K partial sums of split s live at rows ``[s * m_out, (s + 1) * m_out)``."""
-  i_n, i_m, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at rows ``[s * m_out, (s + 1) * m_out)``."""
+  i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
@@ -313,7 +314,7 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
                else out_struct((split * m_out, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k // split, m=m, m_out=m_out, apply_scale=split == 1,
-                        masked=masked),
+                        masked=masked, native=not interpret),
       out_shape=out_shape,
       grid=(n // config.block_n, -(-m // config.block_m), split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
