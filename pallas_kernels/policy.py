@@ -346,5 +346,8 @@ DECODE_ATTENTION_KERNEL = True
 # (pallas_kernels.launch.early_launch): under XLA's programmatic dependent launch (Hopper on, jax 0.11.2's XLA by
 # default) the next kernel may then be scheduled onto free SMs while this one runs, and it waits there, at the
 # ``griddepcontrol.wait`` XLA puts at its start, for this one to finish. Without the trigger the next kernel is
-# scheduled only once every program of this one has exited. Under test (issue 28); False until measured.
-PDL_EARLY_LAUNCH = False
+# scheduled only once every program of this one has exited. The 1B decode at batch 1 on one H200, off then on in
+# two alternating rounds of one process (benchmarks/results/pdl_early_launch_ab_h200_fb18e61.json): ternary 2,440 /
+# 2,396 -> 2,624 tokens/s (+8.5%), w8a8 1,740 / 1,747 -> 1,809, w8a16 1,659 / 1,664 -> 1,710, bf16 (its norms and
+# attention are ours) 1,210 / 1,229 -> 1,242 / 1,242. False for A/B runs.
+PDL_EARLY_LAUNCH = True
