@@ -520,8 +520,9 @@ def main(argv=None):
                       help="each decode row's kernel time per token by category (CUDA graphs off in this run)")
   parser.add_argument("--xla-decode-ops", action="store_true",
                       help="decode's norms and attention step by XLA, not pallas_kernels.decode (for A/B runs)")
-  parser.add_argument("--no-early-launch", action="store_true",
-                      help="kernels without the PDL early-launch trigger (policy.PDL_EARLY_LAUNCH; for A/B runs)")
+  parser.add_argument("--early-launch", action=argparse.BooleanOptionalAction, default=None,
+                      help="kernels with / without the PDL early-launch trigger (policy.PDL_EARLY_LAUNCH; default: "
+                           "the policy's)")
   parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS))
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
   parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
@@ -538,8 +539,8 @@ def main(argv=None):
       setattr(args, name, value)
   if args.xla_decode_ops:
     policy.DECODE_NORM_KERNEL = policy.DECODE_ATTENTION_KERNEL = False
-  if args.no_early_launch:
-    policy.PDL_EARLY_LAUNCH = False
+  if args.early_launch is not None:
+    policy.PDL_EARLY_LAUNCH = args.early_launch
   if args.runs < MIN_RUNS:
     parser.error(f"--runs {args.runs}: every figure is the median of at least {MIN_RUNS} runs")
   if "bf16" not in args.variants:

@@ -349,5 +349,8 @@ DECODE_ATTENTION_KERNEL = True
 # scheduled only once every program of this one has exited. The 1B decode at batch 1 on one H200, off then on in
 # two alternating rounds of one process (benchmarks/results/pdl_early_launch_ab_h200_fb18e61.json): ternary 2,440 /
 # 2,396 -> 2,624 tokens/s (+8.5%), w8a8 1,740 / 1,747 -> 1,809, w8a16 1,659 / 1,664 -> 1,710, bf16 (its norms and
-# attention are ours) 1,210 / 1,229 -> 1,242 / 1,242. False for A/B runs.
-PDL_EARLY_LAUNCH = True
+# attention are ours) 1,210 / 1,229 -> 1,242 / 1,242. With it on, 115 GPU tests of the decode kernels and inference
+# paths passed on the H200 (bit-identity included), but the test written for it
+# (tests/test_decode_kernels.py::test_the_early_launch_trigger_moves_no_output_on_gpu) did not finish within 200 s
+# in its only run, which a hang would explain as well as a slow compile. It stays off until that test passes on a GPU.
+PDL_EARLY_LAUNCH = False
