@@ -1,14 +1,19 @@
 """Programmatic dependent launch, the kernel's side: let the next kernel be scheduled early.
 
 On Hopper XLA launches kernels with programmatic stream serialization (``--xla_gpu_enable_pdl``, on by default in jax
-0.11.2) and starts each kernel it compiles, Pallas Triton kernels included, with PTX's ``griddepcontrol.wait``: a
-kernel's programs wait there until the kernel before it has finished and its writes are visible. When the kernel
+0.11.2) and starts each kernel it compiles with PTX's ``griddepcontrol.wait`` (openxla/xla#38544: its emitters' and
+Triton kernels; that Pallas's Triton kernels get it too is inferred, not read from a compiled kernel: turning PDL off
+slowed the ternary decode, whose layers are all Pallas kernels). A kernel's programs wait there until the kernel
+before it has finished and its writes are visible. When the kernel
 before it issues no ``griddepcontrol.launch_dependents``, the next kernel is scheduled only after all of its
 programs have exited. A decode step is ~150 such kernels of 1.5-4.5 us, so that scheduling gap is paid ~150 times a
 token. :func:`early_launch` issues the trigger at a kernel's start (``policy.PDL_EARLY_LAUNCH``): the next kernel's
-programs can then be placed on free SMs while this one runs, and they wait at their own ``griddepcontrol.wait``.
-That wait keeps every read ordered, so the trigger moves no data dependency; a kernel launched without PDL ignores
-it.
+programs can then be placed on free SMs once every program of this one has issued it (the hardware may still
+schedule them later), and they wait at their own ``griddepcontrol.wait``. That wait orders the loads after it; a
+load the compiler treats as invariant may be hoisted above it, so the trigger is safe only where no such load in
+the next kernel reads this one's output (openxla/xla#43894 turns them off for the kernels XLA's own trigger lets
+start early). Where the next kernel is not launched with PDL, the trigger has no effect. ``policy.PDL_EARLY_LAUNCH``
+says what has been measured and why it is off.
 """
 
 from __future__ import annotations

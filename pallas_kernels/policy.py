@@ -342,15 +342,20 @@ DECODE_NORM_KERNEL = True
 # --xla-decode-ops).
 DECODE_ATTENTION_KERNEL = True
 
-# Every Pallas kernel of ours opens with PTX's ``griddepcontrol.launch_dependents`` on a GPU
-# (pallas_kernels.launch.early_launch): under XLA's programmatic dependent launch (Hopper on, jax 0.11.2's XLA by
-# default) the next kernel may then be scheduled onto free SMs while this one runs, and it waits there, at the
-# ``griddepcontrol.wait`` XLA puts at its start, for this one to finish. Without the trigger the next kernel is
-# scheduled only once every program of this one has exited. The 1B decode at batch 1 on one H200, off then on in
-# two alternating rounds of one process (benchmarks/results/pdl_early_launch_ab_h200_fb18e61.json): ternary 2,440 /
-# 2,396 -> 2,624 tokens/s (+8.5%), w8a8 1,740 / 1,747 -> 1,809, w8a16 1,659 / 1,664 -> 1,710, bf16 (its norms and
-# attention are ours) 1,210 / 1,229 -> 1,242 / 1,242. With it on, 115 GPU tests of the decode kernels and inference
-# paths passed on the H200 (bit-identity included), but the test written for it
-# (tests/test_decode_kernels.py::test_the_early_launch_trigger_moves_no_output_on_gpu) did not finish within 200 s
-# in its only run, which a hang would explain as well as a slow compile. It stays off until that test passes on a GPU.
+# The decode kernels (the norm, the attention step, the dp4a GEMV, the A8W2 / A8W8 GEMM, W8A16) open with PTX's
+# ``griddepcontrol.launch_dependents`` on a GPU (pallas_kernels.launch.early_launch): under XLA's programmatic
+# dependent launch (Hopper; on by default in jax 0.11.2's XLA) the next kernel may then be scheduled onto free SMs
+# once every program of this one has issued it, and it waits at the ``griddepcontrol.wait`` XLA puts at its start
+# for this one to finish. Without the trigger the next kernel is scheduled only once every program of this one has
+# exited. The 1B decode at batch 1 on one H200, off then on in two alternating rounds of one process
+# (benchmarks/results/pdl_early_launch_ab_h200_fb18e61.json): ternary 2,440 / 2,396 -> 2,624 tokens/s (+7.5% /
+# +9.5%), w8a8 1,740 / 1,747 -> 1,809, w8a16 1,659 / 1,664 -> 1,710, bf16 (its norms and attention are ours) 1,210 /
+# 1,229 -> 1,242 / 1,242. Off, because nothing yet shows that every read in the next kernel waits:
+# - the wait orders only the loads after it. Loads the compiler treats as invariant (non-coherent) may be hoisted
+#   above it, and XLA's own trigger for its Triton GEMMs (openxla/xla#43894) had to turn those off in the kernels it
+#   launches early. Whether jax 0.11.2's XLA does that for these kernels' successors has not been checked;
+# - with it on, 115 GPU tests of the decode kernels and inference paths passed on the H200, bit-identity included,
+#   but a race is timing-dependent, and the test written for it
+#   (tests/test_decode_kernels.py::test_the_early_launch_trigger_moves_no_output_on_gpu) finished no case within
+#   200 s in its only run.
 PDL_EARLY_LAUNCH = False

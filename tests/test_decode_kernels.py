@@ -632,7 +632,7 @@ def test_a_model_decodes_from_its_norms_codes_as_from_its_linears_quantizer_on_g
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(240)  # a hang (kernels waiting on each other) fails here instead of stalling the suite
+@pytest.mark.timeout(240)  # a slow or stalled run fails here (a main thread blocked in the driver may not be cut)
 @pytest.mark.parametrize("scheme", ["bf16", "w8a16", "w8a8", "ternary"])
 def test_the_early_launch_trigger_moves_no_output_on_gpu(scheme, monkeypatch):
   """``policy.PDL_EARLY_LAUNCH`` lets the next kernel be scheduled while ours run; the wait at its start keeps every
