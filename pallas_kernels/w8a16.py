@@ -274,7 +274,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
             apply_scale: bool, masked: bool, native: bool):
   """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
   (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
-  rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at rows ``[s * m_out, (s + 1) * m_out)``."""
+  rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at
+  rows ``[s * m_out, (s + 1) * m_out)``."""
   i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)

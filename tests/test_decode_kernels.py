@@ -646,9 +646,11 @@ def test_the_early_launch_trigger_moves_no_output_on_gpu(scheme, monkeypatch):
                        **recipe)
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
   tokens = jax.random.randint(fresh_key(), (1, 16), 0, config.vocab_size)
+  calls = count_kernel_calls(monkeypatch, dispatch._norm_rows_kernel, dispatch.decode_attention)
   monkeypatch.setattr(policy, "PDL_EARLY_LAUNCH", True)
   jax.clear_caches()  # the flag is read when a kernel is traced
   got = _decode_logits(config, params, tokens, 6, scheme)
+  assert calls["norm"] and calls["attention"], calls  # the decode ran our kernels, which carry the trigger
   monkeypatch.setattr(policy, "PDL_EARLY_LAUNCH", False)
   jax.clear_caches()
   want = _decode_logits(config, params, tokens, 6, scheme)
