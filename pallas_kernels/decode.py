@@ -289,10 +289,21 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
   b, h, split = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   group, half = n_heads // n_kv_heads, head_dim // 2
   dtype = qkv_ref.dtype
+  first, second = pl.ds(0, half), pl.ds(half, half)
+
+  def load_block(j, mask):
+    """Block ``j`` of the cache: the key's RoPE halves, the value (and an int8 cache's scales), zeros off ``mask``."""
+    cached = pl.ds(j * block, block)
+    at = [k_in.at[b, h, cached, first], k_in.at[b, h, cached, second], v_in.at[b, h, cached, slice(None)]]
+    at += [ref.at[b, h, cached] for ref in caches_in[2:]]
+    return [plt.load(x, mask=mask if i > 2 else mask[:, None], other=0) for i, x in enumerate(at)]
+
+  # The split's first block is loaded before the position is: its trip to memory overlaps the position's, the
+  # query's and RoPE's; positions from pos on are dropped when it is used (they may be written concurrently).
+  first_block = load_block(split * chunk, split * chunk * block + jnp.arange(block) < k_in.shape[2])
   pos = pos_ref[0]
   angles = pos.astype(jnp.float32) * freq_ref[...]  # [half]
   cos, sin = jnp.cos(angles)[None, :], jnp.sin(angles)[None, :]
-  first, second = pl.ds(0, half), pl.ds(half, half)
   valid = (jnp.arange(rows) < group)[:, None]
   q_rows = pl.ds(h * group, rows)
 
@@ -332,31 +343,31 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
   acc = jnp.where(first_split, jnp.broadcast_to(v_new, (rows, head_dim)), 0.0)
   precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
-  def step(j, carry):
+  def update(carry, j, blocks):
+    """The online softmax after block ``j``, whose loaded ``blocks`` read as zeros past ``pos``."""
     m, l, acc = carry
-    positions = j * block + jnp.arange(block)
-    seen = positions < pos
-    cached = pl.ds(j * block, block)
-
-    def load(ref, cols=None):
-      at = ref.at[b, h, cached] if cols is None else ref.at[b, h, cached, cols]
-      return plt.load(at, mask=seen if cols is None else seen[:, None], other=0)
-
-    keys1, keys2, values = load(k_in, first), load(k_in, second), load(v_in, slice(None))
+    seen = j * block + jnp.arange(block) < pos
+    keys1, keys2, values, *scales = [jnp.where(seen if x.ndim == 1 else seen[:, None], x, 0) for x in blocks]
     s = _dot(q1d, keys1.astype(dtype), 1, precision) + _dot(q2d, keys2.astype(dtype), 1, precision)  # [rows, block]
-    s = s * (load(caches_in[2])[None, :] * inv_sqrt_d if int8_cache else inv_sqrt_d)
+    s = s * (scales[0][None, :] * inv_sqrt_d if int8_cache else inv_sqrt_d)
     s = jnp.where(seen[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every block walked holds a position before pos
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite where the block holds a position before pos
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    weights = p * load(caches_in[3])[None, :] if int8_cache else p  # a value's scale rides on its probability
+    weights = p * scales[1][None, :] if int8_cache else p  # a value's scale rides on its probability
     acc = acc * alpha[:, None] + _dot(weights.astype(dtype), values.astype(dtype), 0, precision)
     return m_new, l, acc
 
   start = split * chunk
   end = jnp.minimum(start + chunk, (pos + block - 1) // block)  # blocks past pos are not walked
-  m, l, acc = lax.fori_loop(start, end, step, (m, l, acc))
+  carry = (m, l, acc)
+  carry = jax.tree.map(functools.partial(jnp.where, start < end), update(carry, start, first_block), carry)
+
+  def step(j, carry):
+    return update(carry, j, load_block(j, j * block + jnp.arange(block) < pos))
+
+  m, l, acc = lax.fori_loop(start + 1, end, step, carry)
   if partial:
     acc_ref, m_ref, l_ref = outs
     acc_ref[b, h, split] = acc

@@ -294,12 +294,18 @@ def interpreted_kernels(monkeypatch):
 
 def _decode_logits(config, params, tokens, prefill: int, scheme: str = "bf16", **prepare_kwargs):
   """Teacher-forced logits of the decode-mode model: a prefill of ``prefill`` tokens, then one token per step."""
-  model, inference_params = generate.prepare(config, params, scheme, **prepare_kwargs)
-  step = jax.jit(lambda c, t: model.apply({"params": inference_params, "cache": c}, t, mutable=["cache"]))
-  logits, state = step(generate.init_cache(model, tokens.shape[0], tokens.shape[1]), tokens[:, :prefill])
+  return _teacher_forced(*generate.prepare(config, params, scheme, **prepare_kwargs), tokens, prefill)
+
+
+def _teacher_forced(model, inference_params, tokens, prefill: int):
+  """:func:`_decode_logits` of a prepared model. The parameters are the step's arguments: closed over, they would be
+  constants of the executable, and the test suite's compilation cache would compress them at every compile."""
+  step = jax.jit(lambda p, c, t: model.apply({"params": p, "cache": c}, t, mutable=["cache"]))
+  logits, state = step(inference_params, generate.init_cache(model, tokens.shape[0], tokens.shape[1]),
+                       tokens[:, :prefill])
   out = []
   for t in range(prefill, tokens.shape[1]):
-    logits, state = step(state["cache"], tokens[:, t : t + 1])
+    logits, state = step(inference_params, state["cache"], tokens[:, t : t + 1])
     out.append(logits)
   return jnp.concatenate(out, axis=1)
 
@@ -456,13 +462,7 @@ def test_a_smoothed_w8a8_linear_reads_the_norms_values_not_its_codes(interpreted
     model, inference_params = generate.prepare(config, params, "w8a8")
     qkv = inference_params["layers_0"]["attn"]["qkv"]
     qkv[SMOOTH] = jax.random.uniform(smooth_key, (TINY["d_model"],), jnp.float32, 0.5, 2.0)
-    step = jax.jit(lambda c, t: model.apply({"params": inference_params, "cache": c}, t, mutable=["cache"]))
-    out, state = step(generate.init_cache(model, 2, 8), tokens[:, :5])
-    rows = []
-    for t in range(5, 8):
-      out, state = step(state["cache"], tokens[:, t : t + 1])
-      rows.append(out)
-    return jnp.concatenate(rows, axis=1)
+    return _teacher_forced(model, inference_params, tokens, 5)
 
   got = logits()
   monkeypatch.setattr(inference_weights, "DECODE_INPUTS", {})
