@@ -13,7 +13,7 @@ schedule them later), and they wait at their own ``griddepcontrol.wait``. That w
 load the compiler treats as invariant may be hoisted above it, so the trigger is safe only where no such load in
 the next kernel reads this one's output (openxla/xla#43894 turns them off for the kernels XLA's own trigger lets
 start early). Where the next kernel is not launched with PDL, the trigger has no effect. ``policy.PDL_EARLY_LAUNCH``
-says what has been measured and why it is off.
+says what has been measured, what shows the reads wait, and what has not been checked.
 """
 
 from __future__ import annotations

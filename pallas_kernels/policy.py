@@ -350,12 +350,15 @@ DECODE_ATTENTION_KERNEL = True
 # exited. The 1B decode at batch 1 on one H200, off then on in two alternating rounds of one process
 # (benchmarks/results/pdl_early_launch_ab_h200_fb18e61.json): ternary 2,440 / 2,396 -> 2,624 tokens/s (+7.5% /
 # +9.5%), w8a8 1,740 / 1,747 -> 1,809, w8a16 1,659 / 1,664 -> 1,710, bf16 (its norms and attention are ours) 1,210 /
-# 1,229 -> 1,242 / 1,242. Off, because nothing yet shows that every read in the next kernel waits:
-# - the wait orders only the loads after it. Loads the compiler treats as invariant (non-coherent) may be hoisted
-#   above it, and XLA's own trigger for its Triton GEMMs (openxla/xla#43894) had to turn those off in the kernels it
-#   launches early. Whether jax 0.11.2's XLA does that for these kernels' successors has not been checked;
-# - with it on, 115 GPU tests of the decode kernels and inference paths passed on the H200, bit-identity included,
-#   but a race is timing-dependent, and the test written for it
-#   (tests/test_decode_kernels.py::test_the_early_launch_trigger_moves_no_output_on_gpu) finished no case within
-#   200 s in its only run.
-PDL_EARLY_LAUNCH = False
+# 1,229 -> 1,242 / 1,242. On, on this evidence (one H200, jax 0.11.2, 2026-11-30):
+# - tests/test_decode_kernels.py::test_the_early_launch_trigger_moves_no_output_on_gpu: a 2-layer decode at 1B
+#   widths gives bit-identical logits with and without the trigger for bf16, w8a16, w8a8 and ternary (its earlier
+#   stall was the test's own: parameters closed over as executable constants, compressed by the suite's compilation
+#   cache at every compile), and the GPU suites' bit-identity tests pass with it on;
+# - a successor that read before its wait would do so while ours runs (the trigger is our first instruction, so the
+#   window is the whole kernel, microseconds, not a narrow race), and would differ on nearly every token.
+# What is not shown: the compiled successors' PTX. The wait orders only the loads after it; a load the compiler
+# treats as invariant (non-coherent) may be hoisted above it, as openxla/xla#43894 found for the kernels XLA's own
+# trigger lets start early, and no XLA dump flag of jax 0.11.2 tried wrote PTX. False turns the trigger off
+# (benchmarks/inference.py --no-early-launch).
+PDL_EARLY_LAUNCH = True
