@@ -298,9 +298,11 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
     at += [ref.at[b, h, cached] for ref in caches_in[2:]]
     return [plt.load(x, mask=mask if i > 2 else mask[:, None], other=0) for i, x in enumerate(at)]
 
-  # The split's first block is loaded before the position is: its trip to memory overlaps the position's, the
-  # query's and RoPE's; positions from pos on are dropped when it is used (they may be written concurrently).
-  first_block = load_block(split * chunk, split * chunk * block + jnp.arange(block) < k_in.shape[2])
+  # One program a KV head (no split: up to ATTENTION_SPLIT_FROM positions) loads the cache's first block before the
+  # position, so that its trip to memory overlaps the position's, the query's and RoPE's; the positions from pos on
+  # are dropped when it is used (split 0 writes pos concurrently). A split cache does not: a split wholly past pos
+  # would read a block it never uses, and early in a long generation most splits are.
+  first_block = None if partial else load_block(0, jnp.arange(block) < k_in.shape[2])
   pos = pos_ref[0]
   angles = pos.astype(jnp.float32) * freq_ref[...]  # [half]
   cos, sin = jnp.cos(angles)[None, :], jnp.sin(angles)[None, :]
@@ -328,7 +330,7 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
     key_factor = inv_sqrt_d
 
   @pl.when(split == 0)
-  def _():  # the caches out are the caches in (aliased); every program reads only positions before pos
+  def _():  # the caches out are the caches in (aliased); a program reads pos only to drop it (first_block)
     for ref, cols, x in stored:
       ref[b, h, here, cols] = x.astype(ref.dtype)
     if int8_cache:
@@ -362,12 +364,14 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
   start = split * chunk
   end = jnp.minimum(start + chunk, (pos + block - 1) // block)  # blocks past pos are not walked
   carry = (m, l, acc)
-  carry = jax.tree.map(functools.partial(jnp.where, start < end), update(carry, start, first_block), carry)
+  if first_block is not None:  # start is 0: walked unless pos is 0
+    carry = jax.tree.map(functools.partial(jnp.where, start < end), update(carry, start, first_block), carry)
+    start = start + 1
 
   def step(j, carry):
     return update(carry, j, load_block(j, j * block + jnp.arange(block) < pos))
 
-  m, l, acc = lax.fori_loop(start + 1, end, step, carry)
+  m, l, acc = lax.fori_loop(start, end, step, carry)
   if partial:
     acc_ref, m_ref, l_ref = outs
     acc_ref[b, h, split] = acc

@@ -227,6 +227,33 @@ def test_decode_attention_kernel_on_an_int8_cache_equals_the_xla_step(b, n, h, d
     assert sqnr_db(out, exact) >= sqnr_db(want, exact) - 2.0, (sqnr_db(out, exact), sqnr_db(want, exact))
 
 
+@pytest.mark.parametrize("int8_cache", [False, True])
+@pytest.mark.parametrize("b,n,h,d,s,pos,block,splits", [ATTENTION_CASES[i] for i in (0, 2, 3, 4, 5)])
+def test_cache_positions_from_the_new_one_on_never_reach_the_output(b, n, h, d, s, pos, block, splits, int8_cache):
+  """A cache holding NaN and inf from the new position on (stale rows of an earlier sequence) gives the output, bit
+  for bit, of one holding zeros there: one program a KV head loads its first block before it knows the position
+  and drops those positions when it uses the block; split caches mask them as they load."""
+  qkv, key, value = _attention_inputs(b, n, h, d, s, jnp.bfloat16)
+  caches = [key, value]
+  if int8_cache:
+    (key, key_scale), (value, value_scale) = kv_cache.quantize_heads(key), kv_cache.quantize_heads(value)
+    caches = [key, value, key_scale, value_scale]
+  stale = (jnp.arange(s) >= pos)[None, None, :]
+
+  def attend(fill):
+    filled = [jnp.where(stale if c.ndim == 3 else stale[..., None], jnp.asarray(fill, c.dtype), c)
+              if jnp.issubdtype(c.dtype, jnp.floating) else c for c in caches]
+    scales = dict(key_scale=filled[2], value_scale=filled[3]) if int8_cache else {}
+    return decode.decode_attention_kernel(qkv, filled[0], filled[1], jnp.array([pos], jnp.int32),
+                                          rope_frequencies(d, 1e4), n, block=block, interpret=True, splits=splits,
+                                          **scales)[0]
+
+  clean = attend(0.0)
+  assert np.isfinite(np.asarray(clean, np.float32)).all()
+  for fill in (jnp.nan, jnp.inf):
+    np.testing.assert_array_equal(attend(fill), clean)
+
+
 def test_attention_splits_one_program_a_kv_head_up_to_the_threshold_then_a_few_an_sm(monkeypatch):
   monkeypatch.setattr(decode, "ATTENTION_PROGRAMS_PER_SM", 2)
   assert decode.attention_splits(1, 8, decode.ATTENTION_SPLIT_FROM, sms=132) == 1
