@@ -345,11 +345,14 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
   acc = jnp.where(first_split, jnp.broadcast_to(v_new, (rows, head_dim)), 0.0)
   precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
+  def seen_in(j):  # [block]: which positions of block j come before pos
+    return j * block + jnp.arange(block) < pos
+
   def update(carry, j, blocks):
-    """The online softmax after block ``j``, whose loaded ``blocks`` read as zeros past ``pos``."""
+    """The online softmax after block ``j``, whose ``blocks`` read as zeros from ``pos`` on."""
     m, l, acc = carry
-    seen = j * block + jnp.arange(block) < pos
-    keys1, keys2, values, *scales = [jnp.where(seen if x.ndim == 1 else seen[:, None], x, 0) for x in blocks]
+    seen = seen_in(j)
+    keys1, keys2, values, *scales = blocks
     s = _dot(q1d, keys1.astype(dtype), 1, precision) + _dot(q2d, keys2.astype(dtype), 1, precision)  # [rows, block]
     s = s * (scales[0][None, :] * inv_sqrt_d if int8_cache else inv_sqrt_d)
     s = jnp.where(seen[None, :], s, -jnp.inf)
@@ -364,12 +367,14 @@ def _decode_attention_kernel(pos_ref, freq_ref, qkv_ref, *refs, n_heads: int, n_
   start = split * chunk
   end = jnp.minimum(start + chunk, (pos + block - 1) // block)  # blocks past pos are not walked
   carry = (m, l, acc)
-  if first_block is not None:  # start is 0: walked unless pos is 0
+  if first_block is not None:  # start is 0: walked unless pos is 0; zeros from pos on, as the masked loads give
+    seen = seen_in(start)
+    first_block = [jnp.where(seen if x.ndim == 1 else seen[:, None], x, 0) for x in first_block]
     carry = jax.tree.map(functools.partial(jnp.where, start < end), update(carry, start, first_block), carry)
     start = start + 1
 
   def step(j, carry):
-    return update(carry, j, load_block(j, j * block + jnp.arange(block) < pos))
+    return update(carry, j, load_block(j, seen_in(j)))
 
   m, l, acc = lax.fori_loop(start, end, step, carry)
   if partial:
