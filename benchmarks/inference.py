@@ -523,6 +523,9 @@ def main(argv=None):
   parser.add_argument("--early-launch", action=argparse.BooleanOptionalAction, default=None,
                       help="kernels with / without the PDL early-launch trigger (policy.PDL_EARLY_LAUNCH; default: "
                            "the policy's)")
+  parser.add_argument("--gated-epilogue", action=argparse.BooleanOptionalAction, default=None,
+                      help="decode's gate_up GEMV writes act(gate) * up / [gate | up] (policy.GATED_EPILOGUE; "
+                           "default: the policy's)")
   parser.add_argument("--decode-config", default="1b", choices=list(DECODE_CONFIGS))
   parser.add_argument("--decode-schemes", nargs="*", default=["bf16", *inference.SCHEMES])
   parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 8])
@@ -541,6 +544,8 @@ def main(argv=None):
     policy.DECODE_NORM_KERNEL = policy.DECODE_ATTENTION_KERNEL = False
   if args.early_launch is not None:
     policy.PDL_EARLY_LAUNCH = args.early_launch
+  if args.gated_epilogue is not None:
+    policy.GATED_EPILOGUE = args.gated_epilogue
   if args.runs < MIN_RUNS:
     parser.error(f"--runs {args.runs}: every figure is the median of at least {MIN_RUNS} runs")
   if "bf16" not in args.variants:

@@ -36,10 +36,12 @@ import numpy as np
 from flax.core import meta
 
 from jaxlowbit.execution import ExecutionOptions
+from jaxlowbit.execution import resolve as resolve_execution
+from jaxlowbit.fused import swiglu
 from jaxlowbit.matmul import HIGH_PRECISION_DOT_GENERAL, quantized_dot_general, quantized_matmul
 from jaxlowbit.operand import LowBitOperand, is_low_bit
 from jaxlowbit.recipes import BitNet, Float8, Int8MixedPrecision, Recipe, check_recipe
-from pallas_kernels.quantize import to_compute_dtype
+from pallas_kernels.quantize import check_gate_activation, to_compute_dtype
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -161,7 +163,7 @@ Matmul = Callable[[DenseCall, jax.Array, Any], jax.Array]
 
 
 def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe | None, kernel: Any = None,
-                  bias: Any = None):
+                  bias: Any = None, matmul_gates: bool = False):
   """The body of ``DenseGeneral.__call__`` (and ``Dense``'s) with the dot run by ``matmul``.
 
   Reads ``features``, ``axis``, ``batch_dims``, ``use_bias``, ``dtype``, ``param_dtype``,
@@ -176,6 +178,8 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
     matmul: a recipe (or None: high precision) for the recipe's ``quantized_dot_general``, run
       with the module's ``execution`` options where it has them (:class:`LowBitDense`), or a
       function ``matmul(call, inputs, kernel)`` (FSDP, inference, weight-only training).
+    matmul_gates: ``matmul`` returns a gated module's (:attr:`LowBitDense.gated`) ``act(gate) * up`` itself (the
+      inference GEMVs form it in their epilogue); otherwise it is formed here from the product.
     kernel: the kernel to use instead of creating the ``kernel`` parameter (a local shard,
       converted leaves, an ``Int8Weight``).
     bias: the bias to use instead of the ``bias`` parameter (a tensor-parallel layer's share of
@@ -197,9 +201,12 @@ def dense_general(module: nn.Module, inputs: jax.Array, matmul: Matmul | Recipe 
     bias = module.param("bias", bias_init, bias_shape, module.param_dtype)
   if bias is not None:
     bias = jnp.asarray(bias, call.dtype)
+  gated = None if matmul_gates else getattr(module, "gated", None)
   if not callable(matmul):
     matmul = recipe_matmul(matmul, getattr(module, "execution", None), getattr(module, "measured", False))
   out = matmul(call, inputs if is_low_bit(inputs) else to_compute_dtype(inputs, call.dtype), kernel)
+  if gated is not None:  # no bias (LowBitDense checks)
+    return swiglu(out, gated, resolve_execution(getattr(module, "execution", None)).dispatch())
   if bias is not None:
     expanded = tuple(inputs.shape[a] if a in call.batch_dims else 1 for a in range(inputs.ndim) if a not in call.axis)
     # The bias's own feature dims: a tensor-parallel layer's (jaxlowbit.parallel) holds its share of them.
@@ -260,6 +267,11 @@ class LowBitDense(nn.DenseGeneral):
       input's leading dims' product) for one consumer that measures the output gradient's amaxes for this
       layer's backward (``jaxlowbit.fused.swiglu_rms_norm_for``; any other through
       ``jaxlowbit.fused.measured_values``). Needs a recipe, no bias and one features dimension. Default False.
+    gated: a gate activation (``"silu"``, ``"relu2"``: ``pallas_kernels.quantize.GATE_ACTIVATIONS``): the layer is a
+      gated MLP's fused ``[gate | up]`` projection and returns ``act(gate) * up`` ``[..., features / 2]`` of its
+      output (``jaxlowbit.fused.swiglu``), which a layer converted for inference forms in its decode GEMV's
+      epilogue instead of writing both halves (``jaxlowbit.inference.quantized_linear``). Needs no bias, one
+      features dimension of even size and no ``measured``. Default None (the output itself).
     recipe_types: class-level: the recipe classes a subclass accepts (empty: any).
 
   Example::
@@ -273,10 +285,18 @@ class LowBitDense(nn.DenseGeneral):
   recipe: Any = None
   execution: ExecutionOptions | None = None
   measured: bool = False
+  gated: str | None = None
   recipe_types: ClassVar[tuple[type, ...]] = ()
 
   def __post_init__(self):
     check_sizes(type(self).__name__, features=self.features)
+    if self.gated is not None:
+      check_gate_activation(self.gated)
+      features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+      if self.use_bias or self.measured or len(features) != 1 or features[0] % 2:
+        raise ValueError(f"{type(self).__name__}: a gated output needs no bias, no measured output and one even "
+                         f"features dimension; got use_bias={self.use_bias}, measured={self.measured}, "
+                         f"features={self.features}")
     super().__post_init__()
 
   @nn.compact
@@ -353,15 +373,20 @@ class BitNetDense(LowBitDense):
   recipe_types: ClassVar[tuple[type, ...]] = (BitNet,)
 
 
-def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = None, **kwargs) -> nn.Module:
+def dense_for(recipe: Recipe | None, *, execution: ExecutionOptions | None = None, gated: str | None = None,
+              **kwargs) -> nn.Module:
   """The layer that runs ``recipe``, built with ``kwargs`` (``DenseGeneral``'s attributes).
 
   None gives ``nn.DenseGeneral`` (high precision: ``execution`` has nothing to say); a recipe gives
   the named layer of its family (``Int8Dense``, ``Fp8Dense``, ``BitNetDense``: each declares its
-  ``recipe_types``), or :class:`LowBitDense` itself, with ``execution`` as its options.
+  ``recipe_types``), or :class:`LowBitDense` itself, with ``execution`` as its options. ``gated``
+  (:attr:`LowBitDense.gated`) gives a jaxlowbit layer for None too: ``LowBitDense`` without a recipe has
+  ``nn.DenseGeneral``'s parameters and dot.
   """
   check_recipe(recipe, "dense_for")
-  if recipe is None:  # its dot: lax.dot_general, one-row products kept GEMMs on GPUs (decode at batch 1)
+  if gated is not None:
+    kwargs["gated"] = gated
+  if recipe is None and gated is None:  # its dot: lax.dot_general, one-row products kept GEMMs on GPUs (decode)
     return nn.DenseGeneral(**{"dot_general": HIGH_PRECISION_DOT_GENERAL, **kwargs})
   named = [cls for cls in (Int8Dense, Fp8Dense, BitNetDense) if isinstance(recipe, cls.recipe_types)]
   return (named[0] if named else LowBitDense)(recipe=recipe, execution=execution, **kwargs)

@@ -138,10 +138,13 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
-def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig) -> bool:
-  """Whether the kernel takes M rows and a weight of ``[N, k_groups]`` groups with this tiling (never padded)."""
-  return (1 <= m <= MAX_M and n % config.block_n == 0 and k_groups % (config.block_k * config.split_k) == 0
+def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig, gated: bool = False) -> bool:
+  """Whether the kernel takes M rows and a weight of ``[N, k_groups]`` groups with this tiling (never padded);
+  ``gated``: and writes the gated output (K unsplit, each half of N a whole number of half-blocks)."""
+  fits = (1 <= m <= MAX_M and n % config.block_n == 0 and k_groups % (config.block_k * config.split_k) == 0
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
+  halves = n % 2 == 0 and (n // 2) % (config.block_n // 2) == 0
+  return fits and (not gated or (config.split_k == 1 and halves))
 
 
 # dp4a operands. A packed byte holds weight j in bits 7-2j .. 6-2j (pack_2bit). Multiplied by SPREAD (shifts of 0, 10,
@@ -172,14 +175,16 @@ def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
 
 
 def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, packed: bool,
-            native: bool, tensor_scale: bool):
+            native: bool, tensor_scale: bool, gated: str | None, half: int):
   """One ``block_n`` slice of the outputs over one K split.
 
   Refs: ``x`` (rows flattened: the int8 codes as ``[m * K / 4]`` int32 words of four, or ``[m * K]`` float
   activations when ``spec`` quantizes them here), the weight's ``[N, K/4]`` groups (``packed``: int8 bytes of four
   2-bit weights; else int32 words of four int8 weights), the codes' scales ``[m]`` (pre-quantized only), the
   weight scales ``[N]`` (``[1]`` when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales
-  ``[m]``. ``k_per_split`` counts groups.
+  ``[m]``. ``k_per_split`` counts groups. ``gated`` (unsplit only): the program sums ``block_n`` gate columns and
+  the ``block_n`` up columns ``half`` further on, and writes ``act(gate) * up`` of the two
+  (:func:`quantize.gated_epilogue`).
   """
   if spec is None:
     x_ref, w_ref, sx_ref, sw_ref, o_ref = refs
@@ -188,15 +193,17 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
   i_n, i_s = early_launch(pl.program_id(0), native), pl.program_id(1)
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
+  # The weight rows a program sums: its output columns, or the gate columns and their up columns.
+  tiles = (cols,) if gated is None else (cols, pl.ds(pl.multiple_of(half + i_n * bn, bn), bn))
   k0 = i_s * k_per_split
 
   def load(t):
     start = pl.multiple_of(k0 + t * bk, bk)
-    return w_ref[cols, pl.ds(start, bk)], start  # [bn, bk] groups
+    return tuple(w_ref[c, pl.ds(start, bk)] for c in tiles), start  # [bn, bk] groups a tile
 
   first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
-  if config.split_k == 1:  # the epilogue's weight scale, loaded now rather than after the loop
-    sw = sw_ref[0] if tensor_scale else sw_ref[cols]
+  if config.split_k == 1:  # the epilogue's weight scales, loaded now rather than after the loop
+    sws = [sw_ref[0] if tensor_scale else sw_ref[c] for c in tiles]
   if spec is None:
     scales = [sx_ref[r] for r in range(m)]
   else:
@@ -223,29 +230,36 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
       words = words | lax.shift_left(x.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
     return words
 
-  def step(p, start, accs):
-    # [bn, bk] int32, byte j of each = weight j of the group (64 x it, for a packed byte)
-    weights = spread_codes(p) if packed else p
+  def step(groups, start, accs):  # accs[tile][row]
     new = []
-    for r in range(m):
-      xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
-      if config.reduce_per_step:
-        new.append(accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
-      else:
-        new.append(dp4a(weights, xw, accs[r], native))
+    for p, tile_accs in zip(groups, accs):
+      # [bn, bk] int32, byte j of each = weight j of the group (64 x it, for a packed byte)
+      weights = spread_codes(p) if packed else p
+      row_accs = []
+      for r in range(m):
+        xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
+        if config.reduce_per_step:
+          row_accs.append(tile_accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
+        else:
+          row_accs.append(dp4a(weights, xw, tile_accs[r], native))
+      new.append(tuple(row_accs))
     return tuple(new)
 
   acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
-  accs = step(*first, tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)))
+  accs = step(*first, tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles))
   accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
-    total = accs[r] if config.reduce_per_step else jnp.sum(accs[r], axis=1)
-    if packed:  # [bn] int32, exact: each product was 64 x its value
-      total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)
+    totals = []
+    for tile_accs in accs:
+      total = tile_accs[r] if config.reduce_per_step else jnp.sum(tile_accs[r], axis=1)
+      if packed:  # [bn] int32, exact: each product was 64 x its value
+        total = lax.shift_right_arithmetic(total, SPREAD_SHIFT)
+      totals.append(total)
     if config.split_k == 1:  # the reference's epilogue, same order
-      o_ref[r, cols] = (total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype)
+      outs = [(total.astype(jnp.float32) * scales[r] * sw).astype(o_ref.dtype) for total, sw in zip(totals, sws)]
+      o_ref[r, cols] = outs[0] if gated is None else quantize.gated_epilogue(*outs, gated)
     else:
-      o_ref[i_s * m + r, cols] = total
+      o_ref[i_s * m + r, cols] = totals[0]
   if spec is not None and scale_out:  # split-K: XLA's epilogue needs the scales; one program writes them
 
     @pl.when((i_n == 0) & (i_s == 0))
@@ -254,12 +268,13 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
         scale_out[0][r] = scales[r]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "packed", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "packed", "interpret", "gated"))
 def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: QuantSpec | None, packed: bool,
-          interpret: bool):
+          interpret: bool, gated: str | None = None):
   """``x_scale`` None: ``x`` is float and ``spec`` quantizes it in the kernel. ``w``: packed ternary ``[N, K/4]``
   (``packed``) or int8 ``[N, K]``, read as int32 words of four (little-endian, as x's codes: a bitcast view, no
-  copy)."""
+  copy). ``gated`` (unsplit tilings): ``[M, N / 2]``, ``act(gate) * up`` of the output's halves; a program takes
+  half of ``config.block_n`` columns of each half, so it streams as many weight rows as without."""
   m = x.shape[0]
   if not packed:
     w = lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
@@ -275,15 +290,18 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
     operands = (words.reshape(-1), w, sx, sw)
   else:
     operands = (x.reshape(-1), w, sw)
-  out_shape = (out_struct((m, n), out_dtype, *operands) if split == 1
+  width = n if gated is None else n // 2
+  if gated is not None:
+    config = dataclasses.replace(config, block_n=config.block_n // 2)
+  out_shape = (out_struct((m, width), out_dtype, *operands) if split == 1
                else out_struct((split * m, n), jnp.int32, *operands))
   if spec is not None and split > 1:
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_groups // split, m=m, spec=spec,
-                        packed=packed, native=not interpret, tensor_scale=tensor_scale),
+                        packed=packed, native=not interpret, tensor_scale=tensor_scale, gated=gated, half=width),
       out_shape=out_shape,
-      grid=(n // config.block_n, split),
+      grid=(width // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="jaxlowbit_ternary_gemv" if packed else "jaxlowbit_a8w8_gemv",
@@ -296,28 +314,34 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
 
 
 def _run(who: str, x, x_scale, w, w_scale, out_dtype, config: Dp4aGemvConfig | None, spec: QuantSpec | None,
-         packed: bool, interpret: bool) -> jax.Array:
+         packed: bool, interpret: bool, gated: str | None) -> jax.Array:
   """Every public GEMV after its operand checks: the tiling (:func:`_tiling`), then the kernel (:func:`_call`)."""
-  config = _tiling(who, x.shape[0], w.shape[0], x.shape[1], config, spec is None, packed)
+  if gated is not None:
+    quantize.check_gate_activation(gated)
+  config = _tiling(who, x.shape[0], w.shape[0], x.shape[1], config, spec is None, packed, gated is not None)
   return _call(x, x_scale, w, w_scale, out_dtype=jnp.dtype(out_dtype), config=config, spec=spec, packed=packed,
-               interpret=interpret)
+               interpret=interpret, gated=gated)
+
+
+GATED_FIT = "; gated: K unsplit, N / 2 a multiple of block_n / 2"
 
 
 def _tiling(who: str, m: int, n: int, k: int, config: Dp4aGemvConfig | None, codes: bool,
-            packed: bool) -> Dp4aGemvConfig:
-  """``config`` (default :func:`config_for`) after checking it takes M rows and the weight's ``[N, K/4]`` groups."""
+            packed: bool, gated: bool = False) -> Dp4aGemvConfig:
+  """``config`` (default :func:`config_for`) after checking it takes M rows and the weight's ``[N, K/4]`` groups
+  (``gated``: unsplit, with the gated output)."""
   k_groups = k // VALUES_PER_BYTE
   config = config or config_for(n, k_groups, m=m, codes=codes, packed=packed)
-  if not supports(m, n, k_groups, config):
+  if not supports(m, n, k_groups, config, gated):
     raise ValueError(f"{who}: M={m} (at most {MAX_M}) and weight [N={n}, K={k}] ({k_groups} groups of four) do not "
                      f"fit the tiling {config} (N a multiple of {config.block_n}, K groups of "
-                     f"{config.block_k * config.split_k}); use {'a8w2' if packed else 'a8w8'}_matmul_kernel or the "
-                     "reference")
+                     f"{config.block_k * config.split_k}{GATED_FIT if gated else ''}); "
+                     f"use {'a8w2' if packed else 'a8w8'}_matmul_kernel or the reference")
   return config
 
 
 def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, config: Dp4aGemvConfig | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, gated: str | None = None) -> jax.Array:
   """Int8 x packed-ternary GEMV for M <= :data:`MAX_M` on CUDA cores.
 
   Args:
@@ -325,16 +349,20 @@ def a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16, con
     w_packed: ``[N, K / 4]`` int8 from ``pack_2bit(w_ternary [N, K], axis=-1)``; w_scale: float32 ``[N]`` or one.
     out_dtype: result dtype. config: tiling (default :func:`config_for`; ``block_k`` in packed bytes).
     interpret: run in the Pallas interpreter (CPU tests).
+    gated: an activation of ``quantize.GATE_ACTIVATIONS``: return ``act(gate) * up`` ``[M, N / 2]`` of the output's
+      halves ``[gate | up]`` instead, formed in the epilogue (``quantize.gated_epilogue``; K unsplit: :func:`supports`).
 
   Returns:
-    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference`.
+    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w2_matmul_reference` (gated:
+    ``quantize.SwiGLU(gated).reference`` of it).
   """
   check_a8w2(xq, x_scale, w_packed, w_scale)
-  return _run("a8w2_gemv_kernel", xq, x_scale, w_packed, w_scale, out_dtype, config, None, True, interpret)
+  return _run("a8w2_gemv_kernel", xq, x_scale, w_packed, w_scale, out_dtype, config, None, True, interpret, gated)
 
 
 def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=None,
-                              config: Dp4aGemvConfig | None = None, interpret: bool = False) -> jax.Array:
+                              config: Dp4aGemvConfig | None = None, interpret: bool = False,
+                              gated: str | None = None) -> jax.Array:
   """Float activations x packed-ternary weights for M <= :data:`MAX_M`, the activations quantized in the kernel.
 
   One launch instead of a quantizer and a GEMV: each program finds the amax of the whole ``x`` row (a few KiB,
@@ -343,7 +371,7 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
   Args:
     x: ``[M, K]`` float activations (bf16/f16/f32). spec: per-row int8 :class:`QuantSpec` (BitNet's tokens).
     w_packed: ``[N, K / 4]`` int8 from ``pack_2bit(w_ternary [N, K], axis=-1)``; w_scale: float32 ``[N]`` or one.
-    out_dtype: result dtype (default ``x.dtype``). config, interpret: as :func:`a8w2_gemv_kernel`.
+    out_dtype: result dtype (default ``x.dtype``). config, interpret, gated: as :func:`a8w2_gemv_kernel`.
 
   Returns:
     ``[M, N]``: ``a8w2_matmul_reference(*quantize_rows_reference(x, spec), w_packed, w_scale)`` bit for bit (the
@@ -351,35 +379,36 @@ def quantize_a8w2_gemv_kernel(x, w_packed, w_scale, spec: QuantSpec, out_dtype=N
   """
   check_a8w2(*_float_rows(x, spec, "quantize_a8w2_gemv_kernel"), w_packed, w_scale)
   return _run("quantize_a8w2_gemv_kernel", x, None, w_packed, w_scale, out_dtype or x.dtype, config, spec, True,
-              interpret)
+              interpret, gated)
 
 
 def a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, config: Dp4aGemvConfig | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, gated: str | None = None) -> jax.Array:
   """Int8 x int8 GEMV (W8A8) for M <= :data:`MAX_M` on CUDA cores.
 
   Args:
     xq: ``[M, K]`` int8 activations, x_scale: float32 ``[M]``/``[M, 1]`` (or one).
     wq: ``[N, K]`` int8 weight (K-major); w_scale: float32 ``[N]``/``[N, 1]`` (or one).
     out_dtype: result dtype. config: tiling (default :func:`config_for`; ``block_k`` in int32 words of four).
-    interpret: run in the Pallas interpreter (CPU tests).
+    interpret: run in the Pallas interpreter (CPU tests). gated: as :func:`a8w2_gemv_kernel`.
 
   Returns:
-    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w8_matmul_reference`.
+    ``[M, N]`` of ``out_dtype``, bit-identical to :func:`pallas_kernels.int8_gemv.a8w8_matmul_reference` (gated:
+    as :func:`a8w2_gemv_kernel`).
   """
   check_a8w8(xq, x_scale, wq, w_scale)
-  return _run("a8w8_gemv_kernel", xq, x_scale, wq, w_scale, out_dtype, config, None, False, interpret)
+  return _run("a8w8_gemv_kernel", xq, x_scale, wq, w_scale, out_dtype, config, None, False, interpret, gated)
 
 
 def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, config: Dp4aGemvConfig | None = None,
-                              interpret: bool = False) -> jax.Array:
+                              interpret: bool = False, gated: str | None = None) -> jax.Array:
   """Float activations x int8 weights (W8A8) for M <= :data:`MAX_M`, the activations quantized per row in the kernel,
   as :func:`quantize_a8w2_gemv_kernel` does.
 
   Args:
     x: ``[M, K]`` float activations (bf16/f16/f32). spec: per-row int8 :class:`QuantSpec`.
     wq: ``[N, K]`` int8 weight; w_scale: float32 ``[N]`` or one. out_dtype: default ``x.dtype``.
-    config, interpret: as :func:`a8w8_gemv_kernel`.
+    config, interpret, gated: as :func:`a8w8_gemv_kernel`.
 
   Returns:
     ``[M, N]``: ``a8w8_matmul_reference(*quantize_rows_reference(x, spec), wq, w_scale)`` where the kernel's codes
@@ -387,7 +416,7 @@ def quantize_a8w8_gemv_kernel(x, wq, w_scale, spec: QuantSpec, out_dtype=None, c
   """
   check_a8w8(*_float_rows(x, spec, "quantize_a8w8_gemv_kernel"), wq, w_scale)
   return _run("quantize_a8w8_gemv_kernel", x, None, wq, w_scale, out_dtype or x.dtype, config, spec, False,
-              interpret)
+              interpret, gated)
 
 
 def _float_rows(x, spec: QuantSpec, who: str) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:

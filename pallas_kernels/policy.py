@@ -363,3 +363,11 @@ DECODE_ATTENTION_KERNEL = True
 # trigger lets start early, and no XLA dump flag of jax 0.11.2 tried wrote PTX. False turns the trigger off
 # (benchmarks/inference.py --no-early-launch).
 PDL_EARLY_LAUNCH = True
+
+# A decode step's gated MLP: its fused gate_up projection returns act(gate) * up itself (train.model.Mlp;
+# jaxlowbit.LowBitDense.gated), which the decode GEMVs of a converted model form in their epilogue
+# (pallas_kernels.inference_dispatch.gate). The kernel after it then reads d_ff values a token instead of 2 d_ff and
+# computes no activation: BitNet's ffn_sub_norm, one program a row, spent ~3.5 us of a 1B ternary layer's ~24 on it
+# (H200, decode_profile_1b_h200_9f82a95.json); a W8A16 model ran it as an XLA kernel of its own (1.1 us a layer).
+# The same numbers either way. Off: the activation after the projection, as before.
+GATED_EPILOGUE = True

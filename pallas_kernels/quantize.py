@@ -196,6 +196,12 @@ def gate_activation(gate: jax.Array, activation: str) -> jax.Array:
   return gate / (1.0 + jnp.exp(-gate))
 
 
+def gated_epilogue(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+  """``act(gate) * up`` in float32 of two same-shaped blocks, rounded to their dtype: a kernel's gated output from
+  its gate and up columns, each already rounded to the output dtype as a ``[gate | up]`` output would hold them."""
+  return (gate_activation(gate.astype(jnp.float32), activation) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
   """``gate_up [R, 2H]`` (``[gate | up]``) -> ``act(gate) * up`` in float32, rounded to its dtype: ``[R, H]``.
@@ -217,9 +223,8 @@ class SwiGLU:
     del stat
     ref = refs[0]
     h = ref.shape[1] // 2
-    gate = ref[rows, cols].astype(jnp.float32)
-    up = ref[rows, pl.ds(cols.start + h, cols.size)].astype(jnp.float32)
-    return (gate_activation(gate, self.activation) * up).astype(ref.dtype).astype(jnp.float32)
+    return gated_epilogue(ref[rows, cols], ref[rows, pl.ds(cols.start + h, cols.size)],
+                          self.activation).astype(jnp.float32)
 
   def reference(self, inputs) -> jax.Array:
     gate, up = jnp.split(inputs[0].astype(jnp.float32), 2, axis=-1)

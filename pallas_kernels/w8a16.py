@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.launch import early_launch
+from pallas_kernels.quantize import check_gate_activation, gated_epilogue
 from pallas_kernels.vma import out_struct
 
 # SMs of an H100 SXM / H200; only used to size split-K when no GPU is attached (tests).
@@ -83,6 +84,8 @@ M1_UNSPLIT_FILL = 1.0
 GEMV_MAX_ELEMENTS = 2048 * 3072  # the largest weight measured faster on the GEMV (GEMV_TILING)
 # Smallest column tile and K step we let Triton see (tensor-core n8/k16 shapes, 16-byte loads).
 MIN_BLOCK_N, MIN_BLOCK_K = 16, 32
+# Columns of each half a gated tensor-core program takes at least (the mma's n16 shape).
+MIN_GATED_BLOCK_N = 16
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -218,9 +221,15 @@ def config_for(m: int, n: int, k: int, sms: int | None = None) -> W8A16Config:
                              split_k=base.split_rule.split_k(tiles, k, block_k, sms))
 
 
-def supports(n: int, k: int, config: W8A16Config) -> bool:
-  """Whether the kernel takes an ``[N, K]`` weight with this tiling (no weight padding, ever)."""
-  return n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0
+def supports(n: int, k: int, config: W8A16Config, gated: bool = False) -> bool:
+  """Whether the kernel takes an ``[N, K]`` weight with this tiling (no weight padding, ever); ``gated``: and writes
+  the gated output (K unsplit, each half of N a whole number of half-blocks of at least :data:`MIN_GATED_BLOCK_N`
+  columns on tensor cores)."""
+  fits = n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0
+  half_block = config.block_n // 2
+  halves = (n % 2 == 0 and half_block > 0 and (n // 2) % half_block == 0
+            and (config.block_m == GEMV_BLOCK_M or half_block >= MIN_GATED_BLOCK_N))
+  return fits and (not gated or (config.split_k == 1 and halves))
 
 
 def check_operands(x: jax.Array, wq: jax.Array, w_scale: jax.Array) -> None:
@@ -271,39 +280,54 @@ def int8_to_float32(w: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m: int, m_out: int,
-            apply_scale: bool, masked: bool, native: bool):
+            apply_scale: bool, masked: bool, native: bool, gated: str | None, half: int):
   """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
   (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
   rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at
-  rows ``[s * m_out, (s + 1) * m_out)``."""
+  rows ``[s * m_out, (s + 1) * m_out)``. ``gated`` (unsplit only): the program sums ``block_n`` gate columns and the
+  ``block_n`` up columns ``half`` further on, and writes ``act(gate) * up`` of the two
+  (:func:`~pallas_kernels.quantize.gated_epilogue`)."""
   i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
+  # The weight rows a program sums: its output columns, or the gate columns and their up columns.
+  tiles = (cols,) if gated is None else (cols, pl.ds(pl.multiple_of(half + i_n * bn, bn), bn))
   valid = i_m * bm + jnp.arange(bm) < m
   k0 = i_s * k_per_split
   deferred = bm == GEMV_BLOCK_M and not config.reduce_per_step
 
-  def step(t, acc):
+  def step(t, accs):
     ks = pl.ds(pl.multiple_of(k0 + t * bk, bk), bk)
     x = load_rows(x_ref.at[rows, ks], valid, masked)
-    if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
-      products = int8_to_float32(w_ref[cols, ks]) * x.astype(jnp.float32)
-      return acc + (products if deferred else jnp.sum(products, axis=1)[None, :])
-    w = w_ref[cols, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
-    return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    new = []
+    for c, acc in zip(tiles, accs):
+      if bm == GEMV_BLOCK_M:  # CUDA cores: [1, bk] x [bn, bk] products (exact in float32), summed over K
+        products = int8_to_float32(w_ref[c, ks]) * x.astype(jnp.float32)
+        new.append(acc + (products if deferred else jnp.sum(products, axis=1)[None, :]))
+      else:
+        w = w_ref[c, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
+        new.append(acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
+    return tuple(new)
 
-  scale = s_ref[cols] if apply_scale else None  # loaded before the loop: no memory round trip after it
-  acc = lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bn, bk) if deferred else (bm, bn), jnp.float32))
+  scales = [s_ref[c] for c in tiles] if apply_scale else None  # loaded before the loop: no round trip after it
+  zeros = jnp.zeros((bn, bk) if deferred else (bm, bn), jnp.float32)
+  accs = lax.fori_loop(0, k_per_split // bk, step, tuple(zeros for _ in tiles))
   if deferred:
-    acc = jnp.sum(acc, axis=1)[None, :]
-  out = (acc * scale[None, :]).astype(o_ref.dtype) if apply_scale else acc
+    accs = tuple(jnp.sum(acc, axis=1)[None, :] for acc in accs)
+  if apply_scale:
+    outs = [(acc * scale[None, :]).astype(o_ref.dtype) for acc, scale in zip(accs, scales)]
+    out = outs[0] if gated is None else gated_epilogue(*outs, gated)
+  else:
+    out = accs[0]
   out_rows = rows if apply_scale else pl.ds(i_s * m_out + i_m * bm, bm)
   store_rows(o_ref.at[out_rows, cols], out, valid, masked)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "gated"))
+def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool, gated: str | None = None):
+  """``gated`` (K unsplit): ``[M, N / 2]``, ``act(gate) * up`` of the output's halves; a program takes half of
+  ``config.block_n`` columns of each half, so it streams as many weight rows as without."""
   m, k = x.shape
   n = wq.shape[0]
   masked, m_out = tile_rows(m, config.block_m, interpret)
@@ -311,13 +335,16 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
     x = jnp.pad(x, ((0, m_out - m), (0, 0)))
   split = config.split_k
   scale = w_scale.astype(jnp.float32).reshape(n)
-  out_shape = (out_struct((m_out, n), out_dtype, x, wq, scale) if split == 1
+  width = n if gated is None else n // 2
+  if gated is not None:
+    config = dataclasses.replace(config, block_n=config.block_n // 2)
+  out_shape = (out_struct((m_out, width), out_dtype, x, wq, scale) if split == 1
                else out_struct((split * m_out, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k // split, m=m, m_out=m_out, apply_scale=split == 1,
-                        masked=masked, native=not interpret),
+                        masked=masked, native=not interpret, gated=gated, half=width),
       out_shape=out_shape,
-      grid=(n // config.block_n, -(-m // config.block_m), split),
+      grid=(width // config.block_n, -(-m // config.block_m), split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="jaxlowbit_w8a16_matmul",
@@ -334,6 +361,7 @@ def w8a16_matmul_kernel(
     out_dtype=None,
     config: W8A16Config | None = None,
     interpret: bool = False,
+    gated: str | None = None,
 ) -> jax.Array:
   """W8A16 GEMM with in-kernel dequantization (see the module docstring).
 
@@ -345,19 +373,26 @@ def w8a16_matmul_kernel(
     config: tiling; default :func:`config_for`. N must be a multiple of ``block_n`` and K
       of ``block_k * split_k`` (:func:`supports`); the weight is never padded.
     interpret: run the kernel in the Pallas interpreter (CPU tests).
+    gated: an activation of ``pallas_kernels.quantize.GATE_ACTIVATIONS``: return ``act(gate) * up`` ``[M, N / 2]``
+      of the output's halves ``[gate | up]`` instead, formed in the epilogue from the two halves rounded to
+      ``out_dtype`` (K unsplit: :func:`supports`).
 
   Returns:
-    ``[M, N]`` of ``out_dtype``.
+    ``[M, N]`` of ``out_dtype`` (gated: ``[M, N / 2]``).
   """
   check_operands(x, wq, w_scale)
   if jnp.dtype(x.dtype) not in ACTIVATION_DTYPES:
     raise TypeError(f"w8a16_matmul_kernel: x must be bfloat16 or float16, got {x.dtype} (float32: use the reference)")
   m, k = x.shape
   n = wq.shape[0]
+  if gated is not None:
+    check_gate_activation(gated)
   config = config or config_for(m, n, k)
-  if not supports(n, k, config):
+  if not supports(n, k, config, gated is not None):
+    gated_fit = f"; gated: K unsplit, N / 2 a multiple of block_n / 2 >= {MIN_GATED_BLOCK_N}" if gated else ""
     raise ValueError(
         f"w8a16_matmul_kernel: weight [N={n}, K={k}] does not fit the tiling {config} (N a multiple of "
-        f"{config.block_n}, K of {config.block_k * config.split_k}); use the reference path"
+        f"{config.block_n}, K of {config.block_k * config.split_k}{gated_fit}); use the reference path"
     )
-  return _w8a16_call(x, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret)
+  return _w8a16_call(x, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret,
+                     gated=gated)

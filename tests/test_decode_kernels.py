@@ -394,6 +394,57 @@ def test_a_ternary_model_decodes_from_the_codes_its_norms_make(placement, interp
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _recording_gemvs(monkeypatch, interpret: bool) -> list[str | None]:
+  """Route the W8A16 and dp4a GEMVs (``interpret``: in interpret mode) through a recorder of each call's ``gated``."""
+  from pallas_kernels import dp4a_gemv, w8a16
+
+  gated = []
+
+  def recorded(fn):
+    def run(*args, **kwargs):
+      gated.append(kwargs.get("gated"))
+      return fn(*args, **({"interpret": True} if interpret else {}), **kwargs)
+    return run
+
+  monkeypatch.setattr(w8a16, "w8a16_matmul_kernel", recorded(w8a16.w8a16_matmul_kernel))
+  for name in ("a8w2_gemv_kernel", "a8w8_gemv_kernel", "quantize_a8w2_gemv_kernel", "quantize_a8w8_gemv_kernel"):
+    monkeypatch.setattr(dp4a_gemv, name, recorded(getattr(dp4a_gemv, name)))
+  return gated
+
+
+@pytest.fixture
+def interpreted_gemvs(monkeypatch) -> list[str | None]:
+  """The dispatch sends a converted model's decode-sized linears to the W8A16 and dp4a GEMVs in interpret mode
+  (wherever they would run on a GPU under auto); records the ``gated`` of each call."""
+  gemvs = ("W8A16", "ternary GEMV", "W8A8 GEMV")
+  monkeypatch.setattr(policy, "use_inference_kernel",
+                      lambda who, wanted, fits, backend: who in gemvs and wanted and fits)
+  return _recording_gemvs(monkeypatch, interpret=True)
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "ternary"])
+def test_the_gate_up_gemv_that_writes_the_gated_activation_moves_no_logit(scheme, activation, interpreted_kernels,
+                                                                           interpreted_gemvs, monkeypatch):
+  """A decode step's gate_up GEMV that writes ``act(gate) * up`` in its epilogue (``policy.GATED_EPILOGUE``) gives
+  the logits of the step that writes ``[gate | up]`` and forms the activation after it (BitNet's ffn_sub_norm
+  kernel, or XLA), bit for bit, at batch 1 through the GEMVs the GPU runs (interpreted); and the GEMV did form it."""
+  from jaxlowbit import BitNet
+
+  bitnet = {"recipe": BitNet(), "bitnet_norm_placement": "sub"} if scheme == "ternary" else {}
+  config = ModelConfig(**TINY, mlp_activation=activation, **bitnet)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (1, 8), 0, TINY["vocab_size"])
+  got = _decode_logits(config, params, tokens, prefill=5, scheme=scheme)
+  # each step's trace: every layer's gate_up GEMV gated
+  assert interpreted_gemvs.count(activation) >= TINY["n_layers"], interpreted_gemvs
+  monkeypatch.setattr(policy, "GATED_EPILOGUE", False)
+  del interpreted_gemvs[:]
+  want = _decode_logits(config, params, tokens, prefill=5, scheme=scheme)
+  assert interpreted_gemvs and not any(interpreted_gemvs)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("grad_weight", [False, True], ids=["bitnet", "bitnet_int8_grad_weight"])
 def test_a_bitnet_linear_left_unconverted_reads_the_codes(grad_weight, interpreted_kernels, monkeypatch):
   """A BitNet linear kept out of the conversion (``filter_fqns``) gets the norm's codes as they are and runs its
@@ -682,6 +733,32 @@ def test_the_early_launch_trigger_moves_no_output_on_gpu(scheme, monkeypatch):
   jax.clear_caches()
   want = _decode_logits(config, params, tokens, 6, scheme)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "ternary"])
+def test_the_gate_up_gemv_that_writes_the_gated_activation_on_gpu(scheme, monkeypatch):
+  """1B widths, two layers, batch 1 (``policy.GATED_EPILOGUE`` on, then off). Ternary: bit-identical logits (the
+  activation is Triton's either way: the GEMV's epilogue or the ffn_sub_norm kernel's source). W8A16 and W8A8 formed
+  it in an XLA kernel, whose exp may round a last bit differently from Triton's: their logits agree within 1e-2
+  (relative L2; a bf16 rounding of the activation, or an int8 code one step off, carried through two layers)."""
+  from jaxlowbit import BitNet
+
+  recipe = dict(recipe=BitNet(), bitnet_norm_placement="sub") if scheme == "ternary" else {}
+  config = ModelConfig(vocab_size=384, d_model=2048, n_layers=2, n_heads=32, n_kv_heads=8, d_ff=8192, init_std=0.02,
+                       **recipe)
+  params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jax.random.randint(fresh_key(), (1, 16), 0, config.vocab_size)
+  gated = _recording_gemvs(monkeypatch, interpret=False)
+  got = _decode_logits(config, params, tokens, 6, scheme)
+  assert gated.count(config.mlp_activation) >= config.n_layers, gated  # the gate_up GEMVs formed it
+  monkeypatch.setattr(policy, "GATED_EPILOGUE", False)
+  want = _decode_logits(config, params, tokens, 6, scheme)
+  if scheme == "ternary":
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  else:
+    assert rel_err(got, want) <= 1e-2, rel_err(got, want)
 
 
 def test_the_kernels_lower_for_cuda(monkeypatch):

@@ -522,9 +522,9 @@ def own_norm(config: ModelConfig, x, path: str, layout: ProjectionLayout, execut
 
 
 def dense(config: ModelConfig, path: str, features: int, std: float,
-          execution: ExecutionOptions | None = None, measured: bool = False) -> nn.Module:
+          execution: ExecutionOptions | None = None, measured: bool = False, gated: str | None = None) -> nn.Module:
   """The jaxlowbit Dense of the projection at ``path`` (its recipe's, or high precision), named by its last part
-  (``measured``: :attr:`jaxlowbit.LowBitDense.measured`)."""
+  (``measured``: :attr:`jaxlowbit.LowBitDense.measured`; ``gated``: :attr:`jaxlowbit.LowBitDense.gated`)."""
   name = path.split(".")[-1]
   return jaxlowbit.dense_for(
       config.recipe_for(path),
@@ -535,20 +535,23 @@ def dense(config: ModelConfig, path: str, features: int, std: float,
       kernel_init=nn.initializers.normal(std),
       name=name,
       execution=execution,
+      gated=gated,
       **({"measured": True} if measured else {}),
   )
 
 
 def projection(config: ModelConfig, x, path: str, features: int, std: float, gathered: bool = False,
-               execution: ExecutionOptions | None = None, normed: bool = False, measured: bool = False) -> jax.Array:
+               execution: ExecutionOptions | None = None, normed: bool = False, measured: bool = False,
+               gated: str | None = None) -> jax.Array:
   """One linear ``x [..., K] -> [..., features]`` named by the last part of ``path``: its own norm (BitNet),
   the tensor-parallel gather, the Dense.
 
   ``x`` may be a ``[M, K]`` low-bit operand from a fused producer (the output is then ``[M,
   features]``). ``normed``: the caller applied the projection's own norm already (the MLP's
   ``down_norm`` with the gated activation). ``measured``: return the Dense's
-  :class:`jaxlowbit.operand.MeasuredOutput` (:meth:`ModelConfig.gate_up_measured`). Must be called inside a
-  compact method (the layers attach to that module).
+  :class:`jaxlowbit.operand.MeasuredOutput` (:meth:`ModelConfig.gate_up_measured`). ``gated``: the gated MLP's
+  ``act(gate) * up`` of the output instead (:attr:`jaxlowbit.LowBitDense.gated`, ``[..., features / 2]``). Must be
+  called inside a compact method (the layers attach to that module).
 
   Tensor parallelism: a column-parallel projection reads the whole sequence; unless the caller
   ``gathered`` x for its group, it gathers it here (after its own norm) and returns this device's
@@ -559,7 +562,7 @@ def projection(config: ModelConfig, x, path: str, features: int, std: float, gat
   if not normed:
     x = own_norm(config, x, path, layout, execution)
   x = layout.gather(x, config.recipe_for(path))
-  return dense(config, path, features, std, execution, measured)(x)
+  return dense(config, path, features, std, execution, measured, gated)(x)
 
 
 def group_projections(config: ModelConfig, x, paths: dict[str, int], std: float,
@@ -625,30 +628,50 @@ class Attention(nn.Module):
 
 class Mlp(nn.Module):
   """Gated MLP ``down(act(gate(x)) * up(x))``: SwiGLU (act silu) or squared ReLU (``mlp_activation``);
-  act and the product in float32."""
+  act and the product in float32.
+
+  ``decode``: a decode step's MLP. Its fused gate_up projection returns ``act(gate) * up`` itself
+  (:attr:`jaxlowbit.LowBitDense.gated`; ``pallas_kernels.policy.GATED_EPILOGUE``), which a model converted for
+  inference forms in the GEMV's epilogue: the kernel after it (BitNet's ``ffn_sub_norm``, else the down
+  projection) reads ``d_ff`` values a token, not ``2 d_ff``, and computes no activation. The same numbers.
+  """
 
   config: ModelConfig
   execution: ExecutionOptions | None = None
+  decode: bool = False
+
+  def gated_up(self) -> bool:
+    """Whether the gate_up projection returns the gated activation (:class:`Mlp`'s ``decode``): a fused projection,
+    no tensor parallelism, and the activation not quantized on the way to the down projection (its recipe's
+    ``swiglu_for``) except by BitNet's own norm."""
+    c, down = self.config, "layers.mlp.down"
+    return (self.decode and policy.GATED_EPILOGUE and c.fused_projections and _tensor_parallel(self.execution) is None
+            and (c.norm_before(down) or c.fused_input_recipe(down) is None))
 
   @nn.compact
   def __call__(self, x) -> jax.Array:
     """``x [..., d_model]`` (or its ``[M, d_model]`` low-bit operand) -> ``[M, d_model]`` (``M``: the
     tokens; tensor-parallel: this device's token rows, the hidden units split over the devices)."""
     c, e = self.config, self.execution
-    if c.fused_projections:  # tensor-parallel: [gate_d | up_d], this device's hidden units
-      gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e,
-                           measured=c.gate_up_measured(e))
-    else:
-      gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std, e)
-      gate_up = jnp.concatenate([gate, up], axis=-1)
     down = "layers.mlp.down"
     split = ProjectionLayout.of(down, e).input_split
-    if c.norm_before(down):  # its own norm (BitNet's ffn_sub_norm) reads the gated activation: one producer
-      h = rms_norm(c, "down_norm", e)(gate_up, quantize_for=c.own_norm_recipe(down), split=split,
-                                      gated=c.mlp_activation)
+    if self.gated_up():  # act(gate) * up from the projection itself, then the down projection's own norm if any
+      h = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e, gated=c.mlp_activation)
+      if c.norm_before(down):
+        h = rms_norm(c, "down_norm", e)(h, quantize_for=c.own_norm_recipe(down), split=split)
     else:
-      h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe(down), split=split, activation=c.mlp_activation,
-                                     options=e)
+      if c.fused_projections:  # tensor-parallel: [gate_d | up_d], this device's hidden units
+        gate_up = projection(c, x, "layers.mlp.gate_up", 2 * c.d_ff, c.init_std, execution=e,
+                             measured=c.gate_up_measured(e))
+      else:
+        gate, up = group_projections(c, x, {"layers.mlp.gate": c.d_ff, "layers.mlp.up": c.d_ff}, c.init_std, e)
+        gate_up = jnp.concatenate([gate, up], axis=-1)
+      if c.norm_before(down):  # its own norm (BitNet's ffn_sub_norm) reads the gated activation: one producer
+        h = rms_norm(c, "down_norm", e)(gate_up, quantize_for=c.own_norm_recipe(down), split=split,
+                                        gated=c.mlp_activation)
+      else:
+        h = jaxlowbit.fused.swiglu_for(gate_up, c.fused_input_recipe(down), split=split,
+                                       activation=c.mlp_activation, options=e)
     return projection(c, h if is_low_bit(h) else h.reshape(-1, h.shape[-1]), down, c.d_model, _residual_std(c),
                       execution=e, normed=c.norm_before(down))
 
@@ -695,7 +718,7 @@ class Block(nn.Module):
     h, x = rms_norm(c, "mlp_norm", e)(x, quantize_for=c.fused_input_recipe(*mlp_paths),
                                       split=ProjectionLayout.of(mlp_paths[0], e).input_split, residual=attn,
                                       linears=c.linears_read(mlp_paths, e))
-    mlp = dropout(Mlp(c, e, name="mlp")(h).reshape(x.shape))
+    mlp = dropout(Mlp(c, e, self.decode, name="mlp")(h).reshape(x.shape))
     return ((x, mlp) if self.defer_residual else x + mlp), None
 
 

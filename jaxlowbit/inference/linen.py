@@ -52,10 +52,12 @@ def _inference_matmul(scheme: str, path: str, execution: ExecutionOptions | None
           f"axis (kernel [K, N]); this one has features={call.features}, axis={call.axis}, "
           f"batch_dims={call.batch_dims}. Keep it high precision: quantize_params(..., filter_fqns=(..., {path!r}))"
       )
-    y = quantized_linear(inputs, leaves, scheme, options=execution)
-    if y.shape[-1] != call.features[0]:
-      raise ValueError(f"{name} {path!r}: converted weight has {y.shape[-1]} output features, the layer "
-                       f"{call.features[0]}")
+    # A gated layer (jaxlowbit.LowBitDense.gated: a gated MLP's [gate | up]) returns act(gate) * up, N / 2 wide.
+    gated = getattr(call.module, "gated", None)
+    y = quantized_linear(inputs, leaves, scheme, options=execution, gated=gated)
+    if y.shape[-1] != call.features[0] // (1 if gated is None else 2):
+      raise ValueError(f"{name} {path!r}: converted weight has {y.shape[-1]} output features"
+                       f"{' gated' if gated else ''}, the layer {call.features[0]}")
     return y
 
   return matmul
@@ -71,7 +73,7 @@ def inference_dense(module: nn.Module, inputs: jax.Array, scheme: str, leaves: d
   """
   path = ".".join(str(p) for p in module.path)
   execution = execution if execution is not None else getattr(module, EXECUTION_FIELD, None)
-  return dense_general(module, inputs, _inference_matmul(scheme, path, execution), kernel=leaves)
+  return dense_general(module, inputs, _inference_matmul(scheme, path, execution), kernel=leaves, matmul_gates=True)
 
 
 def _handler(scheme: str, execution: ExecutionOptions | None):

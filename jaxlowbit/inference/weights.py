@@ -188,7 +188,7 @@ def decode_input_rows(scheme: str) -> int | None:
 
 
 def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str,
-                         options: ExecutionOptions | None) -> jax.Array:
+                         options: ExecutionOptions | None, gated: str | None) -> jax.Array:
   """``quantized_linear`` of an input its producer quantized: ``x [M, K]`` -> ``[M, N]`` in x's dtype.
 
   The codes where they are this scheme's (:data:`DECODE_INPUTS`; a SmoothQuant-smoothed W8A8 linear quantizes
@@ -200,7 +200,7 @@ def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], sche
                  and SMOOTH not in leaves)
   if not takes_codes:
     if x.values is not None:
-      return quantized_linear(x.values, leaves, scheme, options=options)
+      return quantized_linear(x.values, leaves, scheme, options=options, gated=gated)
     raise TypeError(f"quantized_linear: scheme {scheme} takes a float x{f' or {spec} rows' if spec else ''}; got a "
                     f"low-bit operand of {None if rows is None else rows.spec}"
                     f"{' (smoothed: it quantizes x / smooth)' if SMOOTH in leaves else ''}")
@@ -208,13 +208,13 @@ def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], sche
   kernels = resolve(options).dispatch()
   if scheme == "w8a8":
     return inference_dispatch.w8a8_matmul(rows.data, rows.scale, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype,
-                                          options=kernels)
+                                          options=kernels, gated=gated)
   return inference_dispatch.ternary_matmul(rows.data, rows.scale, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE],
-                                           x.dtype, options=kernels)
+                                           x.dtype, options=kernels, gated=gated)
 
 
 def quantized_linear(x: jax.Array | LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str, *,
-                     options: ExecutionOptions | None = None) -> jax.Array:
+                     options: ExecutionOptions | None = None, gated: str | None = None) -> jax.Array:
   """``x @ W`` from converted leaves: ``x [..., K]`` floating -> ``[..., N]`` in x's dtype.
 
   ``x`` may also arrive quantized, as the :class:`~jaxlowbit.operand.LowBitOperand` ``[M, K]`` of its per-row codes
@@ -226,27 +226,33 @@ def quantized_linear(x: jax.Array | LowBitOperand, leaves: Mapping[str, jax.Arra
   GPU, XLA elsewhere) on the backend of ``options`` (:class:`jaxlowbit.ExecutionOptions`; None, or
   a backend of None: ``$JAXLOWBIT_BACKEND``, read here, the public edge). For ``ternary`` this is
   bit-for-bit BitNet's training forward; for ``w8a8`` without smoothing, Int8MixedPrecision's.
+
+  ``gated`` (an activation of ``pallas_kernels.quantize.GATE_ACTIVATIONS``): the linear is a gated MLP's fused
+  ``[gate | up]`` projection, and the result is ``act(gate) * up`` ``[..., N / 2]`` of its output, in the float32
+  formula of ``jaxlowbit.fused.swiglu`` (a decode GEMV forms it in its epilogue instead of writing both halves:
+  ``pallas_kernels.inference_dispatch.gate``).
   """
   check_scheme(scheme, "quantized_linear")
   if is_low_bit(x):
-    return _prequantized_linear(x, leaves, scheme, options)
+    return _prequantized_linear(x, leaves, scheme, options, gated)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantized_linear: x must be floating point, got {x.dtype}")
   if x.ndim < 1:
     raise ValueError("quantized_linear: x must have at least one dimension [..., K], got a scalar")
   k = x.shape[-1]
-  n = _check_leaves(leaves, scheme, k, "quantized_linear")
+  _check_leaves(leaves, scheme, k, "quantized_linear")
   batch_shape = x.shape[:-1]
   x2 = x.reshape(-1, k)
   kernels = resolve(options).dispatch()  # the backend, once, for the quantizer and the GEMM
   if scheme == "w8a16":
-    y = inference_dispatch.w8a16_matmul(x2, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels)
+    y = inference_dispatch.w8a16_matmul(x2, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype, options=kernels,
+                                        gated=gated)
   elif scheme == "w8a8":
     if SMOOTH in leaves:
       x2 = x2.astype(jnp.float32) / leaves[SMOOTH]  # quantized straight from float32
     y = inference_dispatch.w8a8_linear(x2, INT8_TOKENS, leaves[KERNEL_Q], leaves[KERNEL_SCALE], x.dtype,
-                                       options=kernels)
+                                       options=kernels, gated=gated)
   else:
     y = inference_dispatch.ternary_linear(x2, BITNET_TOKENS, leaves[KERNEL_PACKED], leaves[KERNEL_SCALE], x.dtype,
-                                          options=kernels)
-  return y.reshape(*batch_shape, n)
+                                          options=kernels, gated=gated)
+  return y.reshape(*batch_shape, y.shape[-1])
