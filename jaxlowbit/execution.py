@@ -18,6 +18,10 @@ field                  what reads it
                        input that way; ``jaxlowbit.inference.convert_for_inference`` sets it
                        (ternary; W8A8 where the policy says so)
 ``decode_input_rows``  ``jaxlowbit.fused``: the most rows at which it hands them
+``gated_outputs``      the model (``train/model.py``): a decode step's gated MLP projection returns
+                       ``act(gate) * up`` itself (``jaxlowbit.LowBitDense.gated``), which the
+                       converted linear's GEMV forms in its epilogue; ``convert_for_inference``
+                       sets it (ternary, W8A16)
 =====================  ========================================================================
 
 Who passes it: ``quantized_matmul(..., options=)``, the Dense layers' ``execution`` field
@@ -58,6 +62,9 @@ class ExecutionOptions:
       decode step's norm (``jaxlowbit.fused.decode_quantization``), or None (they take it in high precision).
     decode_input_rows: the most rows (tokens) at which a decode step's norm hands them its codes, or None (every
       row count its kernel takes); beyond it the linears quantize the norm's output themselves.
+    gated_outputs: a decode step's fused gate_up projection returns the gated activation ``act(gate) * up``
+      instead of ``[gate | up]`` (``jaxlowbit.LowBitDense.gated``): set for a model converted for a scheme whose
+      decode GEMV forms it in its epilogue (``jaxlowbit.inference.weights.gated_outputs``).
 
   Example::
 
@@ -70,12 +77,14 @@ class ExecutionOptions:
   tensor_parallel: Any = None
   decode_inputs: QuantSpec | None = None
   decode_input_rows: int | None = None
+  gated_outputs: bool = False
 
   def __post_init__(self):
     if self.backend is not None:
       policy.check_backend(self.backend)
-    if not isinstance(self.fused_quantizers, bool):
-      raise TypeError(f"ExecutionOptions.fused_quantizers must be a bool, got {self.fused_quantizers!r}")
+    for name in ("fused_quantizers", "gated_outputs"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"ExecutionOptions.{name} must be a bool, got {getattr(self, name)!r}")
     if self.decode_inputs is not None and not isinstance(self.decode_inputs, QuantSpec):
       raise TypeError(f"ExecutionOptions.decode_inputs must be a QuantSpec or None, got {self.decode_inputs!r}")
     rows = self.decode_input_rows

@@ -132,16 +132,9 @@ def dp4a_gemv_wanted(m: int, n: int, k: int, codes: bool = False, packed: bool =
 
 
 def _dp4a_gated(m: int, n: int, k: int, codes: bool, packed: bool, gated: str | None) -> str | None:
-  """``gated`` where the dp4a GEMV's epilogue forms it on its default tiling (K unsplit), else None.
-
-  Ternary only. A W8A8 decode's activation stays XLA's, as before the epilogue took it: Triton's float32 exp and
-  division round a last bit differently from XLA's in some elements, and an int8 code of the down projection's input
-  moves with them (a two-layer 1B-wide model's logits 2.2% apart on an H200, relative L2), where W8A8 decodes
-  XLA's logits bit for bit. Ternary's activation was Triton's already (the ffn_sub_norm kernel formed it)."""
+  """``gated`` where the dp4a GEMV's epilogue forms it on its default tiling (K unsplit), else None."""
   from pallas_kernels import dp4a_gemv
 
-  if not packed:
-    return None
   groups = k // VALUES_PER_BYTE
   config = dp4a_gemv.config_for(n, groups, m=m, codes=codes, packed=packed)
   return gated if gated is not None and dp4a_gemv.supports(m, n, groups, config, gated=True) else None

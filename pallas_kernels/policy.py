@@ -369,5 +369,8 @@ PDL_EARLY_LAUNCH = True
 # (pallas_kernels.inference_dispatch.gate). The kernel after it then reads d_ff values a token instead of 2 d_ff and
 # computes no activation: BitNet's ffn_sub_norm, one program a row, spent ~3.5 us of a 1B ternary layer's ~24 on it
 # (H200, decode_profile_1b_h200_9f82a95.json); a W8A16 model ran it as an XLA kernel of its own (1.1 us a layer).
-# The same numbers either way. Off: the activation after the projection, as before.
+# A model converted for ternary or W8A16 asks for it (jaxlowbit.inference.weights.gated_outputs). One H200, 1B decode
+# at batch 1, off / on in alternating rounds of one process (gated_epilogue_ab_h200_4f67962.json): ternary 2,579,
+# 2,605 / 2,689, 2,652 tokens/s; W8A16 1,696, 1,709 / 1,753, 1,781. Ternary's logits are bit-identical either way,
+# W8A16's within its bf16 bound. Off: the activation after the projection, as before.
 GATED_EPILOGUE = True

@@ -429,7 +429,7 @@ def test_the_gate_up_gemv_that_writes_the_gated_activation_moves_no_logit(scheme
   """A decode step's gate_up GEMV that writes ``act(gate) * up`` in its epilogue (``policy.GATED_EPILOGUE``) gives
   the logits of the step that writes ``[gate | up]`` and forms the activation after it (BitNet's ffn_sub_norm
   kernel, or XLA), bit for bit, at batch 1 through the GEMVs the GPU runs (interpreted); and the GEMV did form it
-  (W8A8's stays XLA's: ``inference_dispatch._dp4a_gated``)."""
+  (a W8A8 conversion does not ask for it: ``jaxlowbit.inference.weights.gated_outputs``)."""
   from jaxlowbit import BitNet
 
   bitnet = {"recipe": BitNet(), "bitnet_norm_placement": "sub"} if scheme == "ternary" else {}
@@ -743,8 +743,8 @@ def test_the_early_launch_trigger_moves_no_output_on_gpu(scheme, monkeypatch):
 def test_the_gate_up_gemv_that_writes_the_gated_activation_on_gpu(scheme, monkeypatch):
   """1B widths, two layers, batch 1 (``policy.GATED_EPILOGUE`` on, then off). Ternary: bit-identical logits (the
   activation is Triton's either way: the GEMV's epilogue or the ffn_sub_norm kernel's source); W8A8 too (its
-  activation stays XLA's). W8A16 formed it in an XLA kernel, whose exp and division may round a last bit differently
-  from Triton's: its logits agree within 1e-2 (relative L2; W8A16's bound is bf16 rounding)."""
+  conversion does not ask for it). W8A16 formed it in an XLA kernel, whose exp and division may round a last bit
+  differently from Triton's: its logits agree within 1e-2 (relative L2; W8A16's bound is bf16 rounding)."""
   from jaxlowbit import BitNet
 
   recipe = dict(recipe=BitNet(), bitnet_norm_placement="sub") if scheme == "ternary" else {}

@@ -58,6 +58,34 @@ def test_gradients_reach_params_in_param_dtype():
   assert np.all(np.isfinite(grads["params"]["kernel"])) and np.any(grads["params"]["kernel"])
 
 
+@pytest.mark.parametrize("recipe", [None, BitNet()], ids=["high_precision", "bitnet"])
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_a_gated_dense_returns_the_gated_activation_of_its_output(recipe, activation):
+  """``LowBitDense(gated=act)``: the parameters of the plain layer, and ``act(gate) * up`` ``[..., features / 2]`` of
+  its output (``jaxlowbit.fused.swiglu``), bit for bit; its gradient is the composition's."""
+  x = jax.random.normal(fresh_key(), (2, 3, 32), jnp.float32).astype(jnp.bfloat16)
+  plain = jaxlowbit.LowBitDense(features=64, use_bias=False, dtype=jnp.bfloat16, recipe=recipe)
+  gated = jaxlowbit.LowBitDense(features=64, use_bias=False, dtype=jnp.bfloat16, recipe=recipe, gated=activation)
+  params = plain.init(fresh_key(), x)
+  assert jax.tree.map(jnp.shape, gated.init(fresh_key(), x)) == jax.tree.map(jnp.shape, params)
+  got = gated.apply(params, x)
+  want = jaxlowbit.fused.swiglu(plain.apply(params, x), activation)
+  assert got.shape == (2, 3, 32)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  loss = lambda layer: lambda p: jnp.sum(layer(p).astype(jnp.float32) ** 2)  # noqa: E731
+  g_got = jax.grad(loss(lambda p: gated.apply(p, x)))(params)
+  g_want = jax.grad(loss(lambda p: jaxlowbit.fused.swiglu(plain.apply(p, x), activation)))(params)
+  np.testing.assert_array_equal(np.asarray(g_got["params"]["kernel"]), np.asarray(g_want["params"]["kernel"]))
+
+
+def test_a_gated_dense_needs_no_bias_and_even_features():
+  for bad in (dict(features=64), dict(features=63, use_bias=False), dict(features=64, use_bias=False, measured=True)):
+    with pytest.raises(ValueError, match="gated output needs no bias"):
+      jaxlowbit.LowBitDense(recipe=BitNet(), gated="silu", **bad)
+  with pytest.raises(ValueError, match="gate activation 'gelu' is not known"):
+    jaxlowbit.LowBitDense(features=64, use_bias=False, gated="gelu")
+
+
 def test_wrong_recipe_and_dot_general_raise():
   x = jnp.ones((2, 4))
   with pytest.raises(TypeError, match="Int8Dense: recipe must be Int8MixedPrecision"):

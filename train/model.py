@@ -630,10 +630,11 @@ class Mlp(nn.Module):
   """Gated MLP ``down(act(gate(x)) * up(x))``: SwiGLU (act silu) or squared ReLU (``mlp_activation``);
   act and the product in float32.
 
-  ``decode``: a decode step's MLP. Its fused gate_up projection returns ``act(gate) * up`` itself
-  (:attr:`jaxlowbit.LowBitDense.gated`; ``pallas_kernels.policy.GATED_EPILOGUE``), which a model converted for
-  inference forms in the GEMV's epilogue: the kernel after it (BitNet's ``ffn_sub_norm``, else the down
-  projection) reads ``d_ff`` values a token, not ``2 d_ff``, and computes no activation. The same numbers.
+  ``decode``: a decode step's MLP. Where its execution options say so (``ExecutionOptions.gated_outputs``: a model
+  converted for ternary or W8A16), its fused gate_up projection returns ``act(gate) * up`` itself
+  (:attr:`jaxlowbit.LowBitDense.gated`), which the converted GEMV forms in its epilogue: the kernel after it
+  (BitNet's ``ffn_sub_norm``, else the down projection) reads ``d_ff`` values a token, not ``2 d_ff``, and computes
+  no activation. The same numbers (W8A16: within its bf16 rounding).
   """
 
   config: ModelConfig
@@ -641,12 +642,13 @@ class Mlp(nn.Module):
   decode: bool = False
 
   def gated_up(self) -> bool:
-    """Whether the gate_up projection returns the gated activation (:class:`Mlp`'s ``decode``): a fused projection,
-    no tensor parallelism, and the activation not quantized on the way to the down projection (its recipe's
-    ``swiglu_for``) except by BitNet's own norm."""
+    """Whether the gate_up projection returns the gated activation (:class:`Mlp`'s ``decode``): the options ask for
+    it, a fused projection, no tensor parallelism, and the activation not quantized on the way to the down
+    projection (its recipe's ``swiglu_for``) except by BitNet's own norm."""
     c, down = self.config, "layers.mlp.down"
-    return (self.decode and policy.GATED_EPILOGUE and c.fused_projections and _tensor_parallel(self.execution) is None
-            and (c.norm_before(down) or c.fused_input_recipe(down) is None))
+    unquantized = c.norm_before(down) or c.fused_input_recipe(down) is None
+    return (self.decode and resolve(self.execution).gated_outputs and c.fused_projections
+            and _tensor_parallel(self.execution) is None and unquantized)
 
   @nn.compact
   def __call__(self, x) -> jax.Array:

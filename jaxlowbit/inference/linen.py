@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxlowbit.execution import EXECUTION_FIELD, ExecutionOptions, with_execution
 from jaxlowbit.inference.weights import (CONVERTED_NAMES, check_scheme, decode_input_rows, decode_input_spec,
-                                         quantized_linear, scheme_of)
+                                         gated_outputs, quantized_linear, scheme_of)
 from jaxlowbit.interception import PASS, dense_interceptor, intercepted_copy
 from jaxlowbit.layers import DenseCall, dense_general
 from jaxlowbit.operand import LowBitOperand, QuantizedMatrix, is_low_bit
@@ -112,9 +112,10 @@ def convert_linen(module: nn.Module, scheme: str, execution: ExecutionOptions | 
   # The converted linears read high-precision inputs: the model's fused quantizers stay off (its
   # execution options say so, for a model that takes them); ternary's (and W8A8's, where the policy says so) take the
   # per-token codes a decode step's norm makes for them (ExecutionOptions.decode_inputs,
-  # jaxlowbit.fused.decode_quantization).
+  # jaxlowbit.fused.decode_quantization); ternary's and W8A16's decode gate_up GEMVs write act(gate) * up
+  # (ExecutionOptions.gated_outputs).
   module = with_execution(module, fused_quantizers=False, decode_inputs=decode_input_spec(scheme),
-                          decode_input_rows=decode_input_rows(scheme))
+                          decode_input_rows=decode_input_rows(scheme), gated_outputs=gated_outputs(scheme))
   if execution is None:  # the model's own options, for a model that takes them
     execution = getattr(module, EXECUTION_FIELD, None)
   return intercepted_copy(module, dense_interceptor(_handler(scheme, execution)), "convert_for_inference",

@@ -187,6 +187,15 @@ def decode_input_rows(scheme: str) -> int | None:
   return inference_dispatch.w8a8_gemv_rows() if scheme == "w8a8" else None
 
 
+def gated_outputs(scheme: str) -> bool:
+  """Whether a model converted for ``scheme`` has its decode steps' gate_up projections return the gated activation
+  (``ExecutionOptions.gated_outputs``): where ``pallas_kernels.policy.GATED_EPILOGUE`` is on, for ternary and W8A16,
+  whose decode GEMVs form it in their epilogue. Not W8A8: its decode gave XLA's logits bit for bit, and with the
+  activation returned by the projection (formed by XLA either way) a two-layer 1B-wide model's logits moved on an
+  H200 (92.6% of them by a bf16 step or more; the cause was not found)."""
+  return policy.GATED_EPILOGUE and scheme in ("ternary", "w8a16")
+
+
 def _prequantized_linear(x: LowBitOperand, leaves: Mapping[str, jax.Array], scheme: str,
                          options: ExecutionOptions | None, gated: str | None) -> jax.Array:
   """``quantized_linear`` of an input its producer quantized: ``x [M, K]`` -> ``[M, N]`` in x's dtype.
