@@ -143,8 +143,9 @@ def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig, gated: bool 
   ``gated``: and writes the gated output (K unsplit, each half of N a whole number of half-blocks)."""
   fits = (1 <= m <= MAX_M and n % config.block_n == 0 and k_groups % (config.block_k * config.split_k) == 0
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
-  halves = n % 2 == 0 and (n // 2) % (config.block_n // 2) == 0
-  return fits and (not gated or (config.split_k == 1 and halves))
+  if not (fits and gated):
+    return fits
+  return config.split_k == 1 and config.block_n >= 2 and n % 2 == 0 and (n // 2) % (config.block_n // 2) == 0
 
 
 # dp4a operands. A packed byte holds weight j in bits 7-2j .. 6-2j (pack_2bit). Multiplied by SPREAD (shifts of 0, 10,
@@ -231,13 +232,14 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     return words
 
   def step(groups, start, accs):  # accs[tile][row]
+    words = [x_words(r, start) for r in range(m)]  # once a step, whatever the tiles
     new = []
     for p, tile_accs in zip(groups, accs):
       # [bn, bk] int32, byte j of each = weight j of the group (64 x it, for a packed byte)
       weights = spread_codes(p) if packed else p
       row_accs = []
       for r in range(m):
-        xw = jnp.broadcast_to(x_words(r, start)[None, :], weights.shape)
+        xw = jnp.broadcast_to(words[r][None, :], weights.shape)
         if config.reduce_per_step:
           row_accs.append(tile_accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
         else:

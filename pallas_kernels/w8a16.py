@@ -226,10 +226,11 @@ def supports(n: int, k: int, config: W8A16Config, gated: bool = False) -> bool:
   the gated output (K unsplit, each half of N a whole number of half-blocks of at least :data:`MIN_GATED_BLOCK_N`
   columns on tensor cores)."""
   fits = n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0
+  if not (fits and gated):
+    return fits
   half_block = config.block_n // 2
-  halves = (n % 2 == 0 and half_block > 0 and (n // 2) % half_block == 0
-            and (config.block_m == GEMV_BLOCK_M or half_block >= MIN_GATED_BLOCK_N))
-  return fits and (not gated or (config.split_k == 1 and halves))
+  return (config.split_k == 1 and n % 2 == 0 and half_block > 0 and (n // 2) % half_block == 0
+          and (config.block_m == GEMV_BLOCK_M or half_block >= MIN_GATED_BLOCK_N))
 
 
 def check_operands(x: jax.Array, wq: jax.Array, w_scale: jax.Array) -> None:

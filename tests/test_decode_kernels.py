@@ -423,19 +423,20 @@ def interpreted_gemvs(monkeypatch) -> list[str | None]:
 
 
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
-@pytest.mark.parametrize("scheme", ["w8a16", "w8a8", "ternary"])
-def test_the_gate_up_gemv_that_writes_the_gated_activation_moves_no_logit(scheme, activation, interpreted_kernels,
-                                                                           interpreted_gemvs, monkeypatch):
+@pytest.mark.parametrize("scheme,batch", [("w8a16", 1), ("w8a8", 1), ("ternary", 1), ("ternary", 2)])
+def test_the_gate_up_gemv_that_writes_the_gated_activation_moves_no_logit(scheme, batch, activation,
+                                                                           interpreted_kernels, interpreted_gemvs,
+                                                                           monkeypatch):
   """A decode step's gate_up GEMV that writes ``act(gate) * up`` in its epilogue (``policy.GATED_EPILOGUE``) gives
   the logits of the step that writes ``[gate | up]`` and forms the activation after it (BitNet's ffn_sub_norm
-  kernel, or XLA), bit for bit, at batch 1 through the GEMVs the GPU runs (interpreted); and the GEMV did form it
-  (a W8A8 conversion does not ask for it: ``jaxlowbit.inference.weights.gated_outputs``)."""
+  kernel, or XLA), bit for bit, through the GEMVs the GPU runs (interpreted; ternary's takes two rows too); and the
+  GEMV did form it (a W8A8 conversion does not ask for it: ``jaxlowbit.inference.weights.gated_outputs``)."""
   from jaxlowbit import BitNet
 
   bitnet = {"recipe": BitNet(), "bitnet_norm_placement": "sub"} if scheme == "ternary" else {}
   config = ModelConfig(**TINY, mlp_activation=activation, **bitnet)
   params = jax.jit(Transformer(config).init)(fresh_key(), jnp.zeros((1, 8), jnp.int32))["params"]
-  tokens = jax.random.randint(fresh_key(), (1, 8), 0, TINY["vocab_size"])
+  tokens = jax.random.randint(fresh_key(), (batch, 8), 0, TINY["vocab_size"])
   got = _decode_logits(config, params, tokens, prefill=5, scheme=scheme)
   # each step's trace: every layer's gate_up GEMV gated (W8A8: none)
   fused = interpreted_gemvs.count(activation)

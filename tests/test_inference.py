@@ -12,6 +12,7 @@ Numerics checked here:
   ternary; KV-cache decode equals the full forward; the generate CLI runs on its checkpoint.
 """
 
+import dataclasses
 import sysconfig
 
 import flax.linen as nn
@@ -59,6 +60,30 @@ def test_int8_to_float32_by_bits_is_exact_for_every_byte():
   got = jax.jit(w8a16.int8_to_float32)(w)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got), np.arange(-128, 128, dtype=np.float32).reshape(16, 16))
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 128, 256, None),  # CUDA-core GEMV, one reduction a step
+    (1, 4096, 1024, None),  # CUDA-core GEMV, summed after the loop
+    (1, 256, 512, w8a16.W8A16Config(block_m=16, block_n=64, block_k=128, num_stages=2)),  # tensor cores, 15 rows masked
+    (3, 256, 512, w8a16.W8A16Config(block_m=16, block_n=64, block_k=128))])  # tensor cores, padded rows
+def test_w8a16_gated_kernel_writes_the_gated_activation(m, n, k, config):
+  """``gated``: ``act(gate) * up`` ``[M, N / 2]`` of the ungated kernel's output (its halves rounded to the output
+  dtype), bit for bit, on the CUDA-core and tensor-core paths; a split K is refused with its error."""
+  key = fresh_key()
+  x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
+  wq = jax.random.randint(jax.random.fold_in(key, 1), (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  scale = jax.random.uniform(jax.random.fold_in(key, 2), (n,), minval=1e-3, maxval=1e-2)
+  plain = w8a16.w8a16_matmul_kernel(x, wq, scale, config=config, interpret=True)
+  for activation in ("silu", "relu2"):
+    got = w8a16.w8a16_matmul_kernel(x, wq, scale, config=config, interpret=True, gated=activation)
+    want = inference_dispatch.gate(plain, activation)
+    assert got.shape == (m, n // 2)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  split = dataclasses.replace(config or w8a16.config_for(m, n, k), split_k=2)
+  if w8a16.supports(n, k, split):
+    with pytest.raises(ValueError, match="gated: K unsplit"):
+      w8a16.w8a16_matmul_kernel(x, wq, scale, config=split, interpret=True, gated="silu")
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 128, 512), (5, 64, 256), (16, 256, 1024), (40, 128, 256), (130, 256, 128)])

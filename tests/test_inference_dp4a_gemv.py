@@ -177,6 +177,49 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("m,n,k,reduce_per_step", [(1, 64, 512, False), (2, 128, 1024, True), (4, 32, 256, False)])
+def test_gated_gemv_writes_the_gated_activation_of_the_reference(m, n, k, reduce_per_step, activation):
+  """``gated``: each program sums half a block of gate rows and the matching up rows, and writes ``act(gate) * up``
+  ``[M, N / 2]`` (``inference_dispatch.gate`` of the reference, bit for bit) for all four entries: ternary and int8
+  weights, codes and float x quantized in the kernel; per-tensor and per-channel weight scales."""
+  key = fresh_key()
+  xq, x_scale, w_packed, tensor_scale = _operands(key, m, n, k)
+  wq = jax.random.randint(jax.random.fold_in(key, 2), (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  channel = jax.random.uniform(jax.random.fold_in(key, 3), (n,), minval=0.01, maxval=0.1)
+  x = tie_free_activations(jax.random.fold_in(key, 4), m, k, BITNET_TOKENS)
+  xq_x, sx_x = quantize_rows_reference(x, BITNET_TOKENS)
+  gate = lambda y: inference_dispatch.gate(y, activation)  # noqa: E731
+  cases = [
+      (dp4a_gemv.a8w2_gemv_kernel, (xq, x_scale, w_packed, tensor_scale),
+       int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, tensor_scale), True),
+      (dp4a_gemv.a8w8_gemv_kernel, (xq, x_scale, wq, channel),
+       int8_gemv.a8w8_matmul_reference(xq, x_scale, wq, channel), False),
+      (lambda *a, **kw: dp4a_gemv.quantize_a8w2_gemv_kernel(*a, BITNET_TOKENS, **kw), (x, w_packed, tensor_scale),
+       int8_gemv.a8w2_matmul_reference(xq_x, sx_x, w_packed, tensor_scale, x.dtype), True),
+      (lambda *a, **kw: dp4a_gemv.quantize_a8w8_gemv_kernel(*a, BITNET_TOKENS, **kw), (x, wq, channel),
+       int8_gemv.a8w8_matmul_reference(xq_x, sx_x, wq, channel, x.dtype), False)]
+  for kernel, args, reference, packed in cases:
+    config = _tiling(m, n, k, 1, reduce_per_step, packed=packed)
+    got = kernel(*args, config=config, interpret=True, gated=activation)
+    want = gate(reference)
+    assert got.shape == (m, n // 2) and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_gated_gemv_needs_k_unsplit_and_the_dispatch_gates_after_a_split():
+  """The kernel refuses ``gated`` on a split K with its error; the dispatch then runs the GEMV ungated and gates in
+  XLA: the same numbers."""
+  xq, x_scale, w_packed, w_scale = _operands(fresh_key(), 1, 64, 1024)
+  split = _tiling(1, 64, 1024, 2, False)
+  with pytest.raises(ValueError, match="gated: K unsplit"):
+    dp4a_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, config=split, interpret=True, gated="silu")
+  assert not dp4a_gemv.supports(1, 64, 256, dataclasses.replace(split, block_n=1), gated=True)
+  want = inference_dispatch.gate(int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale), "silu")
+  got = inference_dispatch.ternary_matmul(xq, x_scale, w_packed, w_scale, gated="silu")  # CPU: XLA, then the gate
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there():
   """A NaN in one row makes that row's amax inf (stats.absmax): its outputs are NaN, the other row's are exact."""
   key = fresh_key()

@@ -61,11 +61,14 @@ def test_gradients_reach_params_in_param_dtype():
 @pytest.mark.parametrize("recipe", [None, BitNet()], ids=["high_precision", "bitnet"])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 def test_a_gated_dense_returns_the_gated_activation_of_its_output(recipe, activation):
-  """``LowBitDense(gated=act)``: the parameters of the plain layer, and ``act(gate) * up`` ``[..., features / 2]`` of
-  its output (``jaxlowbit.fused.swiglu``), bit for bit; its gradient is the composition's."""
+  """``LowBitDense(gated=act)`` (``dense_for(recipe, gated=act)``): the parameters of the plain layer (for no recipe,
+  ``nn.DenseGeneral``), and ``act(gate) * up`` ``[..., features / 2]`` of its output (``jaxlowbit.fused.swiglu``),
+  bit for bit; its gradient is the composition's."""
   x = jax.random.normal(fresh_key(), (2, 3, 32), jnp.float32).astype(jnp.bfloat16)
-  plain = jaxlowbit.LowBitDense(features=64, use_bias=False, dtype=jnp.bfloat16, recipe=recipe)
-  gated = jaxlowbit.LowBitDense(features=64, use_bias=False, dtype=jnp.bfloat16, recipe=recipe, gated=activation)
+  # dense_for: nn.DenseGeneral for no recipe; the gated one is a LowBitDense either way
+  plain = jaxlowbit.dense_for(recipe, features=64, use_bias=False, dtype=jnp.bfloat16)
+  gated = jaxlowbit.dense_for(recipe, features=64, use_bias=False, dtype=jnp.bfloat16, gated=activation)
+  assert isinstance(gated, jaxlowbit.LowBitDense) and (recipe is not None) == isinstance(plain, jaxlowbit.LowBitDense)
   params = plain.init(fresh_key(), x)
   assert jax.tree.map(jnp.shape, gated.init(fresh_key(), x)) == jax.tree.map(jnp.shape, params)
   got = gated.apply(params, x)

@@ -646,7 +646,8 @@ class Mlp(nn.Module):
     it, a fused projection, no tensor parallelism, and the activation not quantized on the way to the down
     projection (its recipe's ``swiglu_for``) except by BitNet's own norm."""
     c, down = self.config, "layers.mlp.down"
-    unquantized = c.norm_before(down) or c.fused_input_recipe(down) is None
+    unquantized = (c.norm_before(down)
+                   or jaxlowbit.fused.fused_quantization(c.fused_input_recipe(down), self.execution) is None)
     return (self.decode and resolve(self.execution).gated_outputs and c.fused_projections
             and _tensor_parallel(self.execution) is None and unquantized)
 

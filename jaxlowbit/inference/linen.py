@@ -55,9 +55,9 @@ def _inference_matmul(scheme: str, path: str, execution: ExecutionOptions | None
     # A gated layer (jaxlowbit.LowBitDense.gated: a gated MLP's [gate | up]) returns act(gate) * up, N / 2 wide.
     gated = getattr(call.module, "gated", None)
     y = quantized_linear(inputs, leaves, scheme, options=execution, gated=gated)
-    if y.shape[-1] != call.features[0] // (1 if gated is None else 2):
-      raise ValueError(f"{name} {path!r}: converted weight has {y.shape[-1]} output features"
-                       f"{' gated' if gated else ''}, the layer {call.features[0]}")
+    n = y.shape[-1] * (1 if gated is None else 2)  # gated: act(gate) * up, half of the weight's outputs
+    if n != call.features[0]:
+      raise ValueError(f"{name} {path!r}: converted weight has {n} output features, the layer {call.features[0]}")
     return y
 
   return matmul
