@@ -63,6 +63,12 @@ def gate(y: jax.Array, gated: str | None) -> jax.Array:
   return y if gated is None else SwiGLU(gated).reference((y,))
 
 
+def _gated_kernel(run, gated: str | None, in_kernel: str | None) -> jax.Array:
+  """``run(in_kernel)`` of a kernel whose epilogue forms ``in_kernel`` (``gated`` where its tiling takes it, else
+  None); :func:`gate` forms ``gated`` after a kernel that did not."""
+  return gate(run(in_kernel), gated if in_kernel is None else None)
+
+
 def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None,
                  options: DispatchOptions | None = None, gated: str | None = None) -> jax.Array:
   """``(x @ wq.T) * w_scale``: x ``[M, K]`` float, wq ``[N, K]`` int8, w_scale ``[N]`` float32 -> ``[M, N]``
@@ -77,7 +83,7 @@ def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None
     from pallas_kernels.w8a16 import w8a16_matmul_kernel
 
     in_kernel = gated if gated is not None and w8a16_supports(n, k, config, gated=True) else None
-    return gate(w8a16_matmul_kernel(x, wq, w_scale, out_dtype, gated=in_kernel), gated if in_kernel is None else None)
+    return _gated_kernel(lambda g: w8a16_matmul_kernel(x, wq, w_scale, out_dtype, gated=g), gated, in_kernel)
   return gate(w8a16_matmul_reference(x, wq, w_scale, out_dtype), gated)
 
 
@@ -109,9 +115,8 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
   if _dp4a_gemv_runs(xq.shape[0], wq.shape[0], xq.shape[1], True, False, backend):
     from pallas_kernels.dp4a_gemv import a8w8_gemv_kernel
 
-    in_kernel = _dp4a_gated(xq.shape[0], wq.shape[0], xq.shape[1], True, False, gated)
-    return gate(a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype, gated=in_kernel),
-                gated if in_kernel is None else None)
+    return _gated_kernel(lambda g: a8w8_gemv_kernel(xq, x_scale, wq, w_scale, out_dtype, gated=g), gated,
+                         _dp4a_gated(xq.shape[0], wq.shape[0], xq.shape[1], True, False, gated))
   if _use_gemv("W8A8", xq.shape[0], *wq.shape, policy.W8A8_KERNEL_MAX_M, A8W8_BASE, backend):
     from pallas_kernels.int8_gemv import a8w8_matmul_kernel
 
@@ -158,8 +163,8 @@ def _quantizing_linear(x, spec, w, w_scale, out_dtype, options: DispatchOptions 
     from pallas_kernels import dp4a_gemv
 
     kernel = dp4a_gemv.quantize_a8w2_gemv_kernel if packed else dp4a_gemv.quantize_a8w8_gemv_kernel
-    in_kernel = _dp4a_gated(x.shape[0], w.shape[0], x.shape[1], False, packed, gated)
-    return gate(kernel(x, w, w_scale, spec, out_dtype, gated=in_kernel), gated if in_kernel is None else None)
+    return _gated_kernel(lambda g: kernel(x, w, w_scale, spec, out_dtype, gated=g), gated,
+                         _dp4a_gated(x.shape[0], w.shape[0], x.shape[1], False, packed, gated))
   xq, sx = dispatch.quantize_rows(x, spec, options=options)
   return matmul(xq, sx, w, w_scale, out_dtype, options=options, gated=gated)
 
@@ -200,9 +205,8 @@ def ternary_matmul(xq, x_scale, w_packed, w_scale, out_dtype=jnp.bfloat16,
   if _dp4a_gemv_runs(xq.shape[0], w_packed.shape[0], xq.shape[1], True, True, backend):
     from pallas_kernels.dp4a_gemv import a8w2_gemv_kernel
 
-    in_kernel = _dp4a_gated(xq.shape[0], w_packed.shape[0], xq.shape[1], True, True, gated)
-    return gate(a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, gated=in_kernel),
-                gated if in_kernel is None else None)
+    return _gated_kernel(lambda g: a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, out_dtype, gated=g), gated,
+                         _dp4a_gated(xq.shape[0], w_packed.shape[0], xq.shape[1], True, True, gated))
   if _use_gemv("ternary A8W2", xq.shape[0], *w_packed.shape, policy.TERNARY_KERNEL_MAX_M, A8W2_BASE, backend):
     from pallas_kernels.int8_gemv import a8w2_matmul_kernel
 
