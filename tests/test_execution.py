@@ -131,11 +131,16 @@ def test_apply_hands_the_model_its_tensor_parallel_context():
 def test_inference_conversion_turns_the_models_fused_quantizers_off_through_its_field():
   model = Transformer(ModelConfig(recipe=Int8MixedPrecision()))
   converted = inference.convert_for_inference(model, "w8a16")
-  assert converted.execution == ExecutionOptions(fused_quantizers=False)
+  # w8a16's and ternary's decode gate_up GEMVs write act(gate) * up (ExecutionOptions.gated_outputs)
+  assert converted.execution == ExecutionOptions(fused_quantizers=False, gated_outputs=True)
   assert model.execution is None  # the user's model is left as it was
   # ternary's linears take a decode norm's per-token codes (jaxlowbit.fused.decode_quantization)
   ternary = inference.convert_for_inference(model, "ternary")
-  assert ternary.execution == ExecutionOptions(fused_quantizers=False, decode_inputs=inference.weights.BITNET_TOKENS)
+  assert ternary.execution == ExecutionOptions(fused_quantizers=False, decode_inputs=inference.weights.BITNET_TOKENS,
+                                               gated_outputs=True)
+  assert not inference.convert_for_inference(model, "w8a8").execution.gated_outputs
+  with pytest.raises(TypeError, match="gated_outputs must be a bool"):
+    ExecutionOptions(gated_outputs=1)
 
 
 def test_no_module_of_the_library_holds_a_context_variable():
