@@ -422,8 +422,9 @@ def interpreted_gemvs(monkeypatch) -> list[str | None]:
   return _recording_gemvs(monkeypatch, interpret=True)
 
 
-@pytest.mark.parametrize("activation", ["silu", "relu2"])
-@pytest.mark.parametrize("scheme,batch", [("w8a16", 1), ("w8a8", 1), ("ternary", 1), ("ternary", 2)])
+@pytest.mark.parametrize("scheme,batch,activation", [("w8a16", 1, "silu"), ("w8a16", 1, "relu2"), ("w8a8", 1, "silu"),
+                                                     ("ternary", 1, "silu"), ("ternary", 1, "relu2"),
+                                                     ("ternary", 2, "silu")])
 def test_the_gate_up_gemv_that_writes_the_gated_activation_moves_no_logit(scheme, batch, activation,
                                                                            interpreted_kernels, interpreted_gemvs,
                                                                            monkeypatch):
