@@ -143,9 +143,7 @@ def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig, gated: bool 
   ``gated``: and writes the gated output (K unsplit, each half of N a whole number of half-blocks)."""
   fits = (1 <= m <= MAX_M and n % config.block_n == 0 and k_groups % (config.block_k * config.split_k) == 0
           and config.block_n >= MIN_BLOCK_N and config.block_k >= MIN_BLOCK_K)
-  if not (fits and gated):
-    return fits
-  return config.split_k == 1 and config.block_n >= 2 and n % 2 == 0 and (n // 2) % (config.block_n // 2) == 0
+  return fits and (not gated or quantize.gated_fits(n, config.block_n, config.split_k))
 
 
 # dp4a operands. A packed byte holds weight j in bits 7-2j .. 6-2j (pack_2bit). Multiplied by SPREAD (shifts of 0, 10,
@@ -194,8 +192,7 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
   i_n, i_s = early_launch(pl.program_id(0), native), pl.program_id(1)
   bn, bk = config.block_n, config.block_k
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
-  # The weight rows a program sums: its output columns, or the gate columns and their up columns.
-  tiles = (cols,) if gated is None else (cols, pl.ds(pl.multiple_of(half + i_n * bn, bn), bn))
+  tiles = quantize.gated_rows(cols, i_n, bn, half, gated)  # the weight rows it sums
   k0 = i_s * k_per_split
 
   def load(t):
@@ -292,9 +289,7 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
     operands = (words.reshape(-1), w, sx, sw)
   else:
     operands = (x.reshape(-1), w, sw)
-  width = n if gated is None else n // 2
-  if gated is not None:
-    config = dataclasses.replace(config, block_n=config.block_n // 2)
+  width, config = quantize.gated_tiling(n, config, gated)
   out_shape = (out_struct((m, width), out_dtype, *operands) if split == 1
                else out_struct((split * m, n), jnp.int32, *operands))
   if spec is not None and split > 1:

@@ -202,6 +202,31 @@ def gated_epilogue(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array
   return (gate_activation(gate.astype(jnp.float32), activation) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
+def gated_fits(n: int, block_n: int, split_k: int) -> bool:
+  """Whether a GEMV tiling of ``n`` outputs in programs of ``block_n`` columns can write the gated output instead: K
+  unsplit, and each half of N a whole number of half-blocks (a program then sums ``block_n / 2`` gate columns and
+  their up columns, :func:`gated_tiling`)."""
+  half_block = block_n // 2
+  return split_k == 1 and half_block > 0 and n % 2 == 0 and (n // 2) % half_block == 0
+
+
+def gated_tiling(n: int, config, gated: str | None):
+  """``(output width, config)`` of a GEMV of ``n`` outputs tiled by ``config`` (a dataclass with ``block_n``):
+  ``(n, config)``, or with ``gated`` ``N / 2`` outputs in programs of ``block_n / 2`` columns of each half, which
+  stream as many weight rows as a program without."""
+  if gated is None:
+    return n, config
+  return n // 2, dataclasses.replace(config, block_n=config.block_n // 2)
+
+
+def gated_rows(cols, i_n, block_n: int, half: int, gated: str | None) -> tuple:
+  """Inside a GEMV program ``i_n``: the weight rows it sums, its output columns ``cols``, or with ``gated`` those
+  gate columns and their up columns ``half`` further on (:func:`gated_tiling`'s ``block_n`` and width)."""
+  if gated is None:
+    return (cols,)
+  return cols, pl.ds(pl.multiple_of(half + i_n * block_n, block_n), block_n)
+
+
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
   """``gate_up [R, 2H]`` (``[gate | up]``) -> ``act(gate) * up`` in float32, rounded to its dtype: ``[R, H]``.

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.launch import early_launch
-from pallas_kernels.quantize import check_gate_activation, gated_epilogue
+from pallas_kernels.quantize import check_gate_activation, gated_epilogue, gated_fits, gated_rows, gated_tiling
 from pallas_kernels.vma import out_struct
 
 # SMs of an H100 SXM / H200; only used to size split-K when no GPU is attached (tests).
@@ -226,11 +226,8 @@ def supports(n: int, k: int, config: W8A16Config, gated: bool = False) -> bool:
   the gated output (K unsplit, each half of N a whole number of half-blocks of at least :data:`MIN_GATED_BLOCK_N`
   columns on tensor cores)."""
   fits = n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0
-  if not (fits and gated):
-    return fits
-  half_block = config.block_n // 2
-  return (config.split_k == 1 and n % 2 == 0 and half_block > 0 and (n // 2) % half_block == 0
-          and (config.block_m == GEMV_BLOCK_M or half_block >= MIN_GATED_BLOCK_N))
+  tensor_cores_fit = config.block_m == GEMV_BLOCK_M or config.block_n // 2 >= MIN_GATED_BLOCK_N
+  return fits and (not gated or (gated_fits(n, config.block_n, config.split_k) and tensor_cores_fit))
 
 
 def check_operands(x: jax.Array, wq: jax.Array, w_scale: jax.Array) -> None:
@@ -292,8 +289,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)
-  # The weight rows a program sums: its output columns, or the gate columns and their up columns.
-  tiles = (cols,) if gated is None else (cols, pl.ds(pl.multiple_of(half + i_n * bn, bn), bn))
+  tiles = gated_rows(cols, i_n, bn, half, gated)  # the weight rows it sums
   valid = i_m * bm + jnp.arange(bm) < m
   k0 = i_s * k_per_split
   deferred = bm == GEMV_BLOCK_M and not config.reduce_per_step
@@ -336,9 +332,7 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
     x = jnp.pad(x, ((0, m_out - m), (0, 0)))
   split = config.split_k
   scale = w_scale.astype(jnp.float32).reshape(n)
-  width = n if gated is None else n // 2
-  if gated is not None:
-    config = dataclasses.replace(config, block_n=config.block_n // 2)
+  width, config = gated_tiling(n, config, gated)
   out_shape = (out_struct((m_out, width), out_dtype, x, wq, scale) if split == 1
                else out_struct((split * m_out, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
