@@ -746,7 +746,8 @@ def test_the_gate_up_gemv_that_writes_the_gated_activation_on_gpu(scheme, monkey
   """1B widths, two layers, batch 1 (``policy.GATED_EPILOGUE`` on, then off). Ternary: bit-identical logits (the
   activation is Triton's either way: the GEMV's epilogue or the ffn_sub_norm kernel's source); W8A8 too (its
   conversion does not ask for it). W8A16 formed it in an XLA kernel, whose exp and division may round a last bit
-  differently from Triton's: its logits agree within 1e-2 (relative L2; W8A16's bound is bf16 rounding)."""
+  differently from Triton's, and its gated programs sum K over half the columns, possibly in another float32 order:
+  its logits agree within 1e-2 (relative L2; W8A16's bound is bf16 rounding)."""
   from jaxlowbit import BitNet
 
   recipe = dict(recipe=BitNet(), bitnet_norm_placement="sub") if scheme == "ternary" else {}
