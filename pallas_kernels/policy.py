@@ -374,3 +374,10 @@ PDL_EARLY_LAUNCH = True
 # 2,605 / 2,689, 2,652 tokens/s; W8A16 1,696, 1,709 / 1,753, 1,781. Ternary's logits are bit-identical either way,
 # W8A16's within its bf16 bound. Off: the activation after the projection, as before.
 GATED_EPILOGUE = True
+
+# How the W8A16 kernel's tensor-core tiles (pallas_kernels.w8a16, M = 1 on large weights and M = 2..32) turn int8
+# weights into bf16 mma operands: "cvt", the conversion instruction (I2F, a quarter of the integer rate on sm90);
+# "f32", pallas_kernels.w8a16.int8_to_float32's bit operations and one subtraction, then a float32 -> bf16 rounding
+# (exact: every int8 is a bf16); "bits", the same float32's upper half as the bf16 (exact, integer operations only).
+# All three give the same operand bit for bit. f16 activations take "cvt" whatever this says.
+W8A16_TENSOR_CORE_CONVERT = "cvt"

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import policy
 from pallas_kernels.launch import early_launch
 from pallas_kernels.quantize import check_gate_activation, gated_epilogue, gated_fits, gated_rows, gated_tiling
 from pallas_kernels.vma import out_struct
@@ -277,14 +278,30 @@ def int8_to_float32(w: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32) - INT8_AS_FLOAT_OFFSET
 
 
+def int8_to_bfloat16(w: jax.Array, how: str) -> jax.Array:
+  """int8 ``w`` as bfloat16, exactly (``policy.W8A16_TENSOR_CORE_CONVERT``): ``"cvt"`` the conversion instruction;
+  ``"f32"`` :func:`int8_to_float32` rounded to bf16; ``"bits"`` that float32's upper 16 bits (its lower 16 are zero:
+  an int8 needs 8 significant bits, bf16 has 8)."""
+  if how == "cvt":
+    return w.astype(jnp.bfloat16)
+  as_f32 = int8_to_float32(w)
+  if how == "f32":
+    return as_f32.astype(jnp.bfloat16)
+  if how != "bits":
+    raise ValueError(f"int8_to_bfloat16: unknown conversion {how!r}; expected 'cvt', 'f32' or 'bits'")
+  upper = lax.shift_right_logical(lax.bitcast_convert_type(as_f32, jnp.uint32), jnp.uint32(16))
+  return lax.bitcast_convert_type(upper.astype(jnp.uint16), jnp.bfloat16)
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m: int, m_out: int,
-            apply_scale: bool, masked: bool, native: bool, gated: str | None, half: int):
+            apply_scale: bool, masked: bool, native: bool, gated: str | None, half: int, convert: str):
   """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
   (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
   rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at
   rows ``[s * m_out, (s + 1) * m_out)``. ``gated`` (unsplit only): the program sums ``block_n`` gate columns and the
   ``block_n`` up columns ``half`` further on, and writes ``act(gate) * up`` of the two
-  (:func:`~pallas_kernels.quantize.gated_epilogue`)."""
+  (:func:`~pallas_kernels.quantize.gated_epilogue`). ``convert``: how a tensor-core tile's int8 weights become bf16
+  (:func:`int8_to_bfloat16`)."""
   i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
@@ -303,7 +320,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
         products = int8_to_float32(w_ref[c, ks]) * x.astype(jnp.float32)
         new.append(acc + (products if deferred else jnp.sum(products, axis=1)[None, :]))
       else:
-        w = w_ref[c, ks].astype(x.dtype)  # int8 -> bf16/f16 in registers: exact
+        w = w_ref[c, ks]  # int8 -> bf16/f16 in registers: exact
+        w = int8_to_bfloat16(w, convert) if x.dtype == jnp.bfloat16 else w.astype(x.dtype)
         new.append(acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
     return tuple(new)
 
@@ -321,8 +339,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   store_rows(o_ref.at[out_rows, cols], out, valid, masked)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "gated"))
-def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool, gated: str | None = None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "gated", "convert"))
+def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool, gated: str | None = None,
+                convert: str = "cvt"):
   """``gated`` (K unsplit): ``[M, N / 2]``, ``act(gate) * up`` of the output's halves; a program takes half of
   ``config.block_n`` columns of each half, so it streams as many weight rows as without."""
   m, k = x.shape
@@ -337,7 +356,7 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
                else out_struct((split * m_out, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k // split, m=m, m_out=m_out, apply_scale=split == 1,
-                        masked=masked, native=not interpret, gated=gated, half=width),
+                        masked=masked, native=not interpret, gated=gated, half=width, convert=convert),
       out_shape=out_shape,
       grid=(width // config.block_n, -(-m // config.block_m), split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -390,4 +409,4 @@ def w8a16_matmul_kernel(
         f"{config.block_n}, K of {config.block_k * config.split_k}{gated_fit}); use the reference path"
     )
   return _w8a16_call(x, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret,
-                     gated=gated)
+                     gated=gated, convert=policy.W8A16_TENSOR_CORE_CONVERT)
