@@ -278,19 +278,41 @@ def int8_to_float32(w: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32) - INT8_AS_FLOAT_OFFSET
 
 
-def int8_to_bfloat16(w: jax.Array, how: str) -> jax.Array:
+# Four int8 weights (one 32-bit register) -> two bf16x2 registers in eleven integer / float32 instructions: the bytes
+# offset by 128 (one xor), each moved into the low byte of the float32 2^23 + u (prmt with 0x4B000000), 2^23 + 128
+# subtracted (exact), and the upper halves of two such float32 packed into one bf16x2 (prmt): int8_to_float32's
+# arithmetic, four at a time.
+_PRMT_ASM = """{
+.reg .b32 u, k, f0, f1, f2, f3;
+xor.b32 u, $2, 0x80808080;
+mov.b32 k, 0x4B000000;
+prmt.b32 f0, u, k, 0x7540;
+prmt.b32 f1, u, k, 0x7541;
+prmt.b32 f2, u, k, 0x7542;
+prmt.b32 f3, u, k, 0x7543;
+sub.f32 f0, f0, 0f4B000080;
+sub.f32 f1, f1, 0f4B000080;
+sub.f32 f2, f2, 0f4B000080;
+sub.f32 f3, f3, 0f4B000080;
+prmt.b32 $0, f0, f1, 0x7632;
+prmt.b32 $1, f2, f3, 0x7632;
+}"""
+TENSOR_CORE_CONVERSIONS = ("cvt", "prmt")
+
+
+def int8_to_bfloat16(w: jax.Array, how: str, native: bool) -> jax.Array:
   """int8 ``w`` as bfloat16, exactly (``policy.W8A16_TENSOR_CORE_CONVERT``): ``"cvt"`` the conversion instruction;
-  ``"f32"`` :func:`int8_to_float32` rounded to bf16; ``"bits"`` that float32's upper 16 bits (its lower 16 are zero:
-  an int8 needs 8 significant bits, bf16 has 8)."""
+  ``"prmt"`` byte permutes and a float32 subtraction, four weights at a time (on a GPU, ``native``; elsewhere the
+  same values from :func:`int8_to_float32`)."""
+  if how not in TENSOR_CORE_CONVERSIONS:
+    raise ValueError(f"int8_to_bfloat16: unknown conversion {how!r}; expected one of {TENSOR_CORE_CONVERSIONS}")
   if how == "cvt":
     return w.astype(jnp.bfloat16)
-  as_f32 = int8_to_float32(w)
-  if how == "f32":
-    return as_f32.astype(jnp.bfloat16)
-  if how != "bits":
-    raise ValueError(f"int8_to_bfloat16: unknown conversion {how!r}; expected 'cvt', 'f32' or 'bits'")
-  upper = lax.shift_right_logical(lax.bitcast_convert_type(as_f32, jnp.uint32), jnp.uint32(16))
-  return lax.bitcast_convert_type(upper.astype(jnp.uint16), jnp.bfloat16)
+  if not native:
+    return int8_to_float32(w).astype(jnp.bfloat16)
+  [out] = plt.elementwise_inline_asm(_PRMT_ASM, args=[w], constraints="=r,=r,r", pack=4,
+                                     result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)])
+  return out
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m: int, m_out: int,
@@ -321,7 +343,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
         new.append(acc + (products if deferred else jnp.sum(products, axis=1)[None, :]))
       else:
         w = w_ref[c, ks]  # int8 -> bf16/f16 in registers: exact
-        w = int8_to_bfloat16(w, convert) if x.dtype == jnp.bfloat16 else w.astype(x.dtype)
+        w = int8_to_bfloat16(w, convert, native) if x.dtype == jnp.bfloat16 else w.astype(x.dtype)
         new.append(acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
     return tuple(new)
 
