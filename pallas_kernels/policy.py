@@ -374,13 +374,3 @@ PDL_EARLY_LAUNCH = True
 # 2,605 / 2,689, 2,652 tokens/s; W8A16 1,696, 1,709 / 1,753, 1,781. Ternary's logits are bit-identical either way,
 # W8A16's within its bf16 bound. Off: the activation after the projection, as before.
 GATED_EPILOGUE = True
-
-# How the W8A16 kernel's tensor-core tiles (pallas_kernels.w8a16, M = 1 on large weights and M = 2..32) turn int8
-# weights into bf16 mma operands (pallas_kernels.w8a16.int8_to_bfloat16; the same operand bit for bit either way):
-# "cvt", the conversion instruction; "prmt", byte permutes and a float32 subtraction, four weights at a time.
-# f16 activations take the conversion instruction whatever this says. Measured (one H200, 2026-11-30,
-# benchmarks/results/w8a16_convert_ab_h200_97a1914.json): two element-wise forms of int8_to_float32's arithmetic,
-# then a float32 -> bf16 rounding or the float32's upper half, were slower than "cvt" on every shape: the 1B gate_up
-# at M = 1 12.7-12.8 us against 12.0, the down projection 10.4-10.5 against 8.3; the 1B decode at batch 1
-# 1,666-1,690 tokens/s against 1,778-1,785.
-W8A16_TENSOR_CORE_CONVERT = "cvt"

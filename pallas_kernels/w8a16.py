@@ -42,7 +42,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import policy
 from pallas_kernels.launch import early_launch
 from pallas_kernels.quantize import check_gate_activation, gated_epilogue, gated_fits, gated_rows, gated_tiling
 from pallas_kernels.vma import out_struct
@@ -278,52 +277,14 @@ def int8_to_float32(w: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32) - INT8_AS_FLOAT_OFFSET
 
 
-# Four int8 weights (one 32-bit register) -> two bf16x2 registers in eleven integer / float32 instructions: the bytes
-# offset by 128 (one xor), each moved into the low byte of the float32 2^23 + u (prmt with 0x4B000000), 2^23 + 128
-# subtracted (exact), and the upper halves of two such float32 packed into one bf16x2 (prmt): int8_to_float32's
-# arithmetic, four at a time.
-_PRMT_ASM = """{
-.reg .b32 u, k, f0, f1, f2, f3;
-xor.b32 u, $2, 0x80808080;
-mov.b32 k, 0x4B000000;
-prmt.b32 f0, u, k, 0x7540;
-prmt.b32 f1, u, k, 0x7541;
-prmt.b32 f2, u, k, 0x7542;
-prmt.b32 f3, u, k, 0x7543;
-sub.f32 f0, f0, 0f4B000080;
-sub.f32 f1, f1, 0f4B000080;
-sub.f32 f2, f2, 0f4B000080;
-sub.f32 f3, f3, 0f4B000080;
-prmt.b32 $0, f0, f1, 0x7632;
-prmt.b32 $1, f2, f3, 0x7632;
-}"""
-TENSOR_CORE_CONVERSIONS = ("cvt", "prmt")
-
-
-def int8_to_bfloat16(w: jax.Array, how: str, native: bool) -> jax.Array:
-  """int8 ``w`` as bfloat16, exactly (``policy.W8A16_TENSOR_CORE_CONVERT``): ``"cvt"`` the conversion instruction;
-  ``"prmt"`` byte permutes and a float32 subtraction, four weights at a time (on a GPU, ``native``; elsewhere the
-  same values from :func:`int8_to_float32`)."""
-  if how not in TENSOR_CORE_CONVERSIONS:
-    raise ValueError(f"int8_to_bfloat16: unknown conversion {how!r}; expected one of {TENSOR_CORE_CONVERSIONS}")
-  if how == "cvt":
-    return w.astype(jnp.bfloat16)
-  if not native:
-    return int8_to_float32(w).astype(jnp.bfloat16)
-  [out] = plt.elementwise_inline_asm(_PRMT_ASM, args=[w], constraints="=r,=r,r", pack=4,
-                                     result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)])
-  return out
-
-
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int, m: int, m_out: int,
-            apply_scale: bool, masked: bool, native: bool, gated: str | None, half: int, convert: str):
+            apply_scale: bool, masked: bool, native: bool, gated: str | None, half: int):
   """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
   (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
   rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at
   rows ``[s * m_out, (s + 1) * m_out)``. ``gated`` (unsplit only): the program sums ``block_n`` gate columns and the
   ``block_n`` up columns ``half`` further on, and writes ``act(gate) * up`` of the two
-  (:func:`~pallas_kernels.quantize.gated_epilogue`). ``convert``: how a tensor-core tile's int8 weights become bf16
-  (:func:`int8_to_bfloat16`)."""
+  (:func:`~pallas_kernels.quantize.gated_epilogue`)."""
   i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
@@ -342,8 +303,11 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
         products = int8_to_float32(w_ref[c, ks]) * x.astype(jnp.float32)
         new.append(acc + (products if deferred else jnp.sum(products, axis=1)[None, :]))
       else:
-        w = w_ref[c, ks]  # int8 -> bf16/f16 in registers: exact
-        w = int8_to_bfloat16(w, convert, native) if x.dtype == jnp.bfloat16 else w.astype(x.dtype)
+        # int8 -> bf16/f16 in registers by the conversion instruction: exact. Three exact forms of int8_to_float32's
+        # arithmetic (element-wise, then rounded to bf16 or its upper half taken; and four weights at a time by byte
+        # permutes in inline PTX) were slower on every shape: the 1B down projection at M = 1 9.4-10.5 us against 8.3
+        # (one H200; benchmarks/results/w8a16_convert_ab_h200_97a1914.json, w8a16_convert_prmt_ab_h200_d80af7c.json).
+        w = w_ref[c, ks].astype(x.dtype)
         new.append(acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
     return tuple(new)
 
@@ -361,9 +325,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
   store_rows(o_ref.at[out_rows, cols], out, valid, masked)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "gated", "convert"))
-def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool, gated: str | None = None,
-                convert: str = "cvt"):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "gated"))
+def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bool, gated: str | None = None):
   """``gated`` (K unsplit): ``[M, N / 2]``, ``act(gate) * up`` of the output's halves; a program takes half of
   ``config.block_n`` columns of each half, so it streams as many weight rows as without."""
   m, k = x.shape
@@ -378,7 +341,7 @@ def _w8a16_call(x, wq, w_scale, *, out_dtype, config: W8A16Config, interpret: bo
                else out_struct((split * m_out, n), jnp.float32, x, wq, scale))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k_per_split=k // split, m=m, m_out=m_out, apply_scale=split == 1,
-                        masked=masked, native=not interpret, gated=gated, half=width, convert=convert),
+                        masked=masked, native=not interpret, gated=gated, half=width),
       out_shape=out_shape,
       grid=(width // config.block_n, -(-m // config.block_m), split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -431,4 +394,4 @@ def w8a16_matmul_kernel(
         f"{config.block_n}, K of {config.block_k * config.split_k}{gated_fit}); use the reference path"
     )
   return _w8a16_call(x, wq, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret,
-                     gated=gated, convert=policy.W8A16_TENSOR_CORE_CONVERT)
+                     gated=gated)

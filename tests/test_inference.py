@@ -62,34 +62,6 @@ def test_int8_to_float32_by_bits_is_exact_for_every_byte():
   np.testing.assert_array_equal(np.asarray(got), np.arange(-128, 128, dtype=np.float32).reshape(16, 16))
 
 
-@pytest.mark.parametrize("how", w8a16.TENSOR_CORE_CONVERSIONS)
-def test_int8_to_bfloat16_is_exact_for_every_byte(how):
-  """Each of the tensor-core tiles' conversions (``policy.W8A16_TENSOR_CORE_CONVERT``; prmt: its values off the GPU)
-  == the value, all 256."""
-  w = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(16, 16)
-  got = jax.jit(w8a16.int8_to_bfloat16, static_argnums=(1, 2))(w, how, False)
-  assert got.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(-128, 128, dtype=np.float32).reshape(16, 16))
-  with pytest.raises(ValueError, match="unknown conversion 'i2f'"):
-    w8a16.int8_to_bfloat16(w, "i2f", False)
-
-
-@pytest.mark.parametrize("m", [1, 3])
-def test_w8a16_tensor_core_conversions_give_the_same_output(monkeypatch, m):
-  """The tensor-core tiles' output is the same bit for bit whichever conversion makes their bf16 weights (normal x:
-  the weights, not the sums, are what changes)."""
-  key = fresh_key()
-  x = jax.random.normal(key, (m, 256)).astype(jnp.bfloat16)
-  wq = _int8(jax.random.fold_in(key, 1), (128, 256))
-  scale = jax.random.uniform(jax.random.fold_in(key, 2), (128,), minval=1e-3, maxval=1e-2)
-  config = w8a16.W8A16Config(block_m=16, block_n=64, block_k=128, num_stages=2)
-  outs = {}
-  for how in w8a16.TENSOR_CORE_CONVERSIONS:
-    monkeypatch.setattr(policy, "W8A16_TENSOR_CORE_CONVERT", how)
-    outs[how] = np.asarray(w8a16.w8a16_matmul_kernel(x, wq, scale, jnp.float32, config=config, interpret=True))
-  np.testing.assert_array_equal(outs["prmt"], outs["cvt"])
-
-
 @pytest.mark.parametrize("m,n,k,config", [
     (1, 128, 256, None),  # CUDA-core GEMV, one reduction a step
     (1, 4096, 1024, None),  # CUDA-core GEMV, summed after the loop

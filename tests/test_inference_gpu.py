@@ -50,22 +50,6 @@ def test_w8a16_kernel_on_gpu(m, k, n):
 
 
 @needs_sm80
-@pytest.mark.parametrize("m,k,n", [(1, 2048, 16384), (1, 8192, 2048), (8, 2048, 4096)])  # tensor-core tiles
-def test_w8a16_tensor_core_conversions_agree_on_gpu(monkeypatch, m, k, n):
-  """The tensor-core tiles give the same output bit for bit with their int8 weights made bf16 by byte permutes
-  (``policy.W8A16_TENSOR_CORE_CONVERT = "prmt"``) as by the conversion instruction, on the 1B model's M = 1 shapes
-  and at batch 8 (every int8 value occurs in each weight)."""
-  kx, kw, ks = jax.random.split(fresh_key(), 3)
-  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
-  wq, scale = _int8(kw, (n, k)), jax.random.uniform(ks, (n,), minval=1e-3, maxval=2e-2)
-  assert w8a16.config_for(m, n, k).block_m > 1  # the tensor-core path, which the conversion changes
-  monkeypatch.setattr(policy, "W8A16_TENSOR_CORE_CONVERT", "cvt")
-  want = np.asarray(w8a16.w8a16_matmul_kernel(x, wq, scale, jnp.float32))
-  monkeypatch.setattr(policy, "W8A16_TENSOR_CORE_CONVERT", "prmt")
-  np.testing.assert_array_equal(np.asarray(w8a16.w8a16_matmul_kernel(x, wq, scale, jnp.float32)), want)
-
-
-@needs_sm80
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 40, 64])
 @pytest.mark.parametrize("k,n", [(4096, 1024), (1024, 4096), (2048, 16384)])  # the last: A8W2 with K unsplit
 def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
