@@ -72,8 +72,7 @@ def _gated_kernel(run, gated: str | None, in_kernel: str | None) -> jax.Array:
 def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None,
                  options: DispatchOptions | None = None, gated: str | None = None) -> jax.Array:
   """``(x @ wq.T) * w_scale``: x ``[M, K]`` float, wq ``[N, K]`` int8, w_scale ``[N]`` float32 -> ``[M, N]``
-  (``gated``: its :func:`gate`). The W8A16 kernel where the policy says, else XLA's dot; at M = 1 on shapes
-  ``policy.w8a16_xla_padded`` names, XLA's dot on x padded to ``policy.W8A16_XLA_ROWS`` rows."""
+  (``gated``: its :func:`gate`)."""
   check_operands(x, wq, w_scale)
   backend = _backend(options)
   m, k = x.shape
@@ -81,9 +80,6 @@ def w8a16_matmul(x: jax.Array, wq: jax.Array, w_scale: jax.Array, out_dtype=None
   config = w8a16_config_for(m, n, k)
   fits = jnp.dtype(x.dtype) in ACTIVATION_DTYPES and w8a16_supports(n, k, config)
   if policy.use_inference_kernel("W8A16", policy.w8a16_kernel_wanted(m), fits, backend):
-    if policy.w8a16_xla_padded(m, n, k, config.block_m):
-      padded = jnp.pad(x, ((0, policy.W8A16_XLA_ROWS - m), (0, 0)))
-      return gate(w8a16_matmul_reference(padded, wq, w_scale, out_dtype)[:m], gated)
     from pallas_kernels.w8a16 import w8a16_matmul_kernel
 
     in_kernel = gated if gated is not None and w8a16_supports(n, k, config, gated=True) else None

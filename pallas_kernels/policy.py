@@ -63,13 +63,6 @@ FP8_STATE_KINDS = frozenset({"e4m3"})
 # W8A16: kernel 28/30 vs XLA 35/31 at M=1; XLA 20-21 vs kernel 24-27 at M=2..8 (XLA's split-K GEMM
 # fusion); kernel 23-24 vs XLA 26-28 at M=16 and 26-30 vs 29-31 at M=32; XLA from M=64.
 W8A16_KERNEL_M = ((1, 1), (16, 32))  # inclusive M ranges that take the kernel
-# W8A16 at M = 1 where the kernel would take a weight on its tensor-core tiles (pallas_kernels.w8a16.config_for:
-# block_m > 1) and K >= W8A16_XLA_MIN_K_PER_N x N: x padded to W8A16_XLA_ROWS rows and XLA's dot instead, whose
-# GEMM fusion XLA autotunes per shape. One H200 at 75351e0 (w8a16_m1_tensor_cores_h200_75351e0.json, device time):
-# XLA's dot at M = 8 took 7.5 us on the 1B down projection (8192 x 2048) and 18.8 on 4096 x 14336, against the
-# kernel's 8.4 and 20.6 at M = 1 (XLA at M = 1 converts the weight in a pass of its own: 10.9 and 30.6). 0: never.
-W8A16_XLA_ROWS = 8
-W8A16_XLA_MIN_K_PER_N = 0.0
 # W8A8: XLA's int8 dot matched or beat the A8W8 kernel at every M <= 64 (22-31 vs 25-36 us), so
 # auto never takes it (JAXLOWBIT_BACKEND=pallas does).
 W8A8_KERNEL_MAX_M = 0
@@ -289,12 +282,6 @@ def adam_on_kernel(kinds: tuple[str, ...], backend: str) -> bool:
 
 def w8a16_kernel_wanted(m: int) -> bool:
   return any(lo <= m <= hi for lo, hi in W8A16_KERNEL_M)
-
-
-def w8a16_xla_padded(m: int, n: int, k: int, block_m: int) -> bool:
-  """Whether a W8A16 product the kernel would take on tensor-core tiles of ``block_m`` rows runs as XLA's dot on x
-  padded to :data:`W8A16_XLA_ROWS` rows instead (:data:`W8A16_XLA_MIN_K_PER_N`)."""
-  return m == 1 and block_m > 1 and W8A16_XLA_MIN_K_PER_N > 0 and k >= W8A16_XLA_MIN_K_PER_N * n
 
 
 def gemv_max_m(kernel_max_m: int, backend: str) -> int:

@@ -164,35 +164,6 @@ def test_dispatch_takes_the_kernels_where_the_table_says_lowered_for_cuda(m, mon
     assert (name in hlo) == takes, (scheme, m)
 
 
-def test_w8a16_tall_weight_at_one_row_can_take_xlas_dot_on_padded_rows(monkeypatch):
-  """``policy.W8A16_XLA_MIN_K_PER_N``: at M = 1 a weight the kernel would take on tensor-core tiles, with K >= that
-  many times N, runs XLA's dot on x padded to ``W8A16_XLA_ROWS`` rows (no kernel in the program lowered for an
-  sm90 faked on this CPU), its row equal to the XLA path's within a bf16 rounding; a wide weight, and the policy
-  at 0, keep the kernel."""
-  if jax.default_backend() != "cpu":
-    pytest.skip("fakes a GPU on a CPU host")
-  monkeypatch.delenv("JAXLOWBIT_BACKEND", raising=False)
-  key = fresh_key()
-  tall = inference.quantize_weight(jax.random.normal(key, (8192, 1024)), "w8a16")  # K x N, K = 8 N
-  wide = inference.quantize_weight(jax.random.normal(jax.random.fold_in(key, 1), (1024, 8192)), "w8a16")
-  x = jax.random.normal(jax.random.fold_in(key, 2), (1, 8192)).astype(jnp.bfloat16)
-  want = inference.quantized_linear(x, tall, "w8a16", options=jaxlowbit.ExecutionOptions(backend="xla"))
-  monkeypatch.setattr(policy, "compute_capability", lambda device=None: 9)
-
-  def takes_kernel(leaves, k):
-    with jax.sharding.use_abstract_mesh(H100):
-      fn = jax.jit(lambda x: inference.quantized_linear(x, leaves, "w8a16"))
-      hlo = fn.trace(jax.ShapeDtypeStruct((1, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
-    return "jaxlowbit_w8a16_matmul" in hlo
-
-  assert takes_kernel(tall, 8192) and takes_kernel(wide, 1024)
-  monkeypatch.setattr(policy, "W8A16_XLA_MIN_K_PER_N", 4.0)
-  assert not takes_kernel(tall, 8192) and takes_kernel(wide, 1024)
-  got = inference.quantized_linear(x, tall, "w8a16")  # runs: XLA's dot on 8 rows, here on the CPU
-  assert got.shape == want.shape == (1, 1024) and got.dtype == want.dtype
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7, atol=1e-6)
-
-
 @pytest.mark.parametrize("n,k", [(128, 512), (4096, 4096)])
 def test_w8a16_one_row_on_cuda_and_tensor_cores_matches_float64(n, k):
   """M = 1 either way config_for may send it: the CUDA-core GEMV (block_m 1) or a 16-row tensor-core tile (rows

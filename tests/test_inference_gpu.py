@@ -17,7 +17,7 @@ import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
 from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.ternary import pack_2bit
-from pallas_kernels import dp4a_gemv, inference_dispatch, int8_gemv, policy, w8a16
+from pallas_kernels import dp4a_gemv, int8_gemv, policy, w8a16
 from pallas_kernels.reference import quantize_rows_reference, scaled_matmul_reference
 from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
@@ -47,25 +47,6 @@ def test_w8a16_kernel_on_gpu(m, k, n):
   bound = k * 2.0**-22 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T) * np.asarray(scale)
   assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
   assert rel_err(w8a16.w8a16_matmul_kernel(x, wq, scale), want) < 2**-7
-
-
-@needs_sm80
-@pytest.mark.parametrize("k,n", [(8192, 2048), (4096, 14336)])
-def test_w8a16_one_row_on_xlas_padded_dot_on_gpu(monkeypatch, k, n):
-  """``policy.W8A16_XLA_MIN_K_PER_N`` on: one row through XLA's dot on x padded to ``W8A16_XLA_ROWS`` rows is within
-  the float32 summation bound of float64, and the gated output is the gate of the plain one."""
-  monkeypatch.setattr(policy, "W8A16_XLA_MIN_K_PER_N", 1e-9)  # every tensor-core shape
-  kx, kw, ks = jax.random.split(fresh_key(), 3)
-  x = jax.random.normal(kx, (1, k)).astype(jnp.bfloat16)
-  wq, scale = _int8(kw, (n, k)), jax.random.uniform(ks, (n,), minval=1e-3, maxval=2e-2)
-  assert policy.w8a16_xla_padded(1, n, k, w8a16.config_for(1, n, k).block_m)
-  got = inference_dispatch.w8a16_matmul(x, wq, scale, jnp.float32)
-  want = np.asarray(x, np.float64) @ (np.asarray(wq, np.float64) * np.asarray(scale, np.float64)[:, None]).T
-  bound = k * 2.0**-22 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T) * np.asarray(scale)
-  assert got.shape == (1, n) and np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
-  plain = inference_dispatch.w8a16_matmul(x, wq, scale)
-  np.testing.assert_array_equal(np.asarray(inference_dispatch.w8a16_matmul(x, wq, scale, gated="silu"), np.float32),
-                                np.asarray(inference_dispatch.gate(plain, "silu"), np.float32))
 
 
 @needs_sm80
