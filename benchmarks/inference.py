@@ -301,7 +301,8 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
           elif kernel == "a8w8_gemv":
             config = dp4a_gemv.config_for(n, k // 4, m=m, codes=True, packed=False)
             run = lambda a, w, c: dp4a_gemv.a8w8_gemv_kernel(a, sx, w, sw, config=c)  # noqa: E731
-            args, block_m, k_bytes = (xq, wq), m, k // 4  # int32 words of four          elif kernel == "w8a16":
+            args, block_m, k_bytes = (xq, wq), m, k // 4  # int32 words of four
+          elif kernel == "w8a16":
             config = w8a16.config_for(m, n, k)
             run = lambda a, w, c: w8a16.w8a16_matmul_kernel(a, w, sw, config=c)  # noqa: E731
             args, block_m, k_bytes = (x, wq), config.block_m, k

@@ -76,3 +76,35 @@ def test_device_time_splits_a_trace_into_its_calls():
     assert stats["runs"] == len(stats["samples_us"]) == 4 and stats["kernels_per_call"] >= 1
     assert 0 < stats["us_min"] <= stats["us"] <= stats["us_max"] and 0 < stats["busy_us"]
   assert per_linear["kernels_per_call"] == whole["kernels_per_call"]
+
+
+def test_each_sweep_row_times_the_kernel_it_names(monkeypatch):
+  """``--sweep`` rows: the kernel called is the one the row's ``kernel`` names, at the row's block shape. From
+  0c42e16 until this test, an ``elif`` lost inside a comment made the ``a8w8_gemv`` rows time the W8A16 kernel and
+  the ``w8a16`` rows the A8W8 GEMM (docs/inference.md, "W8A8 on the dp4a GEMV")."""
+  import jax.numpy as jnp
+
+  from pallas_kernels import dp4a_gemv, int8_gemv, w8a16
+
+  called = []
+
+  def fake(name, x_index=0, w_index=2):
+    def kernel(*args, config, **kwargs):
+      called.append((name, config.block_n, config.block_k))
+      x, w = args[x_index], args[w_index]
+      return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
+    return kernel
+
+  monkeypatch.setattr(dp4a_gemv, "a8w2_gemv_kernel", fake("ternary_gemv"))
+  monkeypatch.setattr(dp4a_gemv, "a8w8_gemv_kernel", fake("a8w8_gemv"))
+  monkeypatch.setattr(w8a16, "w8a16_matmul_kernel", fake("w8a16", w_index=1))
+  monkeypatch.setattr(int8_gemv, "a8w2_matmul_kernel", fake("a8w2"))
+  monkeypatch.setattr(int8_gemv, "a8w8_matmul_kernel", fake("a8w8"))
+  stats = {"us": 1.0, "us_min": 1.0, "us_max": 1.0, "spread": 0.0, "iters": 1}
+  monkeypatch.setattr(benchmark, "time_runs", lambda *args, **kwargs: stats)
+  monkeypatch.setattr(benchmark, "gpu_times", lambda *args, **kwargs: stats)
+  rows = benchmark.bench_kernel_sweep([(4096, 4096)], iters=1, runs=1, layers=1)
+  assert rows and all("error" not in r for r in rows), [r.get("error") for r in rows]
+  timed = [(r["kernel"], r["block_n"], r["block_k"]) for r in rows]
+  assert called == timed
+  assert {r["kernel"] for r in rows} == set(benchmark.SWEEP)
