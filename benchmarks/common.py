@@ -64,11 +64,15 @@ def metadata() -> dict:
 
 
 def write_json(name: str, rows: list[dict], out: str | None = None, **extra) -> str:
-  """Write ``{"meta": ..., "rows": rows, **extra}`` to ``out`` (default benchmarks/results/NAME.json)."""
+  """Write ``{"meta": ..., "rows": rows, **extra}`` to ``out`` (default benchmarks/results/NAME.json), whole: to a
+  temporary file first, then renamed over it, so a run killed while writing (a device call's time limit) leaves the
+  previous complete file, not a truncated one."""
   path = out or os.path.join(RESULTS_DIR, f"{name}.json")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
+  temporary = f"{path}.tmp{os.getpid()}"
+  with open(temporary, "w") as f:
     json.dump({"meta": metadata(), "rows": rows, **extra}, f, indent=1)
+  os.replace(temporary, path)
   return path
 
 

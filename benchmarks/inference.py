@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -395,9 +396,13 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
         row["cache_mib"] = inference.weight_bytes(cache) / 2**20
         start = time.perf_counter()
         prefill = None if long else gen.prefill.lower(params, cache, prompt, key).compile()
-        decode = gen.decode.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), key).compile()
+        lowered = gen.decode.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), key)
+        decode = lowered.compile()
         row["compile_s"] = time.perf_counter() - start
         row["cache_copies"] = len(kv_cache.cache_copies(decode.as_text(), cache))
+        # Which step ran: a hash of the lowered program (every kernel's tiling and launch parameters are in it), not
+        # of the compiled one, whose text differs when it comes from a persistent compilation cache.
+        row["program_sha1"] = hashlib.sha1(lowered.as_text().encode()).hexdigest()[:16]
 
         def decode_inputs():
           cache = fresh_cache()
