@@ -85,11 +85,10 @@ def _import(name: str):
   """The module ``name``, or None where no such module exists; ValueError where it exists but fails to import."""
   try:
     return importlib.import_module(name)
-  except ModuleNotFoundError as e:
-    if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-      return None
-    raise ValueError(f"importing {name} failed: {type(e).__name__}: {e}") from None
   except Exception as e:
+    missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    if missing is not None and (name == missing or name.startswith(missing + ".")):
+      return None
     raise ValueError(f"importing {name} failed: {type(e).__name__}: {e}") from None
 
 

@@ -1,5 +1,5 @@
 """benchmarks/decode_ab.py on CPU: variants' settings hold exactly while their rows run (and what is traced then
-sees them), rounds alternate, settings are restored, a variant that compiles the shipped step is flagged, bad
+sees them), rounds alternate, settings are restored, a variant that lowers the shipped step is flagged, bad
 settings get one error line, and a real tiny decode runs through it."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_settings_hold_while_their_rows_run_and_are_restored(monkeypatch, tmp_pa
   assert result["variants"]["alt"] == settings and "partial" not in result
 
 
-def test_a_variant_that_compiles_the_shipped_step_is_flagged(monkeypatch, tmp_path, capsys):
+def test_a_variant_that_lowers_the_shipped_step_is_flagged(monkeypatch, tmp_path, capsys):
   """A setting nothing reads when tracing (here: one the fake's program hash does not see) leaves the variant's
   lowered step the first variant's: the summary says so and a warning line is printed."""
   seen = []

@@ -88,10 +88,10 @@ def test_each_sweep_row_times_the_kernel_it_names(monkeypatch):
 
   called = []
 
-  def fake(name, x_index=0, w_index=2):
+  def fake(name, w_index=2):  # x is the first argument, the weight the third (W8A16's: the second)
     def kernel(*args, config, **kwargs):
       called.append((name, config.block_n, config.block_k))
-      x, w = args[x_index], args[w_index]
+      x, w = args[0], args[w_index]
       return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
     return kernel
 
