@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import policy
 from pallas_kernels.launch import early_launch
 from pallas_kernels.quantize import check_gate_activation, gated_epilogue, gated_fits, gated_rows, gated_tiling
 from pallas_kernels.vma import out_struct
@@ -281,11 +282,13 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, config: W8A16Config, k_per_split: int
             apply_scale: bool, masked: bool, native: bool, gated: str | None, half: int):
   """One ``[block_m, block_n]`` output tile over one K split. ``masked``: x and the output hold only the M rows
   (rows of the tile past them read as zeros and are not written); else both are padded to the tiles (``m_out``
-  rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`). Split-K partial sums of split s live at
+  rows). ``native``: a GPU (:func:`~pallas_kernels.launch.early_launch`, for weights of up to
+  ``policy.W8A16_EARLY_LAUNCH_MAX_BYTES``). Split-K partial sums of split s live at
   rows ``[s * m_out, (s + 1) * m_out)``. ``gated`` (unsplit only): the program sums ``block_n`` gate columns and the
   ``block_n`` up columns ``half`` further on, and writes ``act(gate) * up`` of the two
   (:func:`~pallas_kernels.quantize.gated_epilogue`)."""
-  i_n, i_m, i_s = early_launch(pl.program_id(0), native), pl.program_id(1), pl.program_id(2)
+  trigger = math.prod(w_ref.shape) <= policy.W8A16_EARLY_LAUNCH_MAX_BYTES
+  i_n, i_m, i_s = early_launch(pl.program_id(0), native and trigger), pl.program_id(1), pl.program_id(2)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   rows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
   cols = pl.ds(pl.multiple_of(i_n * bn, bn), bn)

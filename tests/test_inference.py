@@ -195,6 +195,22 @@ def test_w8a16_one_row_lowers_without_a_padding_pass(monkeypatch):
   assert "jaxlowbit_w8a16_matmul" in text and "stablehlo.pad" not in text
 
 
+@pytest.mark.parametrize("n,k", [(3072, 2048), (4096, 4096), (16384, 2048)])
+def test_w8a16_issues_the_early_launch_trigger_up_to_its_weight_bound(n, k, monkeypatch):
+  """policy.W8A16_EARLY_LAUNCH_MAX_BYTES: the W8A16 kernel at M = 1 opens with griddepcontrol.launch_dependents
+  exactly where its int8 weight fits the bound (and policy.PDL_EARLY_LAUNCH is on)."""
+  args = (jax.ShapeDtypeStruct((1, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int8),
+          jax.ShapeDtypeStruct((n,), jnp.float32))
+  for early, bound in ((True, policy.W8A16_EARLY_LAUNCH_MAX_BYTES), (True, n * k), (True, n * k - 1), (False, n * k)):
+    monkeypatch.setattr(policy, "PDL_EARLY_LAUNCH", early)
+    monkeypatch.setattr(policy, "W8A16_EARLY_LAUNCH_MAX_BYTES", bound)
+    jax.clear_caches()  # both are read when the kernel is traced
+    with jax.sharding.use_abstract_mesh(H100):
+      text = jax.jit(w8a16.w8a16_matmul_kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxlowbit_w8a16_matmul" in text
+    assert ("griddepcontrol.launch_dependents" in text) == (early and n * k <= bound), (early, bound)
+
+
 def test_gemv_configs_fill_the_gpu():
   # decode of a [K=14336 -> N=4096] down projection: 32 column tiles, K split so ~4 programs per SM.
   # M = 1 sums on CUDA cores (no padding rows); a few rows take the smallest tensor-core tile.
