@@ -364,14 +364,16 @@ DECODE_ATTENTION_KERNEL = True
 # (benchmarks/inference.py --no-early-launch).
 PDL_EARLY_LAUNCH = True
 # The W8A16 kernel (pallas_kernels.w8a16) issues that trigger only for weights of up to this many bytes (int8: one a
-# weight): the CUDA-core GEMV's at M = 1 (w8a16.GEMV_MAX_ELEMENTS), not the tensor-core tiles of larger weights. On
+# weight), at every M (measured at M = 1 only): the CUDA-core GEMV's at M = 1 (w8a16.GEMV_MAX_ELEMENTS), not the
+# tensor-core tiles of larger weights. On
 # Llama 3 8B's layers the tiles' trigger cost 8% of the W8A16 decode; on the 1B model it gave 1.5%. One H200, batch 1,
 # alternating rounds of one process (benchmarks/decode_ab.py; tokens/s, medians of two rounds):
 # - 8B layers (decode_ab_8b_layers_w8a16_trigger_bytes_h200_48516ea.json): every W8A16 kernel triggering 2,661; up to
 #   32 MiB (qkv and out, not gate_up and down) 2,796; up to 6 MiB (no tensor-core tile) 2,879. In two other calls:
 #   no tile 2,864 against 2,662, no W8A16 kernel 2,875 against 2,665, no kernel of ours at all 2,922.
 # - 1B (decode_ab_1b_w8a16_gemv_trigger_h200_48516ea.json; its tiles are the gate_up and down projections): every
-#   kernel 1,775 (rounds 1,793 and 1,757), no tile 1,749 (1,756 and 1,742).
+#   kernel 1,775 (rounds 1,793 and 1,757), no tile 1,749 (1,756 and 1,742): ranges that touch.
+# The A/B files name this setting as it was then: W8A16_EARLY_LAUNCH = 'gemv' (the same kernels at M = 1) or False.
 # Why the trigger slows the large tiles was not found; the kernel after a tile is the next GEMV or XLA's split-K add.
 # Outputs do not depend on it. Ternary and W8A8 run no W8A16 kernel; on the 8B layers ternary gave 4,741 tokens/s with
 # every trigger and 4,704 with none (decode_ab_8b_layers_ternary_trigger_h200_48516ea.json).
