@@ -51,6 +51,7 @@ if "--profile-decode" in sys.argv:  # before jax starts: profile_step turns XLA'
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import table, time_samples, write_json  # noqa: E402
@@ -183,8 +184,23 @@ def ternary_gemv_linear(x, leaves):
 def chain(fn):
   """``run(xs, ws) = [fn(x, w) for x, w in zip(xs, ws)]`` jitted: ``len(ws)`` distinct layers per call, so the
   device runs them back to back (no host dispatch between layers, as in a model) and the weights, together
-  larger than L2, stream from HBM as they would in decode."""
-  return jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
+  larger than L2, stream from HBM as they would in decode.
+
+  Each layer's input is ordered after the layer before's output (``lax.optimization_barrier`` over the pair), as a
+  model's data orders them. Without it the layers are independent, and XLA may fuse work of several into one
+  kernel, which no decode does: it added all 8 layers' split-K partial sums of the W8A16 kernel in one fusion, and
+  Llama 3 8B's down projection read 21.8 us a linear against 18.4 with an add per layer (one H200,
+  benchmarks/results/w8a16_m1_rows_sweep_h200_48516ea.json; the order was added after that run)."""
+
+  def run(xs, ws):
+    outs = []
+    for x, w in zip(xs, ws):
+      if outs:
+        x, _ = lax.optimization_barrier((x, outs[-1]))
+      outs.append(fn(x, w))
+    return outs
+
+  return jax.jit(run)
 
 
 def launched(stats: dict) -> dict:

@@ -59,6 +59,26 @@ def test_decode_rows_reach_the_caller_as_each_is_measured():
   assert [r["scheme"] for r in rows] == ["bf16", "ternary"] and all("error" not in r for r in rows)
 
 
+def test_the_chain_orders_each_layer_after_the_one_before():
+  """benchmarks.inference.chain: layer i + 1's input passes an optimization barrier together with layer i's output,
+  so XLA cannot fuse work across layers (a decode cannot either); the outputs are the unchained ones."""
+  import jax
+  import numpy as np
+
+  xs = [jax.random.normal(jax.random.key(i), (2, 16)) for i in range(3)]
+  ws = [jax.random.normal(jax.random.key(10 + i), (16, 16)) for i in range(3)]
+  chained = benchmark.chain(lambda x, w: x @ w)
+  [call] = jax.make_jaxpr(chained)(xs, ws).jaxpr.eqns
+  eqns = call.params["jaxpr"].jaxpr.eqns
+  assert [e.primitive.name for e in eqns] == ["dot_general", "optimization_barrier"] * 2 + ["dot_general"]
+  for i in (1, 3):
+    before, barrier, after = eqns[i - 1], eqns[i], eqns[i + 1]
+    assert before.outvars[0] in barrier.invars  # the previous layer's output...
+    assert after.invars[0] is barrier.outvars[0]  # ...orders this layer's input
+  for got, x, w in zip(chained(xs, ws), xs, ws):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda x, w: x @ w)(x, w)))
+
+
 def test_device_time_splits_a_trace_into_its_calls():
   """Per-linear times are the device's (benchmarks.inference.gpu_times: one traced span per call, as decode's CUDA
   graph pays them): as many spans as calls, each call the same kernels, a positive median between its min and max,
