@@ -365,9 +365,9 @@ DECODE_ATTENTION_KERNEL = True
 PDL_EARLY_LAUNCH = True
 # The W8A16 kernel (pallas_kernels.w8a16) issues that trigger only for weights of up to this many bytes (int8: one a
 # weight), at every M (measured at M = 1 only): the CUDA-core GEMV's at M = 1 (w8a16.GEMV_MAX_ELEMENTS), not the
-# tensor-core tiles of larger weights. On
-# Llama 3 8B's layers the tiles' trigger cost 8% of the W8A16 decode; on the 1B model it gave 1.5%. One H200, batch 1,
-# alternating rounds of one process (benchmarks/decode_ab.py; tokens/s, medians of two rounds):
+# tensor-core tiles of larger weights. On Llama 3 8B's layers the tiles' trigger cost 8% of the W8A16 decode; on the
+# 1B model it gave 1.5%. One H200, batch 1, alternating rounds of one process (benchmarks/decode_ab.py; tokens/s,
+# medians of two rounds):
 # - 8B layers (decode_ab_8b_layers_w8a16_trigger_bytes_h200_48516ea.json): every W8A16 kernel triggering 2,661; up to
 #   32 MiB (qkv and out, not gate_up and down) 2,796; up to 6 MiB (no tensor-core tile) 2,879. In two other calls:
 #   no tile 2,864 against 2,662, no W8A16 kernel 2,875 against 2,665, no kernel of ours at all 2,922.
