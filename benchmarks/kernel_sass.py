@@ -100,7 +100,7 @@ def triton_modules(fn, *args) -> list[TritonModule]:
   return modules
 
 
-def compile_sass(module: TritonModule, workdir: str | None = None) -> tuple[str, int, int]:
+def compile_sass(module: TritonModule) -> tuple[str, int, int]:
   """``(sass, registers a thread, shared memory bytes)`` of ``module`` compiled for sm_90 by the ``triton``
   package (ImportError naming the install if it is missing)."""
   try:
@@ -109,7 +109,7 @@ def compile_sass(module: TritonModule, workdir: str | None = None) -> tuple[str,
   except ImportError as e:
     raise ImportError("kernel_sass needs the triton package (pip install triton==3.6.0), which bundles ptxas and "
                       "cuobjdump; the project itself does not depend on it") from e
-  with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+  with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "kernel")
     with open(path + ".ttir", "w") as f:
       f.write(module.ir)

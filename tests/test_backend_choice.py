@@ -8,17 +8,15 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxlowbit import BitNet, Float8, Int8MixedPrecision, optim, qstate, quantized_matmul
 from jaxlowbit.qstate import BlockQuantized
 from jaxlowbit_numerics.adam import adam_coefficients
 from pallas_kernels import dispatch, policy
+from helpers import H100
 
 pytestmark = pytest.mark.timeout(300)
 
-H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                                  platform="gpu"))
 TILED = (512, 1024, 768)  # (M, K, N) every quantize kernel tiles
 UNTILED = (300, 200, 136)  # K = 200 is not a multiple of 16: no quantize kernel takes x
 GEMM_CALL = "mosaic_gpu"

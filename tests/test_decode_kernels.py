@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import bf16_values_close, fresh_key, rel_err, sqnr_db
+from helpers import H100, bf16_values_close, fresh_key, rel_err, sqnr_db
 from pallas_kernels import decode, dispatch, policy
 from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU
 from pallas_kernels.reference import quantize_rows_reference
@@ -770,8 +770,6 @@ def test_the_gate_up_gemv_that_writes_the_gated_activation_on_gpu(scheme, monkey
 def test_the_kernels_lower_for_cuda(monkeypatch):
   """Triton-backend lowering (Pallas -> Triton IR) of both kernels for an H100 on the 1B model's shapes, on CPU,
   with and without the early-launch trigger (``pallas_kernels.launch``)."""
-  from test_inference import H100
-
   f = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   norm = RmsNorm(1e-5, jnp.dtype(bf16))
@@ -817,7 +815,6 @@ def test_every_int8_division_form_lowers_for_cuda_and_matches_the_reference_inte
   norm the mean square's sum order could move an output, so the kernel's output is what both quantize)."""
   from jaxlowbit.inference.weights import INT8_TOKENS
   from pallas_kernels import quantize as quantize_kernels
-  from test_inference import H100
 
   monkeypatch.setattr(policy, "INT8_DIVISION", form)
   f = jax.ShapeDtypeStruct

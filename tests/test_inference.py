@@ -22,7 +22,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import jaxlowbit
 from jaxlowbit import BitNet, Int8MixedPrecision, inference
@@ -33,10 +32,8 @@ from jaxlowbit_numerics.int8 import quantize_int8
 from jaxlowbit_numerics.ternary import pack_2bit, quantize_ternary
 from pallas_kernels import dp4a_gemv, inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import scaled_matmul_reference
-from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
+from helpers import H100, fresh_key, inference_kernel_table, rel_err, tie_free_activations
 
-H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                                  platform="gpu"))
 # float32 accumulation over K terms, then one rounding to bf16 (2^-8 relative) of the result.
 BF16_ROUNDING = 2.0**-8
 

@@ -14,17 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import pack_2bit
 from pallas_kernels import dp4a_gemv, inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import quantize_rows_reference
-from helpers import fresh_key, tie_free_activations
+from helpers import H100, fresh_key, tie_free_activations
 
-H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                                  platform="gpu"))
 
 
 def _operands(key, m, n, k):
