@@ -11,17 +11,16 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from benchmarks.kernel_sass import SM90
 from jaxlowbit_numerics import fp8, int8
 from pallas_kernels import policy
 from pallas_kernels.reference import quantize_rows_reference
 
 _counter = itertools.count()
 # An sm_90 GPU of 132 SMs, as an abstract device: programs lowered for CUDA on a CPU host see it
-# (jax.sharding.use_abstract_mesh(H100)).
-H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                                  platform="gpu"))
+# (jax.sharding.use_abstract_mesh(H100)); the one kernel_sass lowers for.
+H100 = SM90
 
 
 def equations(jaxpr):
