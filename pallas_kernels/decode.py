@@ -37,11 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxlowbit_numerics.formats import QuantSpec
-from pallas_kernels import policy
 from pallas_kernels.launch import early_launch
 from pallas_kernels.quantize import (RmsNorm, _col_chunk, check_row_int8, code_scales, encode, magnitude, normed,
                                      round_to)
-from pallas_kernels.reduce import sum_and_max
 from pallas_kernels.reference import quantize_rows_reference
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import num_sms
@@ -83,46 +81,6 @@ class Add:
     return round_to(x.astype(jnp.float32) + delta.astype(jnp.float32), x.dtype)
 
 
-# A norm that hands int8 codes takes its row's amax from its first sweep (policy.NORM_AMAX_ONE_SWEEP): the bounds
-# around the amax predicted from max |x * gamma| (relative; the proof is normed_amax's), and the range in which that
-# prediction is trusted (past it, the row takes the second sweep: zero or tiny rows, overflow, NaN, inf).
-AMAX_MARGIN = 2.0 ** -20
-AMAX_PREDICTED_RANGE = (2.0 ** -60, 2.0 ** 100)
-AMAX_RSTD_MIN = 2.0 ** -50
-
-
-def amax_from_first_sweep(dtype) -> bool:
-  """Whether a code-writing norm rounding to ``dtype`` predicts its amax (16-bit outputs: a float32 output has no
-  rounding that could absorb the prediction's error, so it always sweeps)."""
-  return policy.NORM_AMAX_ONE_SWEEP and jnp.dtype(dtype).itemsize < 4
-
-
-def normed_amax(top: jax.Array, gamma_top: jax.Array, rstd: jax.Array, width: int, dtype, swept):
-  """``max |normed(x, rstd, gamma, dtype)|`` of one row, exactly, from its first sweep's statistics when they
-  decide it, else ``swept()`` (a second sweep over the row).
-
-  ``top = max |x * gamma|``, ``gamma_top = max |gamma|`` and ``rstd`` are float32 ``[1]``; ``width`` the row's.
-  Each output is ``R(|x_i| * fl(rstd * |gamma_i|))`` (``R``: rounding to ``dtype``; the float32 products round
-  twice, relative error u = 2^-24 each) and ``top`` is ``fl(max |x_i gamma_i|)``, so ``e = fl(top * rstd)`` and the
-  largest float32 output are within a factor (1 + u)^4 of ``rstd * max |x_i gamma_i|``, and of each other. Rounding
-  is monotonic: where ``R(e (1 - 2^-20))`` equals ``R(e (1 + 2^-20))`` (bounds rounded outward by the float32
-  products at most u), that value is the amax. The guards keep the float32 steps normal: ``e`` in
-  :data:`AMAX_PREDICTED_RANGE`; ``rstd * max |gamma|`` finite below 2^100 (no product overflows); ``rstd >=``
-  :data:`AMAX_RSTD_MIN`, which bounds ``|x_i| <= sqrt(width) / rstd``, so a subnormal ``rstd * |gamma_i|`` (absolute
-  error 2^-150) moves the output by under ``u e``; ``top`` in range too (it is no subnormal). NaN or inf anywhere
-  fails a guard. A 16-bit row misses the
-  bounds' test about once in 2^11 rows (within 2^-20 of a rounding boundary) and sweeps."""
-  estimate = jnp.max(top * rstd)  # [1] -> a scalar
-  low = (estimate * (1.0 - AMAX_MARGIN)).astype(dtype).astype(jnp.float32)
-  high = (estimate * (1.0 + AMAX_MARGIN)).astype(dtype).astype(jnp.float32)
-  reach = jnp.max(gamma_top * rstd)
-  assert width <= 2 ** 20, width  # the subnormal bound above: sqrt(width) <= 2^10
-  lowest, highest = AMAX_PREDICTED_RANGE
-  known = ((low == high) & (estimate >= lowest) & (estimate <= highest) & (jnp.max(top) >= lowest)
-           & (reach <= highest) & (jnp.max(rstd) >= AMAX_RSTD_MIN))
-  return lax.cond(known, lambda: low, swept)
-
-
 def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, chunk: int, write_source: bool,
                       quantize: QuantSpec | None, keep_values: bool, native: bool):
   """Inputs (the source prologue's), gamma; outputs: the normed row (``quantize``: its codes and their scale, and
@@ -147,23 +105,15 @@ def _norm_rows_kernel(*refs, source, n_inputs: int, norm: RmsNorm, width: int, c
     v = values(j)
     return acc + jnp.sum(v * v, axis=1)
 
-  one_sweep = quantize is not None and resident is not None and amax_from_first_sweep(norm.dtype)
-  if one_sweep:  # the amax's statistics, max |x * gamma| and max |gamma|, taken with the mean square
-    g = gamma.astype(jnp.float32)[None, :]
-    total, tops = sum_and_max(resident * resident, (magnitude(resident * g), magnitude(g)), 1, native)
-  else:
-    total = lax.fori_loop(0, n_chunks, square_sum, jnp.zeros((1,), jnp.float32))
+  total = lax.fori_loop(0, n_chunks, square_sum, jnp.zeros((1,), jnp.float32))
   rstd = norm.finish_stat(total, width)
 
   def y(j, v):  # the normed chunk j of values v, rounded to the norm's dtype, as float32
     return normed(v, rstd, gamma_ref[pl.ds(j * chunk, chunk)] if gamma is None else gamma, norm.dtype)
 
   if quantize is not None:  # the row's amax over the rounded outputs, then the codes the linear's quantizer makes
-    def swept_amax():
-      return lax.fori_loop(0, n_chunks, lambda j, a: jnp.maximum(a, jnp.max(magnitude(y(j, values(j))))),
-                           jnp.float32(0))
-
-    amax = normed_amax(*tops, rstd, width, norm.dtype, swept_amax) if one_sweep else swept_amax()
+    amax = lax.fori_loop(0, n_chunks, lambda j, a: jnp.maximum(a, jnp.max(magnitude(y(j, values(j))))),
+                         jnp.float32(0))
     param, scale = code_scales(amax, quantize)
     scale_ref[rows, :] = jnp.full((1, 1), scale, jnp.float32)
 

@@ -379,14 +379,6 @@ PDL_EARLY_LAUNCH = True
 # every trigger and 4,704 with none (decode_ab_8b_layers_ternary_trigger_h200_48516ea.json).
 W8A16_EARLY_LAUNCH_MAX_BYTES = 2048 * 3072
 
-# A decode norm that hands int8 codes (pallas_kernels.decode.norm_rows_kernel with quantize) predicts its row's amax
-# from its first sweep (max |x * gamma| and max |gamma|, reduced with the mean square in one pass:
-# pallas_kernels.reduce.sum_and_max) and sweeps the row a second time for it only where that prediction does not
-# decide the rounded amax (decode.normed_amax; about one row in 2^11, and rows with NaN, inf or extreme values). The
-# codes are the same either way; before, every such norm ran two reductions one after the other. False: always the
-# second sweep.
-NORM_AMAX_ONE_SWEEP = True
-
 # A decode step's gated MLP: its fused gate_up projection returns act(gate) * up itself (train.model.Mlp;
 # jaxlowbit.LowBitDense.gated), which the decode GEMVs of a converted model form in their epilogue
 # (pallas_kernels.inference_dispatch.gate). The kernel after it then reads d_ff values a token instead of 2 d_ff and

@@ -24,7 +24,7 @@ import pytest
 
 from helpers import H100, bf16_values_close, fresh_key, rel_err, sqnr_db
 from pallas_kernels import decode, dispatch, policy
-from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU, magnitude, normed
+from pallas_kernels.quantize import Identity, RmsNorm, SwiGLU
 from pallas_kernels.reference import quantize_rows_reference
 from train import generate, kv_cache
 from train.model import ModelConfig, Transformer, rope, rope_frequencies
@@ -107,130 +107,6 @@ def test_norm_rows_kernel_refuses_a_scale_of_another_width():
   with pytest.raises(ValueError, match="gamma"):
     decode.norm_rows_kernel(inputs, jnp.ones((128,), jnp.bfloat16), Identity(), RmsNorm(1e-5, jnp.bfloat16),
                             interpret=True)
-
-
-# Rows that no prediction of the rounded amax may decide (decode.normed_amax must sweep them): each breaks one guard.
-SPECIAL_ROWS = ("nan_x", "inf_x", "zero_x", "nan_gamma", "inf_gamma", "tiny_x", "gamma_overflow")
-
-
-def _amax_rows(key, n_random: int, n_ties: int, width: int):
-  """``(x [R, width] float32 of bf16 values, gamma [R, width] float32, kinds)``: random rows; rows whose largest
-  normed output sits within a few float32 ulps of a bf16 rounding tie (one dominant element, its gamma solved for
-  the tie); one row of each of :data:`SPECIAL_ROWS`."""
-  eps = 1e-5
-  k = jax.random.split(key, 5)
-  rows = n_random + n_ties + len(SPECIAL_ROWS)
-  x = np.array(jax.random.normal(k[0], (rows, width), jnp.float32).astype(jnp.bfloat16), np.float32)
-  gamma = np.array(1.0 + 0.2 * jax.random.normal(k[1], (rows, width), jnp.float32), np.float32)
-  kinds = ["random"] * n_random + ["tie"] * n_ties + list(SPECIAL_ROWS)
-  steps = np.asarray(jax.random.randint(k[2], (n_ties,), 0, 128))
-  exps = np.asarray(jax.random.randint(k[3], (n_ties,), -3, 4))
-  ulps = np.asarray(jax.random.randint(k[4], (n_ties,), -4, 5))
-  for t in range(n_ties):
-    r = n_random + t
-    gamma[r] *= 0.01  # every other |x gamma| far below the dominant one
-    rstd = np.float64(jax.lax.rsqrt(jnp.sum(jnp.asarray(x[r]) ** 2) / width + eps))
-    tie = (1.0 + steps[t] / 128 + 2.0**-8) * 2.0 ** exps[t]  # halfway between two bf16 values
-    g0 = np.float32(tie / (np.float64(x[r, 0]) * rstd))
-    gamma[r, 0] = g0 + ulps[t] * np.spacing(g0)
-  special = dict(zip(SPECIAL_ROWS, range(n_random + n_ties, rows)))
-  x[special["nan_x"], 3] = np.nan
-  x[special["inf_x"], 5] = -np.inf
-  x[special["zero_x"]] = 0.0
-  gamma[special["nan_gamma"], 7] = np.nan
-  gamma[special["inf_gamma"], 2] = np.inf
-  x[special["tiny_x"]] = np.asarray(jnp.asarray(x[special["tiny_x"]] * 1e-30).astype(jnp.bfloat16), np.float32)
-  x[special["gamma_overflow"]] = np.asarray(jnp.asarray(x[special["gamma_overflow"]] * 1e-20).astype(jnp.bfloat16),
-                                             np.float32)
-  gamma[special["gamma_overflow"]] = 1e38
-  return x, gamma, kinds
-
-
-def _bits(a) -> np.ndarray:
-  a = np.asarray(a)
-  return a.view(np.dtype(f"u{a.dtype.itemsize}"))
-
-
-def test_a_predicted_amax_is_the_swept_one_or_defers_to_the_sweep():
-  """decode.normed_amax, the proof in its docstring checked in float32 (XLA on CPU): on every row it returns the
-  swept amax of the bf16 outputs bit for bit or defers to the sweep; it defers on every row within a few ulps of a
-  rounding tie and on every row with NaN, inf or values past its range, and on under 1% of random rows (expected:
-  about 2^-11 of them)."""
-  width, dtype, eps = 512, jnp.dtype(jnp.bfloat16), 1e-5
-  x, gamma, kinds = _amax_rows(fresh_key(), 2048, 64, width)
-  deferred = np.float32(-1.0)
-
-  def one_row(x, gamma):
-    rstd = jax.lax.rsqrt(jnp.sum(x * x, keepdims=True) / width + eps)  # [1], as the kernel holds it
-    swept = jnp.max(magnitude(normed(x[None], rstd, gamma, dtype)))
-    top = jnp.max(magnitude(x * gamma), keepdims=True)
-    gamma_top = jnp.max(magnitude(gamma), keepdims=True)
-    return decode.normed_amax(top, gamma_top, rstd, width, dtype, lambda: deferred), swept
-
-  got, swept = jax.jit(jax.vmap(one_row))(jnp.asarray(x), jnp.asarray(gamma))
-  got, swept, kinds = np.asarray(got), np.asarray(swept), np.asarray(kinds)
-  decided = got != deferred
-  np.testing.assert_array_equal(got[decided], swept[decided])
-  assert not decided[kinds != "random"].any(), kinds[(kinds != "random") & decided]
-  assert decided[kinds == "random"].mean() > 0.99
-
-
-def _amax_paths_agree(name: str, width: int, n_random: int, n_ties: int, interpret: bool, monkeypatch):
-  """The code-writing norm with its amax predicted and swept (policy.NORM_AMAX_ONE_SWEEP on / off) on
-  :func:`_amax_rows`' rows: the same bits; on the finite rows, the linear's quantizer's codes of its bf16 output."""
-  from jaxlowbit.inference.weights import BITNET_TOKENS
-
-  source, _, write_source = SOURCES[name]
-  x, gamma, kinds = _amax_rows(fresh_key(), n_random, n_ties, width)
-  x = jnp.asarray(x, jnp.bfloat16)
-  inputs = (x, jnp.zeros_like(x)) if write_source else (x,)
-  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
-
-  def run(row, quantize):  # traced afresh each call, so under the policy set now
-    args = (tuple(a[row:row + 1] for a in inputs), jnp.asarray(gamma[row]))
-    return jax.jit(lambda i, g: decode.norm_rows_kernel(i, g, source, norm, write_source, quantize,
-                                                        interpret=interpret))(*args)
-
-  for row in range(x.shape[0]):  # gamma is one vector a call: one row at a time
-    runs = {}
-    for on in (True, False):
-      monkeypatch.setattr(policy, "NORM_AMAX_ONE_SWEEP", on)
-      runs[on] = run(row, BITNET_TOKENS)
-    for got, want in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False])):  # bits: NaN rows too
-      np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=kinds[row])
-    if kinds[row] in ("random", "tie"):
-      y = run(row, None)
-      codes, scale = quantize_rows_reference(y[0] if write_source else y, BITNET_TOKENS)
-      got_codes, got_scale = runs[True][0] if write_source else runs[True]
-      np.testing.assert_array_equal(got_codes, codes, err_msg=kinds[row])
-      np.testing.assert_array_equal(got_scale, scale, err_msg=kinds[row])
-
-
-@pytest.mark.parametrize("name", ["plain", "residual"])
-def test_a_norm_predicting_its_amax_writes_the_codes_of_the_swept_amax(name, monkeypatch):
-  """policy.NORM_AMAX_ONE_SWEEP changes no bit of a code-writing norm's outputs: random rows, rows at a rounding
-  tie, rows with NaN, inf and extreme values (interpreted; the GPU's one-pass reduction in the ``gpu`` test)."""
-  _amax_paths_agree(name, 256, 5, 4, True, monkeypatch)
-
-
-@pytest.mark.parametrize("on", [True, False])
-def test_a_norm_predicting_its_amax_lowers_its_three_statistics_to_one_gpu_reduction(on, monkeypatch):
-  """Lowered for the GPU (Triton IR, on the CPU): with policy.NORM_AMAX_ONE_SWEEP the mean square and the two maxima
-  are one ``tt.reduce`` of three operands (pallas_kernels.reduce); without it no reduction takes several."""
-  import re
-
-  from benchmarks import kernel_sass
-  from jaxlowbit.inference.weights import BITNET_TOKENS
-  from pallas_kernels import reduce
-
-  assert reduce.FUSED  # jax 0.10-0.11 keep the private lowering it reuses
-  monkeypatch.setattr(policy, "NORM_AMAX_ONE_SWEEP", on)
-  norm = RmsNorm(1e-5, jnp.dtype(jnp.bfloat16))
-  [module] = kernel_sass.triton_modules(
-      lambda x, g: decode.norm_rows_kernel((x,), g, Identity(), norm, quantize=BITNET_TOKENS),
-      jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048,), jnp.bfloat16))
-  operands = [m.count("%") for m in re.findall(r'"tt\.reduce"\(([^)]*)\)', module.ir)]
-  assert (operands.count(3) == 1 and max(operands) == 3) if on else max(operands) == 1, operands
 
 
 def _xla_attention_step(qkv, key, value, pos, n_heads, theta):
@@ -740,17 +616,6 @@ def test_norm_rows_kernel_on_gpu(name, rows, width):
     np.testing.assert_array_equal(got[1], want[1])
     got, want = got[0], want[0]
   bf16_values_close(got, want, max_fraction=0.05, steps=_steps(source))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["plain", "residual"])
-@pytest.mark.parametrize("width", [2048, 8192])
-def test_a_norm_predicting_its_amax_writes_the_codes_of_the_swept_amax_on_gpu(name, width, monkeypatch):
-  """The same on the GPU, where the mean square and the two maxima are one reduction (pallas_kernels.reduce)."""
-  from pallas_kernels import reduce
-
-  assert reduce.FUSED, "this jax has no pallas triton _reduction_lowering: the norm reduces twice"
-  _amax_paths_agree(name, width, 4, 4, False, monkeypatch)
 
 
 # (batch, cache length, position): the 1B model's short decode; a cache split over programs, 2 per SM on 132 SMs
