@@ -138,6 +138,20 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
   return dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split)
 
 
+# Activation values a thread loads at once in the quantizing kernels' amax pass. Each trip of a Triton loop is a
+# round trip to L2 that the next one waits for, so the pass loads as many chunks of the row as this allows in one
+# trip: the 8B down projection's 14336 columns in two trips at M = 1 instead of seven.
+AMAX_VALUES_PER_THREAD = 64
+
+
+def amax_trips(n_chunks: int, values_per_chunk: int, num_warps: int) -> tuple[int, int]:
+  """``(chunks a trip, full trips)`` of an amax pass over ``n_chunks`` chunks of ``values_per_chunk`` values (all
+  rows) on ``num_warps`` warps: at most :data:`AMAX_VALUES_PER_THREAD` a thread in a trip; the chunks past the full
+  trips are one more, shorter trip."""
+  per_trip = max(1, min(n_chunks, AMAX_VALUES_PER_THREAD * 32 * num_warps // values_per_chunk))
+  return per_trip, n_chunks // per_trip
+
+
 def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig, gated: bool = False) -> bool:
   """Whether the kernel takes M rows and a weight of ``[N, k_groups]`` groups with this tiling (never padded);
   ``gated``: and writes the gated output (K unsplit, each half of N a whole number of half-blocks)."""
@@ -205,14 +219,23 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
   if spec is None:
     scales = [sx_ref[r] for r in range(m)]
   else:
-    # The row's amax over all of K (every program reads the whole row, a few KiB from L2), then its scale.
+    # The row's amax over all of K (every program reads the whole row, a few KiB from L2), then its scale: the
+    # chunks of a trip are loaded together and met element-wise, one block reduction at the end (:func:`amax_trips`).
     chunk = VALUES_PER_BYTE * bk
+    per_trip, trips = amax_trips(k // chunk, m * chunk, config.num_warps)
 
-    def row_amax(t, amaxes):
-      values = [x_ref[pl.ds(r * k + t * chunk, chunk)].astype(jnp.float32) for r in range(m)]
-      return tuple(jnp.maximum(a, jnp.max(quantize.magnitude(v))) for a, v in zip(amaxes, values))
+    def chunk_maxes(first_chunk, count, maxes):  # maxes[r]: [chunk] float32, element-wise |x| maxima of row r
+      for t in range(count):
+        start = (first_chunk + t) * chunk
+        values = [x_ref[pl.ds(r * k + start, chunk)].astype(jnp.float32) for r in range(m)]
+        maxes = tuple(jnp.maximum(a, quantize.magnitude(v)) for a, v in zip(maxes, values))
+      return maxes
 
-    amaxes = lax.fori_loop(0, k // chunk, row_amax, tuple(jnp.float32(0) for _ in range(m)))
+    maxes = tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(m))
+    maxes = (lax.fori_loop(0, trips, lambda i, a: chunk_maxes(i * per_trip, per_trip, a), maxes) if trips > 1
+             else chunk_maxes(0, per_trip, maxes))
+    maxes = chunk_maxes(trips * per_trip, k // chunk - trips * per_trip, maxes)  # the chunks past the full trips
+    amaxes = [jnp.max(a) for a in maxes]
     params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
 
   def x_words(r, start):

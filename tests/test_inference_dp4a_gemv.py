@@ -174,6 +174,35 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("values_per_thread", [3, dp4a_gemv.AMAX_VALUES_PER_THREAD])
+def test_quantizing_gemv_amax_trips_cover_every_chunk(monkeypatch, values_per_thread):
+  """The amax pass loads several chunks of x a trip (``amax_trips``); with 3 values a thread, 4 warps and 64-value
+  chunks of 2 rows, 32 chunks take 10 trips of 3 and a last trip of 2. Row 0's largest magnitude sits in that last
+  trip, row 1's in the first: both kernels (ternary, int8 weights) still match quantize-then-reference bit for bit,
+  which a skipped or repeated chunk would break."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  monkeypatch.setattr(dp4a_gemv, "AMAX_VALUES_PER_THREAD", values_per_thread)
+  jax.clear_caches()  # the kernel's jit is keyed on its tiling, not on the constant
+  assert dp4a_gemv.amax_trips(32, 2 * 64, 4) == ((3, 10) if values_per_thread == 3 else (32, 1))
+  m, n, k = 2, 32, 2048
+  key = fresh_key()
+  x = np.array(tie_free_activations(key, m, k, BITNET_TOKENS))
+  for row, at in ((0, k - 5), (1, 3)):  # the peak moved by a swap: the row's values, so its scale and codes, unchanged
+    peak = int(np.argmax(np.abs(x[row].astype(np.float32))))
+    x[row, [peak, at]] = x[row, [at, peak]]
+  x = jnp.asarray(x)
+  _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), m, n, k)
+  wq, channel = _int8_weight(jax.random.fold_in(key, 2), n, k)
+  for kernel, spec, w, scale, packed, reference in (
+      (dp4a_gemv.quantize_a8w2_gemv_kernel, BITNET_TOKENS, w_packed, w_scale, True, int8_gemv.a8w2_matmul_reference),
+      (dp4a_gemv.quantize_a8w8_gemv_kernel, INT8_TOKENS, wq, channel, False, int8_gemv.a8w8_matmul_reference)):
+    config = dataclasses.replace(_tiling(m, n, k, 1, False, packed=packed), block_k=16, num_warps=4)
+    got = kernel(x, w, scale, spec, jnp.float32, config=config, interpret=True)
+    want = reference(*quantize_rows_reference(x, spec), w, scale, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("m,n,k,reduce_per_step", [(1, 64, 512, False), (2, 128, 1024, True), (4, 32, 256, False)])
 def test_gated_gemv_writes_the_gated_activation_of_the_reference(m, n, k, reduce_per_step, activation):
