@@ -280,7 +280,13 @@ SWEEP = {
                      (64, 64, None), (8, 1024, 1), (16, 256, 1)],
     "a8w8_gemv": [(8, 256, None), (8, 128, None), (8, 512, None), (4, 256, None), (16, 128, None), (16, 256, None),
                   (8, 256, None, 8), (8, 512, None, 8), (16, 256, None, 8)],
+    # The same two GEMVs on float activations, quantized inside (the per-linear rows' path at M = 1).
+    "quantize_ternary_gemv": [(16, 512, None), (8, 512, None), (8, 1024, None), (16, 1024, None), (16, 256, None),
+                              (32, 256, None), (16, 512, None, 8), (8, 512, None, 8)],
+    "quantize_a8w8_gemv": [(8, 512, None, 8), (8, 256, None, 8), (16, 256, None, 8), (16, 512, None, 8),
+                           (8, 1024, None, 8), (8, 512, None, 4)],
 }
+DP4A_SWEEPS = ("ternary_gemv", "a8w8_gemv", "quantize_ternary_gemv", "quantize_a8w8_gemv")
 
 
 def bench_kernel_sweep(shapes, iters: int, runs: int, layers: int, ms=(1,), kernels=None) -> list[dict]:
@@ -304,7 +310,7 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
     wp = [w[:, : k // 4] for w in wq]
     sw = jnp.ones((n,), jnp.float32)
     for kernel in kernels:
-      if kernel in ("ternary_gemv", "a8w8_gemv") and m > dp4a_gemv.MAX_M:
+      if kernel in DP4A_SWEEPS and m > dp4a_gemv.MAX_M:
         continue
       for block_n, block_k, split, *warps in SWEEP[kernel]:
         row = {"k": k, "n": n, "m": m, "kernel": kernel, "block_n": block_n, "block_k": block_k}
@@ -319,6 +325,13 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
             config = dp4a_gemv.config_for(n, k // 4, m=m, codes=True, packed=False)
             run = lambda a, w, c: dp4a_gemv.a8w8_gemv_kernel(a, sx, w, sw, config=c)  # noqa: E731
             args, block_m, k_bytes = (xq, wq), m, k // 4  # int32 words of four
+          elif kernel in ("quantize_ternary_gemv", "quantize_a8w8_gemv"):
+            packed = kernel == "quantize_ternary_gemv"
+            config = dp4a_gemv.config_for(n, k // 4, m=m, packed=packed)
+            call = dp4a_gemv.quantize_a8w2_gemv_kernel if packed else dp4a_gemv.quantize_a8w8_gemv_kernel
+            spec = inference.weights.BITNET_TOKENS if packed else inference.weights.INT8_TOKENS
+            run = lambda a, w, c, f=call, q=spec: f(a, w, sw, q, config=c)  # noqa: E731
+            args, block_m, k_bytes = (x, wp if packed else wq), m, k // 4
           elif kernel == "w8a16":
             config = w8a16.config_for(m, n, k)
             run = lambda a, w, c: w8a16.w8a16_matmul_kernel(a, w, sw, config=c)  # noqa: E731
@@ -335,7 +348,7 @@ def _sweep_at(shapes, iters: int, runs: int, layers: int, m: int, kernels) -> li
           config = dataclasses.replace(config, block_n=block_n, block_k=block_k, split_k=split_k,
                                        num_warps=warps[0] if warps else config.num_warps)
           fn = chain(lambda a, w, c=config, r=run: r(a, w, c))
-          nbytes = n * k if kernel == "a8w8_gemv" else n * k_bytes
+          nbytes = n * k if kernel in ("a8w8_gemv", "quantize_a8w8_gemv") else n * k_bytes
           row.update(split_k=config.split_k, num_warps=config.num_warps)
           compiled = fn.lower(*args).compile()
           row.update(launched(time_runs(compiled, *args, iters=iters, runs=runs, per_call=layers)))

@@ -144,6 +144,10 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
 AMAX_VALUES_PER_THREAD = 64
 
 
+# K steps of weights a quantizing program loads before its amax pass (pre-quantized codes: one).
+QUANTIZER_STEPS_AHEAD = 1
+
+
 def amax_trips(n_chunks: int, values_per_chunk: int, num_warps: int) -> tuple[int, int]:
   """``(chunks a trip, full trips)`` of an amax pass over ``n_chunks`` chunks of ``values_per_chunk`` values (all
   rows) on ``num_warps`` warps: at most :data:`AMAX_VALUES_PER_THREAD` a thread in a trip; the chunks past the full
@@ -213,7 +217,9 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     start = pl.multiple_of(k0 + t * bk, bk)
     return tuple(w_ref[c, pl.ds(start, bk)] for c in tiles), start  # [bn, bk] groups a tile
 
-  first = load(0)  # issued before the amax pass, so the weight's first bytes are in flight meanwhile
+  # The first K steps' weights, issued before the amax pass so they are in flight meanwhile.
+  ahead = min(QUANTIZER_STEPS_AHEAD if spec is not None else 1, k_per_split // bk)
+  firsts = [load(t) for t in range(ahead)]
   if config.split_k == 1:  # the epilogue's weight scales, loaded now rather than after the loop
     sws = [sw_ref[0] if tensor_scale else sw_ref[c] for c in tiles]
   if spec is None:
@@ -268,8 +274,10 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     return tuple(new)
 
   acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
-  accs = step(*first, tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles))
-  accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
+  accs = tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles)
+  for groups, start in firsts:
+    accs = step(groups, start, accs)
+  accs = lax.fori_loop(ahead, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
     totals = []
     for tile_accs in accs:
