@@ -139,13 +139,12 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
 
 
 # Activation values a thread loads at once in the quantizing kernels' amax pass. Each trip of a Triton loop is a
-# round trip to L2 that the next one waits for, so the pass loads as many chunks of the row as this allows in one
-# trip: the 8B down projection's 14336 columns in two trips at M = 1 instead of seven.
+# round trip to L2 that the next one waits for (and each block reduction a barrier that loads are not moved across),
+# so the pass loads as many chunks of the row as this allows in one trip and reduces once: the 8B down projection's
+# 14336 columns in two trips at M = 1 instead of seven. One H200, M = 1, device time (benchmarks/results/
+# dp4a_quantizer_amax_h200_4425b32.json): ternary 14336 x 4096 13.8 -> 11.9 us, 4096 x 14336 9.8 -> 9.0, 4096 x 4096
+# 3.7 -> 3.3; W8A8 20.5 -> 17.2, 19.5 -> 17.9, 7.2 -> 6.4. 128 a thread (one trip there) measured the same.
 AMAX_VALUES_PER_THREAD = 64
-
-
-# K steps of weights a quantizing program loads before its amax pass (pre-quantized codes: one).
-QUANTIZER_STEPS_AHEAD = 1
 
 
 def amax_trips(n_chunks: int, values_per_chunk: int, num_warps: int) -> tuple[int, int]:
@@ -217,9 +216,10 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     start = pl.multiple_of(k0 + t * bk, bk)
     return tuple(w_ref[c, pl.ds(start, bk)] for c in tiles), start  # [bn, bk] groups a tile
 
-  # The first K steps' weights, issued before the amax pass so they are in flight meanwhile.
-  ahead = min(QUANTIZER_STEPS_AHEAD if spec is not None else 1, k_per_split // bk)
-  firsts = [load(t) for t in range(ahead)]
+  # The first step's weights, issued before the amax pass so they are in flight meanwhile. Two or three steps
+  # issued there were slower at M = 1 on one H200 (the registers they hold): 4096 x 14336 W8A8 19.8 us against 17.8,
+  # ternary 9.6 against 9.0 (benchmarks/results/dp4a_quantizer_prologue_h200_0aba6e6.json).
+  first = load(0)
   if config.split_k == 1:  # the epilogue's weight scales, loaded now rather than after the loop
     sws = [sw_ref[0] if tensor_scale else sw_ref[c] for c in tiles]
   if spec is None:
@@ -274,10 +274,8 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     return tuple(new)
 
   acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
-  accs = tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles)
-  for groups, start in firsts:
-    accs = step(groups, start, accs)
-  accs = lax.fori_loop(ahead, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
+  accs = step(*first, tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles))
+  accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
     totals = []
     for tile_accs in accs:
