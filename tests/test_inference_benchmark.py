@@ -117,6 +117,8 @@ def test_each_sweep_row_times_the_kernel_it_names(monkeypatch):
 
   monkeypatch.setattr(dp4a_gemv, "a8w2_gemv_kernel", fake("ternary_gemv"))
   monkeypatch.setattr(dp4a_gemv, "a8w8_gemv_kernel", fake("a8w8_gemv"))
+  monkeypatch.setattr(dp4a_gemv, "quantize_a8w2_gemv_kernel", fake("quantize_ternary_gemv", w_index=1))
+  monkeypatch.setattr(dp4a_gemv, "quantize_a8w8_gemv_kernel", fake("quantize_a8w8_gemv", w_index=1))
   monkeypatch.setattr(w8a16, "w8a16_matmul_kernel", fake("w8a16", w_index=1))
   monkeypatch.setattr(int8_gemv, "a8w2_matmul_kernel", fake("a8w2"))
   monkeypatch.setattr(int8_gemv, "a8w8_matmul_kernel", fake("a8w8"))
