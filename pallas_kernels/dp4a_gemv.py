@@ -141,7 +141,8 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
 # Activation values a thread loads at once in the quantizing kernels' amax pass. Each trip of a Triton loop is a
 # round trip to L2 that the next one waits for (and each block reduction a barrier that loads are not moved across),
 # so the pass loads as many chunks of the row as this allows in one trip and reduces once: the 8B down projection's
-# 14336 columns in two trips at M = 1 instead of seven. One H200, M = 1, device time (benchmarks/results/
+# 14336 columns at M = 1 in one straight run of loads (no loop: a trip of four chunks and the three past it) instead
+# of seven round trips. One H200, M = 1, device time (benchmarks/results/
 # dp4a_quantizer_amax_h200_4425b32.json): ternary 14336 x 4096 13.8 -> 11.9 us, 4096 x 14336 9.8 -> 9.0, 4096 x 4096
 # 3.7 -> 3.3; W8A8 20.5 -> 17.2, 19.5 -> 17.9, 7.2 -> 6.4. 128 a thread (one trip there) measured the same.
 AMAX_VALUES_PER_THREAD = 64
