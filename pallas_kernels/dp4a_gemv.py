@@ -141,10 +141,11 @@ def config_for(n: int, k_groups: int, sms: int | None = None, m: int = 1, codes:
 # Activation values a thread loads at once in the quantizing kernels' amax pass. Each trip of a Triton loop is a
 # round trip to L2 that the next one waits for (and each block reduction a barrier that loads are not moved across),
 # so the pass loads as many chunks of the row as this allows in one trip and reduces once: the 8B down projection's
-# 14336 columns at M = 1 in one straight run of loads (no loop: a trip of four chunks and the three past it) instead
-# of seven round trips. One H200, M = 1, device time (benchmarks/results/
-# dp4a_quantizer_amax_h200_4425b32.json): ternary 14336 x 4096 13.8 -> 11.9 us, 4096 x 14336 9.8 -> 9.0, 4096 x 4096
-# 3.7 -> 3.3; W8A8 20.5 -> 17.2, 19.5 -> 17.9, 7.2 -> 6.4. 128 a thread (one trip there) measured the same.
+# 14336 columns at M = 1 in one straight run of loads instead of seven round trips (ternary on 4 warps: a trip of
+# four chunks and the three past it, no loop; W8A8 on 8 warps: one trip of seven). One H200, M = 1, device time
+# (benchmarks/results/dp4a_quantizer_amax_h200_4425b32.json): ternary 14336 x 4096 13.8 -> 11.9 us, 4096 x 14336
+# 9.8 -> 9.0, 4096 x 4096 3.7 -> 3.3; W8A8 20.5 -> 17.2, 19.5 -> 17.9, 7.2 -> 6.4. 128 a thread (one trip there)
+# measured the same, within 4%.
 AMAX_VALUES_PER_THREAD = 64
 
 
@@ -218,8 +219,8 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     return tuple(w_ref[c, pl.ds(start, bk)] for c in tiles), start  # [bn, bk] groups a tile
 
   # The first step's weights, issued before the amax pass so they are in flight meanwhile. Two or three steps
-  # issued there were slower at M = 1 on one H200 (the registers they hold): 4096 x 14336 W8A8 19.8 us against 17.8,
-  # ternary 9.6 against 9.0 (benchmarks/results/dp4a_quantizer_prologue_h200_0aba6e6.json).
+  # issued there were slower at M = 1 on one H200, 64 amax values a thread (the registers they hold): 4096 x 14336
+  # W8A8 19.8 us against 17.8, ternary 9.6 against 9.0 (benchmarks/results/dp4a_quantizer_prologue_h200_0aba6e6.json).
   first = load(0)
   if config.split_k == 1:  # the epilogue's weight scales, loaded now rather than after the loop
     sws = [sw_ref[0] if tensor_scale else sw_ref[c] for c in tiles]
@@ -240,7 +241,7 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
 
     maxes = tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(m))
     maxes = (lax.fori_loop(0, trips, lambda i, a: chunk_maxes(i * per_trip, per_trip, a), maxes) if trips > 1
-             else chunk_maxes(0, per_trip, maxes))
+             else chunk_maxes(0, trips * per_trip, maxes))  # one trip is no loop: its loads issue with the rest
     maxes = chunk_maxes(trips * per_trip, k // chunk - trips * per_trip, maxes)  # the chunks past the full trips
     amaxes = [jnp.max(a) for a in maxes]
     params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))

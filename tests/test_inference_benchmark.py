@@ -108,10 +108,11 @@ def test_each_sweep_row_times_the_kernel_it_names(monkeypatch):
 
   called = []
 
-  def fake(name, w_index=2):  # x is the first argument, the weight the third (W8A16's: the second)
+  def fake(name, w_index=2):  # x is the first argument, the weight the third (second: W8A16's, the quantizing GEMVs')
     def kernel(*args, config, **kwargs):
       called.append((name, config.block_n, config.block_k))
       x, w = args[0], args[w_index]
+      assert (x.dtype == jnp.int8) == (name in ("ternary_gemv", "a8w8_gemv", "a8w2", "a8w8")), (name, x.dtype)
       return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
     return kernel
 

@@ -174,33 +174,48 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("values_per_thread", [3, dp4a_gemv.AMAX_VALUES_PER_THREAD])
-def test_quantizing_gemv_amax_trips_cover_every_chunk(monkeypatch, values_per_thread):
-  """The amax pass loads several chunks of x a trip (``amax_trips``); with 3 values a thread, 4 warps and 64-value
-  chunks of 2 rows, 32 chunks take 10 trips of 3 and a last trip of 2. Row 0's largest magnitude sits in that last
-  trip, row 1's in the first: both kernels (ternary, int8 weights) still match quantize-then-reference bit for bit,
-  which a skipped or repeated chunk would break."""
+def test_amax_trips_visit_every_chunk_once():
+  """``amax_trips``: full trips of ``per_trip`` chunks, then the rest, cover 1..200 chunks exactly, ``per_trip``
+  within the values a thread may load (or one chunk where a chunk alone is more)."""
+  for n_chunks in range(1, 201):
+    for values_per_chunk in (64, 128, 1024, 2048, 8192, 32768):
+      for warps in (2, 4, 8):
+        per_trip, trips = dp4a_gemv.amax_trips(n_chunks, values_per_chunk, warps)
+        assert 1 <= per_trip <= n_chunks and trips * per_trip <= n_chunks < (trips + 1) * per_trip
+        assert per_trip == 1 or per_trip * values_per_chunk <= dp4a_gemv.AMAX_VALUES_PER_THREAD * 32 * warps
+
+
+@pytest.mark.parametrize("values_per_thread,schedule", [(3, (3, 2)), (5, (5, 1)), (64, (8, 1))])
+def test_quantizing_gemv_amax_pass_reads_every_chunk(monkeypatch, values_per_thread, schedule):
+  """The amax pass at each shape of its schedule (``amax_trips`` on 4 warps, 64-value chunks of 2 rows, 8 chunks):
+  a loop of two trips of three and a last trip of two; one trip of five and the three past it (no loop); one trip
+  of eight. Each row's largest magnitude is moved by a swap into each chunk in turn (row 0 into chunk j, row 1 into
+  chunk 7 - j; a swap keeps the row's values, so its scale and tie-free codes): both kernels (ternary, int8 weights)
+  match quantize-then-reference bit for bit every time, which a chunk the pass skips breaks."""
   from jaxlowbit.inference.weights import INT8_TOKENS
 
   monkeypatch.setattr(dp4a_gemv, "AMAX_VALUES_PER_THREAD", values_per_thread)
   jax.clear_caches()  # the kernel's jit is keyed on its tiling, not on the constant
-  assert dp4a_gemv.amax_trips(32, 2 * 64, 4) == ((3, 10) if values_per_thread == 3 else (32, 1))
-  m, n, k = 2, 32, 2048
+  assert dp4a_gemv.amax_trips(8, 2 * 64, 4) == schedule
+  m, n, k, chunk = 2, 32, 512, 64
   key = fresh_key()
-  x = np.array(tie_free_activations(key, m, k, BITNET_TOKENS))
-  for row, at in ((0, k - 5), (1, 3)):  # the peak moved by a swap: the row's values, so its scale and codes, unchanged
-    peak = int(np.argmax(np.abs(x[row].astype(np.float32))))
-    x[row, [peak, at]] = x[row, [at, peak]]
-  x = jnp.asarray(x)
+  x0 = np.array(tie_free_activations(key, m, k, BITNET_TOKENS))
   _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), m, n, k)
   wq, channel = _int8_weight(jax.random.fold_in(key, 2), n, k)
-  for kernel, spec, w, scale, packed, reference in (
-      (dp4a_gemv.quantize_a8w2_gemv_kernel, BITNET_TOKENS, w_packed, w_scale, True, int8_gemv.a8w2_matmul_reference),
-      (dp4a_gemv.quantize_a8w8_gemv_kernel, INT8_TOKENS, wq, channel, False, int8_gemv.a8w8_matmul_reference)):
-    config = dataclasses.replace(_tiling(m, n, k, 1, False, packed=packed), block_k=16, num_warps=4)
-    got = kernel(x, w, scale, spec, jnp.float32, config=config, interpret=True)
-    want = reference(*quantize_rows_reference(x, spec), w, scale, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  kernels = ((dp4a_gemv.quantize_a8w2_gemv_kernel, BITNET_TOKENS, w_packed, w_scale, True,
+              int8_gemv.a8w2_matmul_reference),
+             (dp4a_gemv.quantize_a8w8_gemv_kernel, INT8_TOKENS, wq, channel, False, int8_gemv.a8w8_matmul_reference))
+  for j in range(k // chunk):
+    x = x0.copy()
+    for row, at in ((0, j * chunk + 5), (1, (k // chunk - 1 - j) * chunk + 60)):
+      peak = int(np.argmax(np.abs(x[row].astype(np.float32))))
+      x[row, [peak, at]] = x[row, [at, peak]]
+    x = jnp.asarray(x)
+    for kernel, spec, w, scale, packed, reference in kernels:
+      config = dataclasses.replace(_tiling(m, n, k, 1, False, packed=packed), block_k=chunk // 4, num_warps=4)
+      got = kernel(x, w, scale, spec, jnp.float32, config=config, interpret=True)
+      want = reference(*quantize_rows_reference(x, spec), w, scale, jnp.float32)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"peaks in chunks {j}, {7 - j}")
 
 
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
