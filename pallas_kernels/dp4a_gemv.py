@@ -240,9 +240,10 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
       return maxes
 
     maxes = tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(m))
-    maxes = (lax.fori_loop(0, trips, lambda i, a: chunk_maxes(i * per_trip, per_trip, a), maxes) if trips > 1
-             else chunk_maxes(0, trips * per_trip, maxes))  # one trip is no loop: its loads issue with the rest
-    maxes = chunk_maxes(trips * per_trip, k // chunk - trips * per_trip, maxes)  # the chunks past the full trips
+    looped = trips * per_trip if trips > 1 else 0  # one trip is no loop: its loads issue with the rest
+    if looped:
+      maxes = lax.fori_loop(0, trips, lambda i, a: chunk_maxes(i * per_trip, per_trip, a), maxes)
+    maxes = chunk_maxes(looped, k // chunk - looped, maxes)  # the chunks past the loop, in straight-line code
     amaxes = [jnp.max(a) for a in maxes]
     params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
 
