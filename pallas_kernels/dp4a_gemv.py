@@ -52,6 +52,7 @@ from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import VALUES_PER_BYTE
 from pallas_kernels import quantize
 from pallas_kernels.launch import early_launch
+from pallas_kernels.quantize import BYTE_BITS, BYTE_MASK
 from pallas_kernels.int8_gemv import check_a8w2, check_a8w8
 from pallas_kernels.vma import out_struct
 from pallas_kernels.w8a16 import SplitRule, fit_block
@@ -170,7 +171,6 @@ def supports(m: int, n: int, k_groups: int, config: Dp4aGemvConfig, gated: bool 
 # in its top two bits: the int8 64 x w (0b11 -> -64, 0b01 -> 64), so one dp4a against four int8 activation codes
 # sums 64 x the byte's four products. An arithmetic shift by SPREAD_SHIFT undoes the 64 exactly.
 SPREAD, TOP_CODES, SPREAD_SHIFT = 0x40100401, -0x3F3F3F40, 6  # TOP_CODES: 0xC0C0C0C0 as an int32
-BYTE_MASK, BYTE_BITS = 0xFF, 8
 
 
 def spread_codes(packed: jax.Array) -> jax.Array:
@@ -193,11 +193,12 @@ def dp4a(a: jax.Array, b: jax.Array, c: jax.Array, native: bool) -> jax.Array:
 
 
 def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spec: QuantSpec | None, packed: bool,
-            native: bool, tensor_scale: bool, gated: str | None, half: int):
+            native: bool, tensor_scale: bool, gated: str | None, half: int, pairs: bool):
   """One ``block_n`` slice of the outputs over one K split.
 
   Refs: ``x`` (rows flattened: the int8 codes as ``[m * K / 4]`` int32 words of four, or ``[m * K]`` float
-  activations when ``spec`` quantizes them here), the weight's ``[N, K/4]`` groups (``packed``: int8 bytes of four
+  activations when ``spec`` quantizes them here; ``pairs``: bfloat16 ones as ``[m * K / 2]`` int32 words of two),
+  the weight's ``[N, K/4]`` groups (``packed``: int8 bytes of four
   2-bit weights; else int32 words of four int8 weights), the codes' scales ``[m]`` (pre-quantized only), the
   weight scales ``[N]`` (``[1]`` when ``tensor_scale``); out, then (``spec`` and split-K) the activation scales
   ``[m]``. ``k_per_split`` counts groups. ``gated`` (unsplit only): the program sums ``block_n`` gate columns and
@@ -229,36 +230,46 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
   else:
     # The row's amax over all of K (every program reads the whole row, a few KiB from L2), then its scale: the
     # chunks of a trip are loaded together and met element-wise, one block reduction at the end (:func:`amax_trips`).
+    # bfloat16 rows arrive as int32 words of two values (``pairs``) and are met as integers
+    # (quantize.bf16_magnitude_maxes).
     chunk = VALUES_PER_BYTE * bk
     per_trip, trips = amax_trips(k // chunk, m * chunk, config.num_warps)
+    if pairs:
+      width, meet, finish = chunk // 2, quantize.bf16_magnitude_maxes, quantize.bf16_amax
+      zeros = lambda: (jnp.zeros((width,), jnp.int32),) * 2  # noqa: E731
+    else:
+      width, finish = chunk, jnp.max
+      meet = lambda a, v: jnp.maximum(a, quantize.magnitude(v.astype(jnp.float32)))  # noqa: E731
+      zeros = lambda: jnp.zeros((width,), jnp.float32)  # noqa: E731
+    row_width = k * width // chunk  # x_ref's elements a row
 
-    def chunk_maxes(first_chunk, count, maxes):  # maxes[r]: [chunk] float32, element-wise |x| maxima of row r
+    def chunk_maxes(first_chunk, count, maxes):  # maxes[r]: row r's element-wise maxima so far
       for t in range(count):
-        start = (first_chunk + t) * chunk
-        values = [x_ref[pl.ds(r * k + start, chunk)].astype(jnp.float32) for r in range(m)]
-        maxes = tuple(jnp.maximum(a, quantize.magnitude(v)) for a, v in zip(maxes, values))
+        start = (first_chunk + t) * width
+        maxes = tuple(meet(a, x_ref[pl.ds(r * row_width + start, width)]) for r, a in enumerate(maxes))
       return maxes
 
-    maxes = tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(m))
+    maxes = tuple(zeros() for _ in range(m))
     looped = trips * per_trip if trips > 1 else 0  # one trip is no loop: its loads issue with the rest
     if looped:
       maxes = lax.fori_loop(0, trips, lambda i, a: chunk_maxes(i * per_trip, per_trip, a), maxes)
     maxes = chunk_maxes(looped, k // chunk - looped, maxes)  # the chunks past the loop, in straight-line code
-    amaxes = [jnp.max(a) for a in maxes]
-    params, scales = zip(*(quantize.code_scales(a, spec) for a in amaxes))
+    params, scales = zip(*(quantize.code_scales(finish(a), spec) for a in maxes))
 
   def x_words(r, start):
     # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight group i of the step: the four
     # activations that group's weights meet. Pre-quantized codes arrive as those words (little-endian int32 of
-    # four consecutive codes: one load); float rows are read in four strided loads (from L2) and quantized.
+    # four consecutive codes: one load); float rows are read in strided loads (from L2) and quantized: bfloat16
+    # as two words of two values a group, other floats value by value.
     if spec is None:
       return x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start, bk)]
-    words = jnp.zeros((bk,), jnp.int32)
-    for j in range(VALUES_PER_BYTE):
-      x = x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)]
-      x = quantize.encode(x.astype(jnp.float32), params[r], spec, native)
-      words = words | lax.shift_left(x.astype(jnp.int32) & BYTE_MASK, BYTE_BITS * j)
-    return words
+    if pairs:
+      halves = [quantize.bf16_halves(x_ref[pl.ds(r * (k // 2) + 2 * start + j, bk, stride=2)]) for j in range(2)]
+      xs = [value for pair in halves for value in pair]
+    else:
+      xs = [x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)].astype(jnp.float32)
+            for j in range(VALUES_PER_BYTE)]
+    return quantize.encode_words(xs, params[r], spec, native)
 
   def step(groups, start, accs):  # accs[tile][row]
     words = [x_words(r, start) for r in range(m)]  # once a step, whatever the tiles
@@ -315,10 +326,13 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
   sw = w_scale.astype(jnp.float32).reshape(-1)
   tensor_scale = sw.size == 1
   split = config.split_k
+  pairs = spec is not None and x.dtype == jnp.bfloat16
   if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
     words = lax.bitcast_convert_type(x.reshape(m, -1, VALUES_PER_BYTE), jnp.int32)  # a view: no copy
     operands = (words.reshape(-1), w, sx, sw)
+  elif pairs:  # bfloat16 rows as int32 words of two values (a view): integer amax, half the loads
+    operands = (lax.bitcast_convert_type(x.reshape(m, -1, 2), jnp.int32).reshape(-1), w, sw)
   else:
     operands = (x.reshape(-1), w, sw)
   width, config = quantize.gated_tiling(n, config, gated)
@@ -328,7 +342,8 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
     out_shape = (out_shape, out_struct((m,), jnp.float32, *operands))
   out = pl.pallas_call(
       functools.partial(_kernel, config=config, k=x.shape[1], k_per_split=k_groups // split, m=m, spec=spec,
-                        packed=packed, native=not interpret, tensor_scale=tensor_scale, gated=gated, half=width),
+                        packed=packed, native=not interpret, tensor_scale=tensor_scale, gated=gated, half=width,
+                        pairs=pairs),
       out_shape=out_shape,
       grid=(width // config.block_n, split),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

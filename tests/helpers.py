@@ -189,6 +189,33 @@ def tie_free_activations(key: jax.Array, m: int, k: int, spec) -> jax.Array:
   return jnp.asarray(np.where(ties, 0.0, x), jnp.bfloat16)
 
 
+def check_quantizing_gemvs_on_non_finite_rows(key: jax.Array, dtype, interpret: bool) -> None:
+  """Both quantizing dp4a GEMVs on four rows of 512 ``dtype`` activations, row 0 finite and rows 1-3 holding one
+  NaN, +inf and -inf: == ``quantize_rows_reference`` then the reference, bit for bit. Rows 1-3 must be NaN in every
+  output (their amax counts as inf, so the scale is inf and every code 0, the reference's too), row 0 finite."""
+  from jaxlowbit.inference.weights import BITNET_TOKENS, INT8_TOKENS
+  from jaxlowbit_numerics.ternary import pack_2bit
+  from pallas_kernels import dp4a_gemv, int8_gemv
+
+  n, k = 64, 512
+  kx, kw, kv = jax.random.split(key, 3)
+  x = tie_free_activations(kx, 4, k, BITNET_TOKENS)
+  columns = jax.random.randint(kv, (3,), 0, k)
+  for row, (col, value) in enumerate(zip(columns, (jnp.nan, jnp.inf, -jnp.inf)), start=1):
+    x = x.at[row, col].set(value)
+  x = x.astype(dtype)
+  wt = jax.random.randint(kw, (n, k), -1, 2, jnp.int32).astype(jnp.int8)
+  wq = jax.random.randint(kw, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  cases = ((dp4a_gemv.quantize_a8w2_gemv_kernel, int8_gemv.a8w2_matmul_reference, BITNET_TOKENS, pack_2bit(wt)),
+           (dp4a_gemv.quantize_a8w8_gemv_kernel, int8_gemv.a8w8_matmul_reference, INT8_TOKENS, wq))
+  for kernel, reference, spec, w in cases:
+    w_scale = jnp.float32(0.02)
+    got = np.asarray(kernel(x, w, w_scale, spec, jnp.float32, interpret=interpret))
+    want = np.asarray(reference(*quantize_rows_reference(x, spec), w, w_scale, jnp.float32))
+    assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all(), kernel.__name__
+    np.testing.assert_array_equal(got, want)
+
+
 def record_measured_quantizations(monkeypatch) -> list[bool]:
   """Patch ``pallas_kernels.dispatch.quantize_rows_and_cols_t`` to record, per trace of a call, whether the caller gave
   the operand's amaxes (``maxima``: a linear's measured output gradient, ``jaxlowbit.operand.MeasuredOutput``);

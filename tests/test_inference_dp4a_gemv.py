@@ -20,7 +20,7 @@ from jaxlowbit_numerics.formats import QuantSpec
 from jaxlowbit_numerics.ternary import pack_2bit
 from pallas_kernels import dp4a_gemv, inference_dispatch, int8_gemv, policy, w8a16
 from pallas_kernels.reference import quantize_rows_reference
-from helpers import H100, fresh_key, tie_free_activations
+from helpers import H100, check_quantizing_gemvs_on_non_finite_rows, fresh_key, tie_free_activations
 
 
 
@@ -261,17 +261,36 @@ def test_gated_gemv_needs_k_unsplit_and_the_dispatch_gates_after_a_split():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_quantizing_gemv_turns_a_non_finite_row_into_nan_only_there():
-  """A NaN in one row makes that row's amax inf (stats.absmax): its outputs are NaN, the other row's are exact."""
-  key = fresh_key()
-  x = tie_free_activations(key, 2, 512, BITNET_TOKENS).at[1, 7].set(jnp.nan)
-  _, _, w_packed, w_scale = _operands(jax.random.fold_in(key, 1), 2, 64, 512)
-  got = np.asarray(dp4a_gemv.quantize_a8w2_gemv_kernel(x, w_packed, w_scale, BITNET_TOKENS, jnp.float32,
-                                                       interpret=True))
-  want = np.asarray(int8_gemv.a8w2_matmul_reference(*quantize_rows_reference(x, BITNET_TOKENS), w_packed, w_scale,
-                                                    jnp.float32))
-  assert np.isnan(got[1]).all() and np.isnan(want[1]).all()
-  np.testing.assert_array_equal(got[0], want[0])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_quantizing_gemvs_turn_a_non_finite_row_into_nan_only_there(dtype):
+  """A NaN, +inf or -inf in a row makes that row's amax inf (stats.absmax): its outputs are NaN in both quantizing
+  kernels, as in the reference, and the finite row's are exact. bfloat16 rows take the kernels' integer amax (int32
+  words of two values), float32 ones the float pass."""
+  check_quantizing_gemvs_on_non_finite_rows(fresh_key(), dtype, interpret=True)
+
+
+def test_bf16_integer_amax_is_stats_absmax():
+  """quantize.bf16_magnitude_maxes / bf16_amax on int32 words of two bfloat16 values == stats.absmax (NaN as inf)
+  of the same values, over random rows salted with zeros of both signs, subnormals, the largest finite values,
+  infinities and NaNs of several payloads and signs."""
+  from jaxlowbit_numerics.stats import absmax
+  from pallas_kernels import quantize
+
+  specials = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81],
+                      np.uint16)
+  rng = np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**31 - 1)))
+  for _ in range(64):
+    floats = rng.standard_normal(256) * 2.0 ** rng.uniform(-135, 126, 256)  # every exponent, subnormals too
+    bits = np.asarray(jnp.asarray(floats, jnp.float32).astype(jnp.bfloat16)).view(np.uint16).copy()
+    salt = rng.integers(0, 4)  # 0..3 specials placed at random
+    bits[rng.integers(0, 256, salt)] = rng.choice(specials, salt)
+    values = jnp.asarray(bits.view(jnp.bfloat16))
+    words = jax.lax.bitcast_convert_type(values.reshape(-1, 2), jnp.int32)
+    zeros = (jnp.zeros((64,), jnp.int32),) * 2
+    maxes = quantize.bf16_magnitude_maxes(zeros, words[:64])
+    maxes = quantize.bf16_magnitude_maxes(maxes, words[64:])  # two chunks met element-wise, as the kernel does
+    want = absmax(values.astype(jnp.float32))
+    assert np.asarray(quantize.bf16_amax(maxes)) == np.asarray(want).reshape(()), bits
 
 
 @pytest.mark.parametrize("m", [1, 4])

@@ -19,7 +19,8 @@ from jaxlowbit.inference.weights import BITNET_TOKENS
 from jaxlowbit_numerics.ternary import pack_2bit
 from pallas_kernels import dp4a_gemv, int8_gemv, policy, w8a16
 from pallas_kernels.reference import quantize_rows_reference, scaled_matmul_reference
-from helpers import fresh_key, inference_kernel_table, rel_err, tie_free_activations
+from helpers import (check_quantizing_gemvs_on_non_finite_rows, fresh_key, inference_kernel_table, rel_err,
+                     tie_free_activations)
 
 pytestmark = pytest.mark.gpu
 
@@ -160,6 +161,14 @@ def test_quantizing_ternary_gemv_matches_the_reference_on_gpu(k, n, m):
   np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(want, np.float32))
   prequantized = dp4a_gemv.a8w2_gemv_kernel(xq, sx, w_packed, w_scale)
   np.testing.assert_array_equal(np.asarray(prequantized, np.float32), np.asarray(want, np.float32))
+
+
+@needs_sm80
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_quantizing_gemvs_turn_a_non_finite_row_into_nan_only_there_on_gpu(dtype):
+  """The GPU's encoding (a NaN converts to code 0, no clamp) and integer amax of bfloat16 rows: rows holding a NaN,
+  +inf or -inf come out NaN as in the reference, the finite row bit for bit, in both quantizing GEMVs."""
+  check_quantizing_gemvs_on_non_finite_rows(fresh_key(), dtype, interpret=False)
 
 
 @needs_sm80
