@@ -26,8 +26,10 @@ spread ``(max - min) / median`` exceeds 15% is marked ``unstable`` (issue 28: a 
    written in place). ``--profile-decode`` traces one more decode call per row with ``jax.profiler`` and splits
    its kernel time per generated token by ``benchmarks/profile_step.py``'s categories (``gemm_fwd``: the linears,
    GEMV kernels included; ``attention``; ``norm``; ``quantize``; ``copy``: the KV cache update and copies;
-   ``elementwise``: RoPE, sampling, residuals; ``idle``: launch gaps). XLA's CUDA graphs are off in such a run
-   (as in profile_step), so its decode times are those of kernels launched one by one.
+   ``elementwise``: RoPE, sampling, residuals; ``idle``: launch gaps), median of :data:`PROFILE_CALLS` traced
+   calls with the kernel time's min and max. The traced calls run the step compiled a second time without XLA's
+   CUDA graphs (``profile_step.GRAPHLESS``: a trace attributes kernels to HLO ops only then), launched kernel by
+   kernel; the timed runs, and so the row's tokens/s, keep the graphs, as everywhere else.
 
 Prints tables last, writes JSON to ``--out`` and, when matplotlib is importable, a plot next to it
 (``.png``).
@@ -46,8 +48,6 @@ import traceback
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "--profile-decode" in sys.argv:  # before jax starts: profile_step turns XLA's CUDA graphs off
-  import benchmarks.profile_step  # noqa: F401
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -72,6 +72,7 @@ UNSTABLE_SPREAD = 0.15
 MIN_RUN_S = 0.025
 ACTIVATION_BYTES = 2  # bf16 x in, bf16 y out
 TOP_DECODE_KERNELS = 15  # kept per profiled decode row
+PROFILE_CALLS = MIN_RUNS  # traced decode calls per profiled row (each a trace of its own)
 SMOKE = dict(shapes=["256,512", "512,256"], m=[1, 4], decode_config="tiny", decode_batches=[1, 2], long_context=64,
              new_tokens=9, prompt_len=8, iters=3, layers=2)
 # variant -> (scheme, forced backend or None for the default dispatch)
@@ -452,7 +453,9 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
                    spread=(max(samples) - min(samples)) / median, tokens_per_s=batch * 1e3 / median)
         row["unstable"] = row["spread"] > UNSTABLE_SPREAD
         if profile:
-          row.update(profile_decode(decode, decode_inputs(), batch, new_tokens - 1))
+          from benchmarks.profile_step import GRAPHLESS
+          graphless = lowered.compile(compiler_options=GRAPHLESS)
+          row.update(profile_decode(graphless, decode_inputs, batch, new_tokens - 1))
       except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -469,20 +472,32 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
   return rows
 
 
-def profile_decode(decode, inputs, batch: int, tokens: int) -> dict:
-  """Kernel microseconds per generated token by category (``benchmarks.profile_step``) from a trace of one
-  ``decode(*inputs)`` call that generates ``tokens`` tokens, and its top kernels."""
+def profile_decode(decode, make_inputs, batch: int, tokens: int, calls: int = PROFILE_CALLS) -> dict:
+  """Kernel microseconds per generated token by category (``benchmarks.profile_step``) and the top kernels of the
+  median of ``calls`` traced calls (by kernel time; one ``decode(*make_inputs())`` call of ``tokens`` tokens a
+  trace), with the kernel time's min, max and spread, and each call's idle time. ``decode``: compiled without CUDA graphs, so that the trace
+  names each kernel's HLO op; the time between its kernels (``idle``) is then the host's launching."""
   from benchmarks import profile_step
 
   hlo = decode.as_text()
-  kernels = profile_step.traced_kernels(lambda: jax.block_until_ready(decode(*inputs)))
-  split = profile_step.breakdown(kernels, profile_step.hlo_op_names(hlo), profile_step.hlo_output_shapes(hlo),
-                                 (batch,), tokens)
-  return {"profile_us_per_token": {c: 1e3 * ms for c, ms in split["ms_per_step"].items()},
-          "profile_kernel_us_per_token": 1e3 * split["kernel_ms_per_step"],
+  op_names, shapes = profile_step.hlo_op_names(hlo), profile_step.hlo_output_shapes(hlo)
+  splits = []
+  for _ in range(calls):
+    inputs = make_inputs()
+    kernels = profile_step.traced_kernels(lambda: jax.block_until_ready(decode(*inputs)))
+    splits.append(profile_step.breakdown(kernels, op_names, shapes, (batch,), tokens))
+  kernel_us = [1e3 * split["kernel_ms_per_step"] for split in splits]
+  median = splits[int(np.argsort(kernel_us)[len(splits) // 2])]
+  stats = sample_stats(kernel_us)
+  return {"profile_us_per_token": {c: 1e3 * ms for c, ms in median["ms_per_step"].items()},
+          "profile_kernel_us_per_token": stats["us"], "profile_kernel_us_min": stats["us_min"],
+          "profile_kernel_us_max": stats["us_max"], "profile_kernel_spread": stats["spread"],
+          "profile_unstable": stats["unstable"],
+          "profile_idle_us_per_token": [1e3 * split["ms_per_step"]["idle"] for split in splits],
+          "profile_calls": calls,
           "profile_top_kernels": [{"category": k["category"], "kernel": k["kernel"], "hlo": k["hlo"],
                                    "us_per_token": 1e3 * k["ms_per_step"]}
-                                  for k in split["top_kernels"][:TOP_DECODE_KERNELS]]}
+                                  for k in median["top_kernels"][:TOP_DECODE_KERNELS]]}
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -552,7 +567,7 @@ def main(argv=None):
                       help="the kernels of --sweep (default: all)")
   parser.add_argument("--decode-scan", action="store_true", help="decode with nn.scan over layers (default: unrolled)")
   parser.add_argument("--profile-decode", action="store_true",
-                      help="each decode row's kernel time per token by category (CUDA graphs off in this run)")
+                      help="each decode row's kernel time per token by category (traced calls without CUDA graphs)")
   parser.add_argument("--xla-decode-ops", action="store_true",
                       help="decode's norms and attention step by XLA, not pallas_kernels.decode (for A/B runs)")
   parser.add_argument("--early-launch", action=argparse.BooleanOptionalAction, default=None,
@@ -611,7 +626,7 @@ def main(argv=None):
   png = plot(linear_rows, os.path.splitext(path)[0] + ".png")
 
   failed = [r for r in linear_rows if "error" in r or r.get("ok") is False]
-  unstable = [r for r in linear_rows + decode_rows if r.get("unstable")]
+  unstable = [r for r in linear_rows + decode_rows if r.get("unstable") or r.get("profile_unstable")]
   print("\nweight memory of one linear (MiB):")
   print(table(memory, ["k", "n", "bf16", "w8a16", "w8a8", "ternary"]))
   if sweep_rows:
@@ -628,12 +643,14 @@ def main(argv=None):
                               "error"]))
   profiled = [{"scheme": r["scheme"], "kv_cache": r["kv_cache"], "batch": r["batch"], "context": r["context"],
                "ms_per_token": r["ms_per_token"], "kernels_us": r["profile_kernel_us_per_token"],
-               **r["profile_us_per_token"]} for r in decode_rows if "profile_us_per_token" in r]
+               "kernels_spread": r["profile_kernel_spread"], **r["profile_us_per_token"]}
+              for r in decode_rows if "profile_us_per_token" in r]
   if profiled:
     from benchmarks.profile_step import CATEGORIES
 
-    print("\ndecode kernel time per token by category (us, from one traced decode call; CUDA graphs off):")
-    print(table(profiled, ["scheme", "kv_cache", "batch", "context", "ms_per_token", "kernels_us",
+    print(f"\ndecode kernel time per token by category (us, median of {PROFILE_CALLS} traced calls of the step compiled"
+          " without CUDA graphs; idle: the host's launching; ms_per_token: the timed runs, graphs on):")
+    print(table(profiled, ["scheme", "kv_cache", "batch", "context", "ms_per_token", "kernels_us", "kernels_spread",
                            *(c for c in CATEGORIES if any(p[c] for p in profiled))]))
   if failed:
     print(f"\n{len(failed)} linear rows failed or disagreed with XLA:")

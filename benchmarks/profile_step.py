@@ -55,9 +55,12 @@ import time
 import traceback
 
 # XLA:GPU launches a module's kernels as CUDA graphs (command buffers); a trace then names the
-# graph, not the HLO op behind each kernel. Profiling turns them off (before jax starts), so
-# the step times here run without graphs; benchmarks/train_throughput.py times with them.
-if "--keep_command_buffers" not in sys.argv:
+# graph, not the HLO op behind each kernel. This tool turns them off for its whole run (before jax starts), so
+# the step times here run without graphs; benchmarks/train_throughput.py times with them. Another tool can compile
+# just the executable it traces without them: ``lowered.compile(compiler_options=GRAPHLESS)``
+# (benchmarks/inference.py --profile-decode), and time the one with graphs.
+GRAPHLESS = {"xla_gpu_enable_command_buffer": ""}
+if __name__ == "__main__" and "--keep_command_buffers" not in sys.argv:
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
 
 import jax  # noqa: E402
