@@ -72,8 +72,7 @@ class Dp4aGemvConfig:
   programs share a row block; Triton's ``num_warps`` and ``num_stages``. ``reduce_per_step`` sums each step's
   products across K at once (``[block_n]`` partial sums per row of x instead of ``[block_n, block_k]``): fewer
   registers for M > 1, one cross-lane reduction per step. ``split_rule``: how :func:`config_for` splits K for this
-  tiling (``w8a16.SplitRule``). ``prefetch``: each step's weights and x are loaded a step ahead (carried through
-  the loop), so that they are in flight while the step before computes; it holds a step's tiles more in registers."""
+  tiling (``w8a16.SplitRule``)."""
 
   block_n: int = 32
   block_k: int = 128
@@ -82,7 +81,6 @@ class Dp4aGemvConfig:
   num_stages: int = 3
   reduce_per_step: bool = False
   split_rule: SplitRule = SplitRule()
-  prefetch: bool = True
 
 
 # Split-K costs an XLA kernel after the GEMV (the partial sums' add and the epilogue). At M = 1 it pays only where
@@ -176,8 +174,7 @@ SPREAD, TOP_CODES, SPREAD_SHIFT = 0x40100401, -0x3F3F3F40, 6  # TOP_CODES: 0xC0C
 
 
 def spread_codes(packed: jax.Array) -> jax.Array:
-  """Packed bytes (int8, or the low byte of an int32) -> int32 whose byte j is 64 x the byte's weight j (signed),
-  for :func:`dp4a`."""
+  """int8 packed bytes -> int32 whose byte j is 64 x the byte's weight j (signed), for :func:`dp4a`."""
   return (packed.astype(jnp.int32) & BYTE_MASK) * SPREAD & TOP_CODES
 
 
@@ -218,27 +215,9 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
   tiles = quantize.gated_rows(cols, i_n, bn, half, gated)  # the weight rows it sums
   k0 = i_s * k_per_split
 
-  # The weight arrives as int32 words (a bitcast view): four packed bytes, so four groups, a word for ternary, one
-  # group (four int8 weights) for int8. Sub-group b of a step holds groups start + per_word * g + b, g < bw.
-  per_word = VALUES_PER_BYTE if packed else 1
-  bw = bk // per_word
-
-  def x_loads(r, start):
-    # What a step reads of row r of x, sub-group by sub-group: the codes of x[r, 4 i + j], j = 0..3, of group i
-    # arrive as one int32 word (little-endian, four consecutive codes); float rows are read in strided loads (from
-    # L2), bfloat16 as two words of two values a group, other floats value by value, and quantized by x_words.
-    if spec is None:
-      return tuple(x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start + b, bw, stride=per_word)] for b in range(per_word))
-    if pairs:
-      return tuple(x_ref[pl.ds(r * (k // 2) + 2 * (start + b) + j, bw, stride=2 * per_word)]
-                   for b in range(per_word) for j in range(2))
-    return tuple(x_ref[pl.ds(r * k + VALUES_PER_BYTE * (start + b) + j, bw, stride=VALUES_PER_BYTE * per_word)]
-                 for b in range(per_word) for j in range(VALUES_PER_BYTE))
-
-  def load(t):  # a step's reads: ([bn, bw] weight words a tile, x_loads a row)
-    start = k0 + t * bk
-    words = pl.ds(pl.multiple_of(start // per_word, bw), bw)
-    return tuple(w_ref[c, words] for c in tiles), tuple(x_loads(r, start) for r in range(m))
+  def load(t):
+    start = pl.multiple_of(k0 + t * bk, bk)
+    return tuple(w_ref[c, pl.ds(start, bk)] for c in tiles), start  # [bn, bk] groups a tile
 
   # The first step's weights, issued before the amax pass so they are in flight meanwhile. Two or three steps
   # issued there were slower at M = 1 on one H200, 64 amax values a thread (the registers they hold): 4096 x 14336
@@ -277,46 +256,40 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
     maxes = chunk_maxes(looped, k // chunk - looped, maxes)  # the chunks past the loop, in straight-line code
     params, scales = zip(*(quantize.code_scales(finish(a), spec) for a in maxes))
 
-  def x_words(r, loaded):
-    # Row r's codes for the step, a [bw] int32 array per sub-group b: byte j of its word g the code of x[r, 4 i + j]
-    # for group i = start + per_word * g + b, the four activations that group's weights meet.
+  def x_words(r, start):
+    # The codes of x[r, 4 i + j], j = 0..3, as byte j of one int32 per weight group i of the step: the four
+    # activations that group's weights meet. Pre-quantized codes arrive as those words (little-endian int32 of
+    # four consecutive codes: one load); float rows are read in strided loads (from L2) and quantized: bfloat16
+    # as two words of two values a group, other floats value by value.
     if spec is None:
-      return loaded
-    per_group = len(loaded) // per_word
-    words = []
-    for b in range(per_word):
-      part = loaded[b * per_group:(b + 1) * per_group]
-      xs = ([value for pair in part for value in quantize.bf16_halves(pair)] if pairs
-            else [values.astype(jnp.float32) for values in part])
-      words.append(quantize.encode_words(xs, params[r], spec, native))
-    return words
+      return x_ref[pl.ds(r * (k // VALUES_PER_BYTE) + start, bk)]
+    if pairs:
+      halves = [quantize.bf16_halves(x_ref[pl.ds(r * (k // 2) + 2 * start + j, bk, stride=2)]) for j in range(2)]
+      xs = [value for pair in halves for value in pair]
+    else:
+      xs = [x_ref[pl.ds(r * k + VALUES_PER_BYTE * start + j, bk, stride=VALUES_PER_BYTE)].astype(jnp.float32)
+            for j in range(VALUES_PER_BYTE)]
+    return quantize.encode_words(xs, params[r], spec, native)
 
-  def step(tiles_words, loaded, accs):  # accs[tile][row]
-    x = [x_words(r, row) for r, row in enumerate(loaded)]  # once a step, whatever the tiles
+  def step(groups, start, accs):  # accs[tile][row]
+    words = [x_words(r, start) for r in range(m)]  # once a step, whatever the tiles
     new = []
-    for p, tile_accs in zip(tiles_words, accs):
+    for p, tile_accs in zip(groups, accs):
+      # [bn, bk] int32, byte j of each = weight j of the group (64 x it, for a packed byte)
+      weights = spread_codes(p) if packed else p
       row_accs = []
       for r in range(m):
-        acc = jnp.zeros((bn, bw), jnp.int32) if config.reduce_per_step else tile_accs[r]
-        for b in range(per_word):
-          # [bn, bw] int32, byte j of each = weight j of group per_word * g + b (64 x it, for a packed byte)
-          weights = spread_codes(lax.shift_right_logical(p, BYTE_BITS * b)) if packed else p
-          acc = dp4a(weights, jnp.broadcast_to(x[r][b][None, :], weights.shape), acc, native)
-        row_accs.append(tile_accs[r] + jnp.sum(acc, axis=1) if config.reduce_per_step else acc)
+        xw = jnp.broadcast_to(words[r][None, :], weights.shape)
+        if config.reduce_per_step:
+          row_accs.append(tile_accs[r] + jnp.sum(dp4a(weights, xw, jnp.zeros_like(weights), native), axis=1))
+        else:
+          row_accs.append(dp4a(weights, xw, tile_accs[r], native))
       new.append(tuple(row_accs))
     return tuple(new)
 
-  acc_shape = (bn,) if config.reduce_per_step else (bn, bw)
-  steps = k_per_split // bk
-  zeros = tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles)
-  if config.prefetch and steps > 1:  # each step's reads issued a step ahead, carried through the loop
-    ahead = load(1)
-    accs = step(*first, zeros)
-    ahead, accs = lax.fori_loop(1, steps - 1, lambda t, carry: (load(t + 1), step(*carry[0], carry[1])),
-                                (ahead, accs))
-    accs = step(*ahead, accs)
-  else:
-    accs = lax.fori_loop(1, steps, lambda t, accs: step(*load(t), accs), step(*first, zeros))
+  acc_shape = (bn,) if config.reduce_per_step else (bn, bk)
+  accs = step(*first, tuple(tuple(jnp.zeros(acc_shape, jnp.int32) for _ in range(m)) for _ in tiles))
+  accs = lax.fori_loop(1, k_per_split // bk, lambda t, accs: step(*load(t), accs), accs)
   for r in range(m):
     totals = []
     for tile_accs in accs:
@@ -345,10 +318,9 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
   copy). ``gated`` (unsplit tilings): ``[M, N / 2]``, ``act(gate) * up`` of the output's halves; a program takes
   half of ``config.block_n`` columns of each half, so it streams as many weight rows as without."""
   m = x.shape[0]
-  k_groups = w.shape[1] if packed else w.shape[1] // VALUES_PER_BYTE
-  # int32 words of four bytes (a view): four packed bytes of ternary weights, or one group of four int8 weights.
-  w = lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
-  n = w.shape[0]
+  if not packed:
+    w = lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
+  n, k_groups = w.shape
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
   # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
   sw = w_scale.astype(jnp.float32).reshape(-1)
