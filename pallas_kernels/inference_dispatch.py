@@ -25,7 +25,7 @@ w8a8          ``dp4a_gemv`` (int8 words, quantizer         Hopper wgmma (``dispa
               above (it ties the A8W8 kernel)
 ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
               weights unpacked in registers), M <= 32;
-              ``dp4a_gemv`` (quantizer inside, dp4a) at M <= 2
+              ``dp4a_gemv`` (quantizer inside, dp4a) at M <= 3
               (``policy.TERNARY_GEMV_MAX_M``)
 ============  ===========================================  ==========================================
 

@@ -93,13 +93,13 @@ def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
-  """M = 1..2 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 2); M = 3 and a weight it cannot
+  """M = 1..3 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 3); M = 4 and a weight it cannot
   tile do not, and 0 turns it off; int8 weights follow policy.W8A8_GEMV_MAX_M."""
-  assert policy.TERNARY_GEMV_MAX_M == 2
+  assert policy.TERNARY_GEMV_MAX_M == 3
   assert inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096)
   assert inference_dispatch.dp4a_gemv_wanted(1, 4096, 14336)
-  assert inference_dispatch.dp4a_gemv_wanted(2, 4096, 14336)
-  assert not inference_dispatch.dp4a_gemv_wanted(3, 14336, 4096)
+  assert inference_dispatch.dp4a_gemv_wanted(3, 4096, 14336)
+  assert not inference_dispatch.dp4a_gemv_wanted(4, 14336, 4096)
   assert not inference_dispatch.dp4a_gemv_wanted(1, 12, 4096)
   monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 0)
   assert not inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096)
@@ -172,6 +172,37 @@ def test_quantizing_gemv_interpret_is_bit_identical_to_quantize_then_reference(m
     want = int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, out_dtype)
     assert got.dtype == want.dtype and got.shape == (m, n)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_gemv_loop_is_bit_identical_over_several_steps(steps):
+  """K in ``steps`` loop steps of 16 groups (unsplit and split in two; the other cases here take one step): the
+  codes and quantizing kernels, ternary and int8, == their references bit for bit. Quantizing: bfloat16 rows
+  (integer amax, words of two values) and float32 rows."""
+  from jaxlowbit.inference.weights import INT8_TOKENS
+
+  key = fresh_key()
+  m, n = 2, 16
+  for split in (1, 2):
+    k = 4 * 16 * steps * split  # four values a group
+    config = dp4a_gemv.Dp4aGemvConfig(block_n=8, block_k=16, split_k=split, num_warps=4)
+    xq, x_scale, w_packed, w_scale = _operands(jax.random.fold_in(key, split), m, n, k)
+    wq, channel = _int8_weight(jax.random.fold_in(key, 10 + split), n, k)
+    np.testing.assert_array_equal(
+        np.asarray(dp4a_gemv.a8w2_gemv_kernel(xq, x_scale, w_packed, w_scale, jnp.float32, config=config,
+                                              interpret=True)),
+        np.asarray(int8_gemv.a8w2_matmul_reference(xq, x_scale, w_packed, w_scale, jnp.float32)))
+    np.testing.assert_array_equal(
+        np.asarray(dp4a_gemv.a8w8_gemv_kernel(xq, x_scale, wq, channel, jnp.float32, config=config, interpret=True)),
+        np.asarray(int8_gemv.a8w8_matmul_reference(xq, x_scale, wq, channel, jnp.float32)))
+    x = tie_free_activations(jax.random.fold_in(key, 20 + split), m, k, BITNET_TOKENS)
+    for dtype in (jnp.bfloat16, jnp.float32):
+      for kernel, reference, spec, w, scale in (
+          (dp4a_gemv.quantize_a8w2_gemv_kernel, int8_gemv.a8w2_matmul_reference, BITNET_TOKENS, w_packed, w_scale),
+          (dp4a_gemv.quantize_a8w8_gemv_kernel, int8_gemv.a8w8_matmul_reference, INT8_TOKENS, wq, channel)):
+        got = kernel(x.astype(dtype), w, scale, spec, jnp.float32, config=config, interpret=True)
+        want = reference(*quantize_rows_reference(x.astype(dtype), spec), w, scale, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{kernel.__name__} {dtype}")
 
 
 def test_amax_trips_visit_every_chunk_once():
