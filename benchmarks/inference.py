@@ -475,8 +475,9 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
 def profile_decode(decode, make_inputs, batch: int, tokens: int, calls: int = PROFILE_CALLS) -> dict:
   """Kernel microseconds per generated token by category (``benchmarks.profile_step``) and the top kernels of the
   median of ``calls`` traced calls (by kernel time; one ``decode(*make_inputs())`` call of ``tokens`` tokens a
-  trace), with the kernel time's min, max and spread, and each call's idle time. ``decode``: compiled without CUDA graphs, so that the trace
-  names each kernel's HLO op; the time between its kernels (``idle``) is then the host's launching."""
+  trace), with the kernel time's min, max and spread, and each call's idle time. ``decode``: compiled without CUDA
+  graphs, so that the trace names each kernel's HLO op; the time between its kernels (``idle``) is then the host's
+  launching."""
   from benchmarks import profile_step
 
   hlo = decode.as_text()
