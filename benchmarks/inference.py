@@ -23,11 +23,12 @@ spread ``(max - min) / median`` exceeds 15% is marked ``unstable`` (issue 28: a 
    ``--long-context`` cache (2048 tokens, prompt filling all but ``--new-tokens``) with the bf16 and the
    int8 KV cache. Each decode row also counts the cache-sized buffers the compiled step writes besides the
    cache (``train.kv_cache.cache_copies``: copies, transposes, a dequantized int8 cache; 0 = read where it lies,
-   written in place). ``--profile-decode`` traces one more decode call per row with ``jax.profiler`` and splits
-   its kernel time per generated token by ``benchmarks/profile_step.py``'s categories (``gemm_fwd``: the linears,
-   GEMV kernels included; ``attention``; ``norm``; ``quantize``; ``copy``: the KV cache update and copies;
-   ``elementwise``: RoPE, sampling, residuals; ``idle``: launch gaps), median of :data:`PROFILE_CALLS` traced
-   calls with the kernel time's min and max. The traced calls run the step compiled a second time without XLA's
+   written in place). ``--profile-decode`` traces :data:`PROFILE_CALLS` more decode calls per row with
+   ``jax.profiler`` and splits their kernel time per generated token by ``benchmarks/profile_step.py``'s
+   categories (``gemm_fwd``: the linears, GEMV kernels included; ``attention``; ``norm``; ``quantize``;
+   ``copy``: the KV cache update and copies;
+   ``elementwise``: RoPE, sampling, residuals; ``idle``: launch gaps): the median call's, with the kernel
+   time's min and max over the calls. The traced calls run the step compiled a second time without XLA's
    CUDA graphs (``profile_step.GRAPHLESS``: a trace attributes kernels to HLO ops only then), launched kernel by
    kernel; the timed runs, and so the row's tokens/s, keep the graphs, as everywhere else.
 
@@ -72,7 +73,7 @@ UNSTABLE_SPREAD = 0.15
 MIN_RUN_S = 0.025
 ACTIVATION_BYTES = 2  # bf16 x in, bf16 y out
 TOP_DECODE_KERNELS = 15  # kept per profiled decode row
-PROFILE_CALLS = MIN_RUNS  # traced decode calls per profiled row (each a trace of its own)
+PROFILE_CALLS = MIN_RUNS  # traced decode calls per profiled row (each a trace of its own; odd: one is the median)
 SMOKE = dict(shapes=["256,512", "512,256"], m=[1, 4], decode_config="tiny", decode_batches=[1, 2], long_context=64,
              new_tokens=9, prompt_len=8, iters=3, layers=2)
 # variant -> (scheme, forced backend or None for the default dispatch)
@@ -480,8 +481,11 @@ def profile_decode(decode, make_inputs, batch: int, tokens: int, calls: int = PR
   launching."""
   from benchmarks import profile_step
 
+  if calls % 2 == 0:
+    raise ValueError(f"profile_decode: calls must be odd (the median call's profile is kept), got {calls}")
   hlo = decode.as_text()
   op_names, shapes = profile_step.hlo_op_names(hlo), profile_step.hlo_output_shapes(hlo)
+  jax.block_until_ready(decode(*make_inputs()))  # untraced: the first call's launches pay for loading the kernels
   splits = []
   for _ in range(calls):
     inputs = make_inputs()

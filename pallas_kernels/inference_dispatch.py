@@ -25,8 +25,8 @@ w8a8          ``dp4a_gemv`` (int8 words, quantizer         Hopper wgmma (``dispa
               above (it ties the A8W8 kernel)
 ternary       ``pallas_kernels.int8_gemv`` A8W2 (2-bit     unpack to int8 ``[N, K]`` once, then as w8a8
               weights unpacked in registers), M <= 32;
-              ``dp4a_gemv`` (quantizer inside, dp4a) at M <= 3
-              (``policy.TERNARY_GEMV_MAX_M``)
+              ``dp4a_gemv`` (quantizer inside, dp4a) at M <= 3,
+              on a norm's codes at M <= 2 (``policy``)
 ============  ===========================================  ==========================================
 
 Everywhere else (CPU, GPUs older than sm80, shapes a kernel does not tile) the XLA
@@ -126,11 +126,15 @@ def w8a8_matmul(xq, x_scale, wq, w_scale, out_dtype=jnp.bfloat16, options: Dispa
 
 def dp4a_gemv_wanted(m: int, n: int, k: int, codes: bool = False, packed: bool = True) -> bool:
   """Whether the CUDA-core dp4a GEMV (``pallas_kernels.dp4a_gemv``) should take ``[M, K] x`` an ``[N, K]`` weight
-  (``packed``: ternary, else int8; ``codes``: x as int8 codes): M up to ``policy.TERNARY_GEMV_MAX_M`` or
-  ``policy.W8A8_GEMV_MAX_M`` (0: off, see there) and a weight it tiles."""
+  (``packed``: ternary, else int8; ``codes``: x as int8 codes): M up to ``policy.TERNARY_GEMV_MAX_M`` (ternary
+  codes: ``policy.TERNARY_CODES_GEMV_MAX_M``) or ``policy.W8A8_GEMV_MAX_M`` (0: off, see there) and a weight it
+  tiles."""
   from pallas_kernels import dp4a_gemv
 
-  max_m = policy.TERNARY_GEMV_MAX_M if packed else policy.W8A8_GEMV_MAX_M
+  if packed:
+    max_m = policy.TERNARY_CODES_GEMV_MAX_M if codes else policy.TERNARY_GEMV_MAX_M
+  else:
+    max_m = policy.W8A8_GEMV_MAX_M
   groups = k // VALUES_PER_BYTE
   return m <= max_m and dp4a_gemv.supports(m, n, groups, dp4a_gemv.config_for(n, groups, m=m, codes=codes,
                                                                                 packed=packed))

@@ -99,9 +99,12 @@ TERNARY_KERNEL_MAX_M = 32
 # with cvt.pack and takes bf16 amaxes on integers (9303ebe), M = 3 goes to it as well. One H200, device time, the
 # GEMV forced against the default path (benchmarks/results/dp4a_quantizing_tilings_h200_92dcd8b.json): at M = 3 it
 # was faster on five of six 1B / 8B shapes (4096 x 4096 6.2 us against 8.3, 4096 x 14336 14.4 / 15.2, the 1B down
-# 8192 x 2048 7.1 / 8.9) and slower on 14336 x 4096 (16.7 / 15.5); at M = 4 it lost on both 8B MLP shapes (17.7 /
-# 15.4, 20.0 / 15.7).
+# 8192 x 2048 7.1 / 8.9) and slower on 14336 x 4096 (16.7 / 15.5); at M = 4 it lost on both 8B MLP shapes (17.6 /
+# 15.4, 20.0 / 15.7). That was float x, quantized inside. On codes (a decode norm's, every M of ternary decode) the
+# encoding does not apply, and at M = 3 the A8W2 kernel was faster on the wide shapes (4096 x 14336 12.0 against
+# 14.6 us, ternary_m3_w8a8_h200_1055fe9.json): codes keep M <= 2.
 TERNARY_GEMV_MAX_M = 3
+TERNARY_CODES_GEMV_MAX_M = 2
 # High-precision one-row dots (jaxlowbit.matmul; bf16 decode at batch 1): XLA on GPU strength-reduces a dot with
 # one row whose operands hold fewer than 10M elements into multiply + reduce, which read the bf16 weight at
 # 0.6-1.3 TB/s on an H100 against its GEMM's 2.2-2.8. Given a second (zero) row the dot stays a GEMM: 2048 x 3072

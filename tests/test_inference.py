@@ -143,7 +143,7 @@ def test_kernels_lower_for_cuda(m):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("m", [1, 4, 16, 48, 256])
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 48, 256])
 def test_dispatch_takes_the_kernels_where_the_table_says_lowered_for_cuda(m, monkeypatch):
   """tests/test_inference_gpu.py's dispatch table on CPU: the device faked as an H100 (sm90), each
   scheme's linear lowered for CUDA, the lowered program names the kernel exactly where the policy's

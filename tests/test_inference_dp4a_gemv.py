@@ -93,13 +93,16 @@ def test_gemv_refuses_more_rows_than_it_keeps_sums_for():
 
 
 def test_dispatch_takes_the_gemv_exactly_where_the_policy_says(monkeypatch):
-  """M = 1..3 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 3); M = 4 and a weight it cannot
-  tile do not, and 0 turns it off; int8 weights follow policy.W8A8_GEMV_MAX_M."""
-  assert policy.TERNARY_GEMV_MAX_M == 3
+  """Float rows at M = 1..3 on the Llama shapes go to the GEMV (policy.TERNARY_GEMV_MAX_M = 3), a norm's codes at
+  M = 1..2 (policy.TERNARY_CODES_GEMV_MAX_M = 2); M = 4 (codes: 3) and a weight it cannot tile do not, and 0 turns
+  it off; int8 weights follow policy.W8A8_GEMV_MAX_M."""
+  assert (policy.TERNARY_GEMV_MAX_M, policy.TERNARY_CODES_GEMV_MAX_M) == (3, 2)
   assert inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096)
   assert inference_dispatch.dp4a_gemv_wanted(1, 4096, 14336)
   assert inference_dispatch.dp4a_gemv_wanted(3, 4096, 14336)
   assert not inference_dispatch.dp4a_gemv_wanted(4, 14336, 4096)
+  assert inference_dispatch.dp4a_gemv_wanted(2, 4096, 14336, codes=True)
+  assert not inference_dispatch.dp4a_gemv_wanted(3, 4096, 14336, codes=True)
   assert not inference_dispatch.dp4a_gemv_wanted(1, 12, 4096)
   monkeypatch.setattr(policy, "TERNARY_GEMV_MAX_M", 0)
   assert not inference_dispatch.dp4a_gemv_wanted(1, 14336, 4096)

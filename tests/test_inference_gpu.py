@@ -67,7 +67,7 @@ def test_int8_activation_kernels_bit_exact_on_gpu(m, k, n):
 
 
 @needs_sm80
-@pytest.mark.parametrize("m", [1, 4, 16, 48, 256])
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 48, 256])
 def test_dispatch_takes_the_kernels_where_the_table_says(m):
 
   for scheme, name, takes in inference_kernel_table(m):
