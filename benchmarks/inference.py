@@ -454,9 +454,7 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
                    spread=(max(samples) - min(samples)) / median, tokens_per_s=batch * 1e3 / median)
         row["unstable"] = row["spread"] > UNSTABLE_SPREAD
         if profile:
-          from benchmarks.profile_step import GRAPHLESS
-          graphless = lowered.compile(compiler_options=GRAPHLESS)
-          row.update(profile_decode(graphless, decode_inputs, batch, new_tokens - 1))
+          row.update(profile_decode(lowered, decode_inputs, batch, new_tokens - 1))
       except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -473,16 +471,17 @@ def bench_decode(config_files, schemes, batches, prompt_len: int, new_tokens: in
   return rows
 
 
-def profile_decode(decode, make_inputs, batch: int, tokens: int, calls: int = PROFILE_CALLS) -> dict:
+def profile_decode(lowered, make_inputs, batch: int, tokens: int, calls: int = PROFILE_CALLS) -> dict:
   """Kernel microseconds per generated token by category (``benchmarks.profile_step``) and the top kernels of the
   median of ``calls`` traced calls (by kernel time; one ``decode(*make_inputs())`` call of ``tokens`` tokens a
-  trace), with the kernel time's min, max and spread, and each call's idle time. ``decode``: compiled without CUDA
-  graphs, so that the trace names each kernel's HLO op; the time between its kernels (``idle``) is then the host's
-  launching."""
+  trace), with the kernel time's min, max and spread, and each call's idle time. The ``lowered`` step is compiled
+  here again without CUDA graphs (``profile_step.GRAPHLESS``), so that the trace names each kernel's HLO op; the
+  time between its kernels (``idle``) is then the host's launching."""
   from benchmarks import profile_step
 
   if calls % 2 == 0:
     raise ValueError(f"profile_decode: calls must be odd (the median call's profile is kept), got {calls}")
+  decode = lowered.compile(compiler_options=profile_step.GRAPHLESS)
   hlo = decode.as_text()
   op_names, shapes = profile_step.hlo_op_names(hlo), profile_step.hlo_output_shapes(hlo)
   jax.block_until_ready(decode(*make_inputs()))  # untraced: the first call's launches pay for loading the kernels

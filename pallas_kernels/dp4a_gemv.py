@@ -310,6 +310,12 @@ def _kernel(*refs, config: Dp4aGemvConfig, k: int, k_per_split: int, m: int, spe
         scale_out[0][r] = scales[r]
 
 
+def _int32_words(a: jax.Array, per_word: int) -> jax.Array:
+  """``[R, C]`` -> ``[R, C / per_word]`` int32 words of ``per_word`` consecutive elements (little-endian; a bitcast
+  view, no copy)."""
+  return lax.bitcast_convert_type(a.reshape(a.shape[0], -1, per_word), jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "spec", "packed", "interpret", "gated"))
 def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: QuantSpec | None, packed: bool,
           interpret: bool, gated: str | None = None):
@@ -319,7 +325,7 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
   half of ``config.block_n`` columns of each half, so it streams as many weight rows as without."""
   m = x.shape[0]
   if not packed:
-    w = lax.bitcast_convert_type(w.reshape(w.shape[0], -1, VALUES_PER_BYTE), jnp.int32)
+    w = _int32_words(w, VALUES_PER_BYTE)
   n, k_groups = w.shape
   # One scale per tensor (BitNet's absmean) stays one element: broadcast to [N] it would be a kernel of its own
   # on every decode step (XLA does not hoist a broadcast out of the decode loop; 2-3 us a linear on an H100).
@@ -329,10 +335,9 @@ def _call(x, x_scale, w, w_scale, *, out_dtype, config: Dp4aGemvConfig, spec: Qu
   pairs = spec is not None and x.dtype == jnp.bfloat16
   if spec is None:
     sx = jnp.broadcast_to(x_scale.astype(jnp.float32).reshape(-1), (m,))
-    words = lax.bitcast_convert_type(x.reshape(m, -1, VALUES_PER_BYTE), jnp.int32)  # a view: no copy
-    operands = (words.reshape(-1), w, sx, sw)
-  elif pairs:  # bfloat16 rows as int32 words of two values (a view): integer amax, half the loads
-    operands = (lax.bitcast_convert_type(x.reshape(m, -1, 2), jnp.int32).reshape(-1), w, sw)
+    operands = (_int32_words(x, VALUES_PER_BYTE).reshape(-1), w, sx, sw)
+  elif pairs:  # bfloat16 rows as int32 words of two values: integer amax, half the loads
+    operands = (_int32_words(x, 2).reshape(-1), w, sw)
   else:
     operands = (x.reshape(-1), w, sw)
   width, config = quantize.gated_tiling(n, config, gated)
